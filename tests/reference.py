@@ -1,0 +1,92 @@
+"""Plain per-sample Python loops: the readable specification the vectorized code is checked
+against (and the released code's style, timed by bench/macro_overhead.py)."""
+import torch
+
+
+def pad_right(rows, pad=0, dtype=torch.long):
+    """List of lists -> ([B, T] tensor right-padded with `pad`, [B, T] mask)."""
+    T = max([len(r) for r in rows] + [1])
+    x = torch.full((len(rows), T), pad, dtype=dtype)
+    mask = torch.zeros(len(rows), T, dtype=torch.long)
+    for i, r in enumerate(rows):
+        x[i, : len(r)] = torch.as_tensor(r, dtype=dtype)
+        mask[i, : len(r)] = 1
+    return x, mask
+
+
+def token_gae(values, rewards, length, gamma, lam):
+    """Token-level GAE of one response (1-D float32 tensors), one time step at a time."""
+    adv, last = torch.zeros(length), torch.tensor(0.0)
+    for t in reversed(range(length)):
+        next_value = values[t + 1] if t + 1 < length else torch.tensor(0.0)
+        delta = rewards[t] + gamma * next_value - values[t]
+        last = delta + gamma * lam * last
+        adv[t] = last
+    return adv, adv + values[:length]
+
+
+def macro_lengths(starts_row, length):
+    """Lengths of the macro actions of one response from its starts."""
+    begin = [t for t in range(length) if starts_row[t]]
+    return [b - a for a, b in zip(begin, begin[1:] + [length])]
+
+
+def sigma_loop(n, kind):
+    """Sigma weights of one macro action of n tokens, written from App. D.1."""
+    if kind == "equal":
+        return [1.0 / n] * n
+    if kind == "unit":
+        return [0.0] * (n - 1) + [1.0]
+    if kind == "first":
+        return [1.0] + [0.0] * (n - 1)
+    H = sum(1.0 / (n - i) for i in range(n))
+    return [1.0 / ((n - i) * H) for i in range(n)]
+
+
+def macro_gae_loop(values, rewards, mask, starts, gamma=1.0, lam=0.95, sigma="equal", reward_agg="sum"):
+    """Macro-level GAE, one sample and one macro action at a time (batched tensors in and out)."""
+    B, T = values.shape
+    adv_out, ret_out = torch.zeros(B, T), torch.zeros(B, T)
+    for b in range(B):
+        length = int(mask[b].sum())
+        lens = macro_lengths(starts[b].tolist(), length)
+        V, R, begin = [], [], 0
+        for n in lens:
+            w = sigma_loop(n, sigma)
+            V.append(sum(w[i] * float(values[b, begin + i]) for i in range(n)))
+            r = sum(float(rewards[b, begin + i]) for i in range(n))
+            R.append(r / n if reward_agg == "mean" else r)
+            begin += n
+        A, last = [0.0] * len(lens), 0.0
+        for k in reversed(range(len(lens))):
+            next_v = V[k + 1] if k + 1 < len(lens) else 0.0
+            last = R[k] + gamma * next_v - V[k] + gamma * lam * last
+            A[k] = last
+        begin = 0
+        for k, n in enumerate(lens):
+            adv_out[b, begin:begin + n] = A[k]
+            ret_out[b, begin:begin + n] = A[k] + V[k]
+            begin += n
+    return adv_out, ret_out
+
+
+def fixed_ngram_loop(mask, n):
+    starts = torch.zeros(mask.shape, dtype=torch.bool)
+    for b in range(mask.shape[0]):
+        for t in range(int(mask[b].sum())):
+            starts[b, t] = t % n == 0
+    return starts
+
+
+def perplexity_loop(logprobs, mask):
+    """§3.2.1 one sample at a time, tensor element by element (the released code's style)."""
+    starts = torch.zeros(mask.shape, dtype=torch.bool)
+    for b in range(mask.shape[0]):
+        total, count = 0.0, 0
+        for t in range(int(mask[b].sum())):
+            nll = -logprobs[b, t]
+            if count == 0 or nll > total / count:
+                starts[b, t], total, count = True, nll, 1
+            else:
+                total, count = total + nll, count + 1
+    return starts
