@@ -1,8 +1,60 @@
-"""Stage 1: supervised fine-tuning (placeholder header, completed in the SFT issue)."""
+"""Stage 1: supervised fine-tuning (SFT) on the demonstrations (`chosen`) of the SFT split.
+
+    python sft.py                                   # tiny Gemma + BPE tokenizer on chitchat, ~3 min CPU
+    accelerate launch sft.py --task tldr --model google/gemma-2b --bf16 --gradient_checkpointing \
+        --max_steps 0 --epochs 1 --lr 2e-5 --batch_size 8
+
+The loss is next-token cross-entropy on response tokens only (prompt and padding masked with
+-100), with a cosine schedule and warmup. The result is a `save_pretrained` folder (model +
+tokenizer) that reward_model.py and ppo.py start from; `<output_dir>.checkpoint` holds the state
+to `--resume` from (written atomically every `--save_every` steps and on Ctrl-C).
+"""
+import math
+import os
+import random
+import shutil
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+
+import torch
 from transformers import PreTrainedTokenizerFast
+
+import data
 
 SPECIAL_TOKENS = {"pad_token": "<pad>", "eos_token": "<eos>", "bos_token": "<bos>", "unk_token": "<unk>"}
 
+
+@dataclass
+class SFTArgs:
+    task: str = field(default="chitchat", metadata={"help": "chitchat, tldr, tldr_carper, hh, webgpt, or a local json/jsonl/parquet file"})
+    model: str = field(default="tiny", metadata={"help": "'tiny' builds a small Gemma + BPE tokenizer offline; otherwise an HF model id or local path"})
+    output_dir: str = field(default="runs/chitchat/sft", metadata={"help": "where the final model + tokenizer are saved"})
+    max_prompt_len: int = field(default=48, metadata={"help": "prompt tokens kept (truncated from the left)"})
+    max_response_len: int = field(default=32, metadata={"help": "response tokens kept, EOS included"})
+    batch_size: int = field(default=32, metadata={"help": "examples per process per micro-step"})
+    grad_accum: int = field(default=1, metadata={"help": "micro-steps per optimizer step"})
+    lr: float = field(default=2e-3, metadata={"help": "peak learning rate (the tiny model trains from scratch; ~1e-5 for Gemma-2B)"})
+    warmup_ratio: float = field(default=0.05, metadata={"help": "fraction of the steps spent warming up, then cosine decay"})
+    weight_decay: float = field(default=0.0, metadata={"help": "AdamW weight decay"})
+    max_steps: int = field(default=400, metadata={"help": "optimizer steps; 0 = `epochs` passes over the SFT split"})
+    epochs: float = field(default=1.0, metadata={"help": "passes over the SFT split when max_steps is 0"})
+    eval_every: int = field(default=100, metadata={"help": "held-out loss / perplexity every k steps"})
+    save_every: int = field(default=200, metadata={"help": "resumable checkpoint every k steps"})
+    n_eval: int = field(default=512, metadata={"help": "held-out examples for loss / perplexity"})
+    vocab_size: int = field(default=2048, metadata={"help": "tiny model: BPE vocabulary size"})
+    hidden_size: int = field(default=128, metadata={"help": "tiny model: hidden size"})
+    num_layers: int = field(default=4, metadata={"help": "tiny model: transformer layers"})
+    bf16: bool = field(default=False, metadata={"help": "bf16 mixed precision (GPUs)"})
+    gradient_checkpointing: bool = field(default=False, metadata={"help": "recompute activations to save memory (GPUs)"})
+    skip_bad_rows: bool = field(default=False, metadata={"help": "drop malformed dataset rows (and report how many) instead of stopping"})
+    seed: int = field(default=1234, metadata={"help": "random seed (data split seed is fixed at 1234)"})
+    resume: bool = field(default=False, metadata={"help": "continue from <output_dir>.checkpoint"})
+
+
+# ---------------------------------------------------------------------------------------------
+# The tiny default model and its tokenizer (DESIGN §5)
+# ---------------------------------------------------------------------------------------------
 
 def train_tokenizer(texts, vocab_size=2000):
     """A byte-level BPE tokenizer trained offline on `texts` (any unicode round-trips), with
@@ -15,3 +67,240 @@ def train_tokenizer(texts, vocab_size=2000):
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
     tok.train_from_iterator(texts, trainer)
     return PreTrainedTokenizerFast(tokenizer_object=tok, **SPECIAL_TOKENS)
+
+
+def tiny_gemma(tokenizer, hidden_size=128, num_layers=4, max_len=256):
+    """A small GemmaForCausalLM (~1.5M parameters at the defaults). head_dim is set explicitly:
+    Gemma's default of 256 would make the tiny model mostly attention projections."""
+    from transformers import GemmaConfig, GemmaForCausalLM
+    heads = 4
+    config = GemmaConfig(vocab_size=len(tokenizer), hidden_size=hidden_size, intermediate_size=4 * hidden_size,
+                         num_hidden_layers=num_layers, num_attention_heads=heads, num_key_value_heads=heads,
+                         head_dim=hidden_size // heads, max_position_embeddings=max_len,
+                         pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
+                         bos_token_id=tokenizer.bos_token_id)
+    return GemmaForCausalLM(config)
+
+
+# ---------------------------------------------------------------------------------------------
+# Helpers shared by the three stages: accelerator, atomic checkpoints, batches, sampling
+# ---------------------------------------------------------------------------------------------
+
+def make_accelerator(bf16=False, grad_accum=1, **kwargs):
+    """Accelerator(cpu=True) without a GPU: `accelerate launch --multi_gpu --num_processes 2` on a
+    CPU then runs two synchronised gloo processes instead of two independent ones."""
+    from accelerate import Accelerator
+    return Accelerator(cpu=not torch.cuda.is_available(), gradient_accumulation_steps=grad_accum,
+                       mixed_precision="bf16" if bf16 else "no", **kwargs)
+
+
+def atomic_save(path, model=None, tokenizer=None, state=None):
+    """Write a save_pretrained folder to a temporary sibling, then swap it in with a rename: an
+    interruption never leaves a half-written checkpoint where the last good one was."""
+    path = os.path.abspath(path)
+    tmp, old = path + ".tmp", path + ".old"
+    shutil.rmtree(tmp, ignore_errors=True)
+    os.makedirs(tmp)
+    if model is not None:
+        model.save_pretrained(tmp)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(tmp)
+    if state is not None:
+        torch.save(state, os.path.join(tmp, "trainer_state.pt"))
+    shutil.rmtree(old, ignore_errors=True)
+    if os.path.exists(path):
+        os.rename(path, old)
+    os.rename(tmp, path)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def rng_state():
+    return {"torch": torch.get_rng_state(), "python": random.getstate()}
+
+
+def set_rng_state(state):
+    torch.set_rng_state(state["torch"])
+    random.setstate(state["python"])
+
+
+def batch_indices(n_rows, batch_size, step, seed, rank=0, world=1):
+    """Row indices of this process's batch at optimizer micro-step `step`: a seeded permutation per
+    epoch, so a resumed run sees exactly the batches an uninterrupted one would have."""
+    per_epoch = max(1, n_rows // (batch_size * world))
+    epoch, k = divmod(step, per_epoch)
+    order = torch.randperm(n_rows, generator=torch.Generator().manual_seed(seed + epoch))
+    start = (k * world + rank) * batch_size
+    return order[start:start + batch_size].tolist()
+
+
+def response_logits_mask(ids, eos_id, pad_id):
+    """Right-padded responses cut after their first EOS: (ids with pad after EOS, mask [B, R])."""
+    is_eos = ids == eos_id
+    after_eos = (is_eos.long().cumsum(-1) - is_eos.long()) > 0
+    mask = (~after_eos).long()
+    return ids.masked_fill(mask == 0, pad_id), mask
+
+
+@torch.no_grad()
+def sample(model, tokenizer, prompts, max_prompt_len, max_new_tokens, temperature=1.0, top_k=0,
+           top_p=1.0, greedy=False, synced_gpus=False):
+    """Sample responses; returns (prompt_ids, prompt_mask, response_ids, response_mask), the
+    responses right-padded and cut after the first EOS."""
+    p_ids, p_mask, _ = data.encode_prompts(tokenizer, prompts, max_prompt_len)
+    device = next(model.parameters()).device
+    p_ids, p_mask = p_ids.to(device), p_mask.to(device)
+    out = model.generate(input_ids=p_ids, attention_mask=p_mask, max_new_tokens=max_new_tokens,
+                         do_sample=not greedy, temperature=temperature if not greedy else None,
+                         top_k=top_k if not greedy else None, top_p=top_p if not greedy else None,
+                         pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
+                         synced_gpus=synced_gpus)
+    r_ids, r_mask = response_logits_mask(out[:, p_ids.shape[1]:], tokenizer.eos_token_id, tokenizer.pad_token_id)
+    return p_ids, p_mask, r_ids, r_mask
+
+
+def load_tokenizer(path):
+    from transformers import AutoTokenizer
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    data.check_tokenizer(tokenizer)
+    return tokenizer
+
+
+def require_model_dir(path, what, hint):
+    if not os.path.exists(os.path.join(path, "config.json")):
+        sys.exit(f"error: no {what} at {path!r} (no config.json there). {hint}")
+
+
+# ---------------------------------------------------------------------------------------------
+# Stage 1
+# ---------------------------------------------------------------------------------------------
+
+def sft_loss(model, batch):
+    """Mean next-token cross-entropy over response tokens; returns (loss, n_tokens)."""
+    logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
+                   position_ids=batch["position_ids"]).logits[:, :-1].float()
+    labels = batch["labels"][:, 1:]
+    n = (labels != -100).sum()
+    loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1),
+                                             ignore_index=-100, reduction="sum")
+    return loss / n.clamp(min=1), n
+
+
+def split_holdout(rows, fraction=0.05, seed=data.SEED):
+    """SFT rows -> (train, held-out) by document, for held-out loss and perplexity."""
+    held = [data._group_hash("sft-eval:" + r["group"], seed) < fraction for r in rows]
+    return [r for r, h in zip(rows, held) if not h], [r for r, h in zip(rows, held) if h]
+
+
+def main(args):
+    accelerator = make_accelerator(args.bf16, args.grad_accum)
+    torch.manual_seed(args.seed)
+    random.seed(args.seed)
+    log = accelerator.print
+    log(f"[sft] config: {asdict(args)}")
+    splits = data.load_task(args.task, skip_bad_rows=args.skip_bad_rows)
+    train_rows, eval_rows = split_holdout(splits["sft"])
+    eval_rows = eval_rows[:args.n_eval]
+    log(f"[sft] {args.task}: {len(train_rows)} training, {len(eval_rows)} held-out examples")
+
+    ckpt_dir = args.output_dir.rstrip("/") + ".checkpoint"
+    state = None
+    if args.resume:
+        require_model_dir(ckpt_dir, "checkpoint to resume", "Run without --resume to start afresh.")
+        source = ckpt_dir
+        state = torch.load(os.path.join(ckpt_dir, "trainer_state.pt"), weights_only=False)
+    else:
+        source = args.model
+    if source == "tiny":
+        tokenizer = train_tokenizer([r["prompt"] + r["chosen"] for r in train_rows], args.vocab_size)
+        model = tiny_gemma(tokenizer, args.hidden_size, args.num_layers,
+                           max_len=2 * (args.max_prompt_len + args.max_response_len))
+    else:
+        from transformers import AutoModelForCausalLM
+        tokenizer = load_tokenizer(source)
+        model = AutoModelForCausalLM.from_pretrained(source, dtype=torch.bfloat16 if args.bf16 else torch.float32)
+    if args.gradient_checkpointing:
+        model.gradient_checkpointing_enable()
+    log(f"[sft] model {source}: {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters")
+
+    world, rank = accelerator.num_processes, accelerator.process_index
+    steps = args.max_steps or math.ceil(args.epochs * len(train_rows) / (args.batch_size * world * args.grad_accum))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay)
+    from transformers import get_cosine_schedule_with_warmup
+    scheduler = get_cosine_schedule_with_warmup(optimizer, int(args.warmup_ratio * steps), steps)
+    model, optimizer = accelerator.prepare(model, optimizer)
+    start = 0
+    if state is not None:
+        optimizer.load_state_dict(state["optimizer"])
+        scheduler.load_state_dict(state["scheduler"])
+        set_rng_state(state["rng"])
+        start = state["step"]
+        log(f"[sft] resumed at step {start}")
+
+    def batch_of(rows):
+        b = data.collate(tokenizer, [r["prompt"] for r in rows], [r["chosen"] for r in rows],
+                         args.max_prompt_len, args.max_response_len)
+        return {k: v.to(accelerator.device) for k, v in b.items() if torch.is_tensor(v)}
+
+    @torch.no_grad()
+    def evaluate():
+        model.eval()
+        total = torch.zeros(2, device=accelerator.device)
+        for i in range(rank * args.batch_size, len(eval_rows), world * args.batch_size):
+            loss, n = sft_loss(model, batch_of(eval_rows[i:i + args.batch_size]))
+            total += torch.stack([loss * n, n.float()])
+        total = accelerator.reduce(total, "sum")
+        model.train()
+        return (total[0] / total[1].clamp(min=1)).item()
+
+    def save(path, step, final=False):
+        if accelerator.is_main_process:
+            atomic_save(path, accelerator.unwrap_model(model), tokenizer, None if final else {
+                "step": step, "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
+                "rng": rng_state(), "args": asdict(args)})
+        accelerator.wait_for_everyone()
+
+    from tqdm.auto import tqdm
+    model.train()
+    done, t0 = start, time.time()
+    bar = tqdm(range(start, steps), desc="sft", disable=not accelerator.is_local_main_process)
+    try:
+        for step in bar:
+            for micro in range(args.grad_accum):
+                idx = batch_indices(len(train_rows), args.batch_size, step * args.grad_accum + micro,
+                                    args.seed, rank, world)
+                with accelerator.accumulate(model):
+                    loss, _ = sft_loss(model, batch_of([train_rows[i] for i in idx]))
+                    if not torch.isfinite(loss):
+                        raise FloatingPointError(f"non-finite SFT loss at step {step}; last good "
+                                                 f"checkpoint kept at {ckpt_dir}")
+                    accelerator.backward(loss)
+                    optimizer.step()
+                    optimizer.zero_grad()
+            scheduler.step()
+            bar.set_postfix(loss=f"{loss.item():.3f}", lr=f"{scheduler.get_last_lr()[0]:.1e}")
+            if (step + 1) % args.eval_every == 0 or step + 1 == steps:
+                ev = evaluate()
+                log(f"[sft] step {step + 1}/{steps}  train loss {loss.item():.3f}  held-out loss "
+                    f"{ev:.3f}  ppl {math.exp(ev):.1f}  ({time.time() - t0:.0f}s)")
+            done = step + 1
+            if done % args.save_every == 0:
+                save(ckpt_dir, done)
+    except KeyboardInterrupt:
+        save(ckpt_dir, done)
+        log(f"[sft] interrupted after step {done}: checkpoint saved to {ckpt_dir}; continue with --resume")
+        sys.exit(130)
+    save(args.output_dir, steps, final=True)
+    log(f"[sft] saved {args.output_dir}")
+    if accelerator.is_main_process:
+        unwrapped = accelerator.unwrap_model(model).eval()
+        prompts = data.prompts_of(splits["test"])[:4]
+        *_, r_ids, r_mask = sample(unwrapped, tokenizer, prompts, args.max_prompt_len,
+                                   args.max_response_len, temperature=0.8)
+        for p, r in zip(prompts, tokenizer.batch_decode(r_ids, skip_special_tokens=True)):
+            log(f"[sft] sample: ...{p[-80:]!r} -> {r!r}")
+    return args.output_dir
+
+
+if __name__ == "__main__":
+    from transformers import HfArgumentParser
+    main(HfArgumentParser(SFTArgs).parse_args_into_dataclasses()[0])

@@ -1,0 +1,344 @@
+"""Data: every task as preference rows {prompt, chosen, rejected}, split for the three stages.
+
+Tasks (DESIGN §5):
+    chitchat   embedded default, offline: real conversations (`chitchat-dataset`), a VADER gold judge
+    tldr       openai/summarize_from_feedback, config "comparisons" (Stiennon et al. 2020)
+    tldr_carper  CarperAI/openai_summarize_comparisons (already prompt/chosen/rejected)
+    hh         Dahoas/full-hh-rlhf (Anthropic HH-RLHF)
+    webgpt     openai/webgpt_comparisons (95/5 split, ties dropped, citation markers stripped)
+A task can also be a local json / jsonl / parquet file in any of these schemas (detected from its
+columns), and `data_files=` points a named task at local files in its own hub schema: the same
+code path as the hub, which is how the tests load the fixtures under tests/fixtures/.
+
+Splits (paper App. B.2): the training part is split by source document / conversation, seed 1234,
+into SFT 20% / RM 40% / PPO 40%; `test` is the dataset's own test split (or a held-out 5% of the
+documents when it has none). Rows of one document never appear in two splits.
+"""
+import hashlib
+import os
+import random
+import re
+
+import torch
+
+HH_TEMPLATE = "\n\nHuman: {}\n\nAssistant:"       # Bai et al. 2022; also used for chitchat and webgpt
+TLDR_TEMPLATE = "SUBREDDIT: r/{subreddit}\nTITLE: {title}\nPOST: {post}\nTL;DR:"   # Stiennon et al.
+SPLIT_FRACTIONS = {"sft": 0.2, "rm": 0.4, "ppo": 0.4}                          # App. B.2
+TEST_FRACTION = 0.05
+SEED = 1234
+
+
+class DataError(ValueError):
+    """A malformed row: the message names the dataset, the row and the field."""
+
+
+# ---------------------------------------------------------------------------------------------
+# Gold judge of the embedded task: VADER sentiment stands in for human / GPT-4 raters
+# ---------------------------------------------------------------------------------------------
+
+def gold_score(texts):
+    """VADER compound sentiment of each text, in [-1, 1] (Hutto & Gilbert 2014)."""
+    from vader import polarity_scores
+    return [polarity_scores(t)["compound"] for t in texts]
+
+
+# ---------------------------------------------------------------------------------------------
+# chitchat: the embedded default
+# ---------------------------------------------------------------------------------------------
+# Each turn of a conversation (after the first) is a response; its prompt is the two turns before
+# it in the HH template, the responding speaker being the Assistant. Responses of 1-24 words and
+# context turns of at most 60 words are kept (a tiny model, short sequences).
+# Pairs: every example is paired with a *distractor*, the response of another example of the same
+# split (another conversation), drawn with the split's seed.
+#   - sft split: chosen = the real reply, rejected = the distractor (SFT trains on chosen).
+#   - rm / test splits: labelled by the gold judge: chosen = the one with the higher VADER score;
+#     pairs whose scores differ by less than CHITCHAT_MARGIN are dropped as ties.
+#   - ppo split: prompts only (chosen = real reply, rejected = distractor, both unused).
+CHITCHAT_CONTEXT_TURNS = 2
+CHITCHAT_MAX_RESPONSE_WORDS = 24
+CHITCHAT_MAX_CONTEXT_WORDS = 60
+CHITCHAT_MARGIN = 0.3
+
+
+def chitchat_conversations():
+    """Conversations of the chitchat-dataset package: {id: [turn text, ...]} (consecutive
+    messages of one speaker joined into one turn)."""
+    import json
+
+    import chitchat_dataset
+    with open(chitchat_dataset._PATH) as f:
+        raw = json.load(f)
+    return {cid: [" ".join(u["text"] for u in turn).strip() for turn in conv["messages"]]
+            for cid, conv in raw.items()}
+
+
+def hh_prompt(turns):
+    """Dialogue turns, the last one the Human's, in the HH template ending in 'Assistant:'."""
+    speakers = ["Human", "Assistant"] if len(turns) % 2 else ["Assistant", "Human"]
+    return "".join(f"\n\n{speakers[i % 2]}: {t}" for i, t in enumerate(turns)) + "\n\nAssistant:"
+
+
+def chitchat_examples(conversations):
+    rows = []
+    for cid, turns in conversations.items():
+        for i in range(1, len(turns)):
+            context = turns[max(0, i - CHITCHAT_CONTEXT_TURNS):i]
+            n_words = len(turns[i].split())
+            if not 1 <= n_words <= CHITCHAT_MAX_RESPONSE_WORDS:
+                continue
+            if any(len(t.split()) > CHITCHAT_MAX_CONTEXT_WORDS or not t for t in context):
+                continue
+            rows.append({"prompt": hh_prompt(context), "response": " " + turns[i], "group": cid})
+    return rows
+
+
+def _chitchat_pairs(examples, split, seed):
+    rng = random.Random(f"{seed}-{split}")
+    distractors = [examples[rng.randrange(len(examples))] for _ in examples]
+    out = []
+    if split in ("rm", "test"):
+        golds = gold_score([e["response"] for e in examples] + [d["response"] for d in distractors])
+        g_real, g_dist = golds[:len(examples)], golds[len(examples):]
+    for k, (e, d) in enumerate(zip(examples, distractors)):
+        if d["group"] == e["group"]:
+            continue
+        real, other = e["response"], d["response"]
+        if split in ("rm", "test"):
+            if abs(g_real[k] - g_dist[k]) < CHITCHAT_MARGIN:
+                continue
+            if g_dist[k] > g_real[k]:
+                real, other = other, real
+        out.append({"prompt": e["prompt"], "chosen": real, "rejected": other, "group": e["group"]})
+    return out
+
+
+def load_chitchat(seed=SEED):
+    examples = chitchat_examples(chitchat_conversations())
+    splits = split_by_group(examples, seed, test_fraction=TEST_FRACTION)
+    return {name: _chitchat_pairs(rows, name, seed) for name, rows in splits.items()}
+
+
+# ---------------------------------------------------------------------------------------------
+# Real datasets: each schema maps one raw row to {prompt, chosen, rejected, group} (or None = drop)
+# ---------------------------------------------------------------------------------------------
+
+def _field(row, name, kind=str, dataset="?", index="?"):
+    """row[name], checked: present, of the right type, not empty."""
+    if not isinstance(row, dict) or name not in row or row[name] is None:
+        raise DataError(f"{dataset}: row {index}: missing field {name!r}")
+    value = row[name]
+    if not isinstance(value, kind):
+        expected = "number" if isinstance(kind, tuple) else kind.__name__
+        raise DataError(f"{dataset}: row {index}: field {name!r} should be {expected}, "
+                        f"got {type(value).__name__}")
+    if kind is str and not value.strip():
+        raise DataError(f"{dataset}: row {index}: field {name!r} is empty")
+    return value
+
+
+def _tldr_row(row, get):
+    info = get(row, "info", dict)
+    summaries, choice = get(row, "summaries", list), get(row, "choice", int)
+    if len(summaries) != 2 or choice not in (0, 1):
+        raise DataError(f"{get.dataset}: row {get.index}: field 'summaries' needs 2 entries and "
+                        f"'choice' 0 or 1")
+    texts = [get(s, "text") for s in summaries]
+    post = info.get("post") or info.get("article")
+    if not post:
+        raise DataError(f"{get.dataset}: row {get.index}: field 'info.post' is missing")
+    prompt = TLDR_TEMPLATE.format(subreddit=info.get("subreddit") or "", title=info.get("title") or "",
+                                  post=post.strip())
+    return {"prompt": prompt, "chosen": " " + texts[choice].strip(),
+            "rejected": " " + texts[1 - choice].strip(), "group": str(info.get("id") or prompt)}
+
+
+def _strip_tldr(text):
+    return " " + re.sub(r"^\s*TL;DR:", "", text).strip()
+
+
+def _pairs_row(row, get):
+    """prompt/chosen/rejected (Dahoas HH, CarperAI TL;DR, and our own local files)."""
+    prompt, chosen, rejected = get(row, "prompt"), get(row, "chosen"), get(row, "rejected")
+    if prompt.rstrip().endswith("TL;DR:"):          # CarperAI repeats "TL;DR:" in the summaries
+        chosen, rejected = _strip_tldr(chosen), _strip_tldr(rejected)
+    return {"prompt": prompt, "chosen": chosen, "rejected": rejected, "group": prompt}
+
+
+CITATION = re.compile(r"\s*\[\d+(?:\s*[,\-–]\s*\d+)*\]")
+
+
+def _webgpt_row(row, get):
+    question = get(get(row, "question", dict), "full_text")
+    answers = [get(row, "answer_0"), get(row, "answer_1")]
+    scores = [get(row, "score_0", (int, float)), get(row, "score_1", (int, float))]
+    if scores[0] == scores[1]:
+        return None                                             # ties dropped
+    best = 0 if scores[0] > scores[1] else 1
+    answers = [" " + CITATION.sub("", a).strip() for a in answers]
+    return {"prompt": HH_TEMPLATE.format(question.strip()), "chosen": answers[best],
+            "rejected": answers[1 - best], "group": question.strip()}
+
+
+# name: (hub id, hub config, {our split: hub split}, row mapper); test=None: held-out 5% of groups
+HUB = {
+    "tldr": ("openai/summarize_from_feedback", "comparisons",
+             {"train": "train", "test": "validation"}, _tldr_row),
+    "tldr_carper": ("CarperAI/openai_summarize_comparisons", None,
+                    {"train": "train", "test": "test"}, _pairs_row),
+    "hh": ("Dahoas/full-hh-rlhf", None, {"train": "train", "test": "test"}, _pairs_row),
+    "webgpt": ("openai/webgpt_comparisons", None, {"train": "train", "test": None}, _webgpt_row),
+}
+SCHEMAS = [({"info", "summaries", "choice"}, _tldr_row),
+           ({"question", "answer_0", "answer_1", "score_0", "score_1"}, _webgpt_row),
+           ({"prompt", "chosen", "rejected"}, _pairs_row)]
+
+
+def _read(path_or_id, config=None, split="train"):
+    """Rows of a hub dataset split or a local json / jsonl / parquet file, via `datasets`."""
+    import datasets
+    if os.path.exists(path_or_id):
+        ext = os.path.splitext(path_or_id)[1].lower()
+        builder = {".json": "json", ".jsonl": "json", ".parquet": "parquet"}.get(ext)
+        if builder is None:
+            raise DataError(f"{path_or_id}: unsupported file type {ext!r}; use json, jsonl or parquet")
+        return datasets.load_dataset(builder, data_files=path_or_id, split="train").to_list()
+    return datasets.load_dataset(path_or_id, config, split=split).to_list()
+
+
+def map_rows(raw, mapper, dataset, skip_bad_rows=False):
+    """Apply a schema mapper to raw rows. A bad row raises DataError naming dataset, row and field,
+    unless `skip_bad_rows`: then it is dropped and counted. Returns (rows, n_skipped)."""
+    rows, skipped = [], 0
+    for index, row in enumerate(raw):
+        def get(r, name, kind=str):
+            return _field(r, name, kind, dataset, index)
+        get.dataset, get.index = dataset, index
+        try:
+            mapped = mapper(row, get)
+        except DataError:
+            if not skip_bad_rows:
+                raise
+            skipped += 1
+            continue
+        if mapped is not None:
+            rows.append(mapped)
+    return rows, skipped
+
+
+def _group_hash(group, seed):
+    return int(hashlib.sha256(f"{seed}:{group}".encode()).hexdigest()[:12], 16) / 16 ** 12
+
+
+def split_by_group(rows, seed=SEED, test_fraction=0.0):
+    """Split rows by their `group` (document / conversation) into test / sft / rm / ppo. A group's
+    place depends only on its name and the seed, so the split is the same on every machine."""
+    out = {"sft": [], "rm": [], "ppo": []}
+    if test_fraction:
+        out["test"] = []
+    edges = [("sft", SPLIT_FRACTIONS["sft"]), ("rm", SPLIT_FRACTIONS["sft"] + SPLIT_FRACTIONS["rm"]),
+             ("ppo", 1.0)]
+    for row in rows:
+        u = _group_hash(row["group"], seed)
+        if u < test_fraction:
+            out["test"].append(row)
+            continue
+        u = (u - test_fraction) / (1 - test_fraction)
+        out[next(name for name, edge in edges if u < edge)].append(row)
+    return out
+
+
+def load_task(name, data_files=None, skip_bad_rows=False, seed=SEED):
+    """Splits {sft, rm, ppo, test} of preference rows {prompt, chosen, rejected, group}.
+
+    name: "chitchat", a HUB name, or a local json / jsonl / parquet path (schema from its columns).
+    data_files: for a HUB name, {"train": path, "test": path} of local files in the hub schema."""
+    if name == "chitchat":
+        return load_chitchat(seed)
+    if name in HUB:
+        hub_id, config, hub_splits, mapper = HUB[name]
+        sources = data_files or {s: hub_id for s in hub_splits}
+        raw = {s: _read(sources[s], config, hub_splits[s]) for s in hub_splits if s in sources}
+    elif os.path.exists(name):
+        raw = {"train": _read(name)}
+        columns = set(raw["train"][0]) if raw["train"] else set()
+        mapper = next((m for cols, m in SCHEMAS if cols <= columns), None)
+        if mapper is None:
+            raise DataError(f"{name}: columns {sorted(columns)} match no known schema "
+                            f"(prompt/chosen/rejected, TL;DR comparisons, or WebGPT comparisons)")
+    else:
+        raise DataError(f"unknown task {name!r}: use chitchat, {', '.join(HUB)} or a local file path")
+    mapped, skipped = {}, 0
+    for split, rows in raw.items():
+        mapped[split], n = map_rows(rows, mapper, f"{name}[{split}]", skip_bad_rows)
+        skipped += n
+    if skipped:
+        print(f"[data] {name}: skipped {skipped} malformed rows")
+    splits = split_by_group(mapped["train"], seed, 0.0 if "test" in mapped else TEST_FRACTION)
+    if "test" in mapped:
+        splits["test"] = mapped["test"]
+    return splits
+
+
+def prompts_of(rows):
+    """Distinct prompts of a split, in order (PPO and evaluation take prompts only)."""
+    return list(dict.fromkeys(r["prompt"] for r in rows))
+
+
+# ---------------------------------------------------------------------------------------------
+# Tokenization: prompts left-padded (truncated from the left), responses right-padded with EOS
+# ---------------------------------------------------------------------------------------------
+
+def check_tokenizer(tokenizer):
+    if tokenizer.pad_token_id is None or tokenizer.pad_token_id == tokenizer.eos_token_id:
+        raise ValueError("the tokenizer needs a pad token different from its EOS token (padding "
+                         "would otherwise erase the end of every response); add a '<pad>' token")
+
+
+def encode_prompts(tokenizer, prompts, max_len):
+    """Left-padded prompt ids [B, P] and mask; a long prompt keeps its *end* (the question is
+    last). BOS, when the tokenizer has one, stays first. Returns (ids, mask, n_truncated)."""
+    bos = [tokenizer.bos_token_id] if tokenizer.bos_token_id is not None else []
+    rows, truncated = [], 0
+    for ids in tokenizer(list(prompts), add_special_tokens=False)["input_ids"]:
+        keep = max_len - len(bos)
+        truncated += len(ids) > keep
+        rows.append(bos + ids[-keep:])
+    width = max(map(len, rows))
+    ids = torch.full((len(rows), width), tokenizer.pad_token_id, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for b, r in enumerate(rows):
+        ids[b, width - len(r):] = torch.tensor(r)
+        mask[b, width - len(r):] = 1
+    return ids, mask, truncated
+
+
+def encode_responses(tokenizer, responses, max_len):
+    """Right-padded response ids [B, R] and mask, EOS appended when it fits (a response cut at
+    `max_len` has none: the model should not learn to stop mid-sentence)."""
+    rows = [ids[:max_len - 1] + [tokenizer.eos_token_id] if len(ids) < max_len else ids[:max_len]
+            for ids in tokenizer(list(responses), add_special_tokens=False)["input_ids"]]
+    width = max(1, max(map(len, rows)))
+    ids = torch.full((len(rows), width), tokenizer.pad_token_id, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for b, r in enumerate(rows):
+        ids[b, :len(r)] = torch.tensor(r, dtype=torch.long)
+        mask[b, :len(r)] = 1
+    return ids, mask
+
+
+def position_ids(attention_mask):
+    """Positions counted over real tokens only, so left padding does not shift them."""
+    return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+
+
+def collate(tokenizer, prompts, responses, max_prompt_len, max_response_len):
+    """[left-padded prompt | right-padded response + EOS] for SFT and reward modelling.
+    `labels` are the input ids on response tokens and -100 on prompt and padding."""
+    p_ids, p_mask, truncated = encode_prompts(tokenizer, prompts, max_prompt_len)
+    r_ids, r_mask = encode_responses(tokenizer, responses, max_response_len)
+    input_ids = torch.cat([p_ids, r_ids], 1)
+    attention_mask = torch.cat([p_mask, r_mask], 1)
+    labels = torch.cat([torch.full_like(p_ids, -100), r_ids.masked_fill(r_mask == 0, -100)], 1)
+    return {"input_ids": input_ids, "attention_mask": attention_mask,
+            "position_ids": position_ids(attention_mask), "labels": labels,
+            "prompt_width": p_ids.shape[1], "n_truncated": truncated}

@@ -1,0 +1,222 @@
+"""Stage 2: a Bradley-Terry reward model on the preference pairs of the RM split.
+
+    python reward_model.py                          # from runs/chitchat/sft, ~2 min CPU
+    accelerate launch reward_model.py --task tldr --sft_path runs/tldr/sft --output_dir runs/tldr/rm --bf16
+
+The RM is `AutoModelForSequenceClassification(num_labels=1)` initialised from the SFT checkpoint;
+its loss is -log sigmoid(r(x, y+) - r(x, y-)) (Ouyang et al. 2022, Eq. 1), its score the head's
+output at the last real token of prompt + response. Reported: held-out pairwise accuracy, and on
+chitchat the agreement of the RM with the gold judge on pairs of SFT samples (the distribution
+PPO will show it). `score()` and `token_values()` are what ppo.py and evaluate.py use.
+"""
+import math
+import os
+import random
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+import data
+import sft
+
+
+@dataclass
+class RMArgs:
+    task: str = field(default="chitchat", metadata={"help": "chitchat, tldr, tldr_carper, hh, webgpt, or a local json/jsonl/parquet file"})
+    sft_path: str = field(default="runs/chitchat/sft", metadata={"help": "SFT checkpoint (save_pretrained folder) or HF model id to start from"})
+    output_dir: str = field(default="runs/chitchat/rm", metadata={"help": "where the reward model + tokenizer are saved"})
+    max_prompt_len: int = field(default=48, metadata={"help": "prompt tokens kept (truncated from the left)"})
+    max_response_len: int = field(default=32, metadata={"help": "response tokens kept, EOS included"})
+    batch_size: int = field(default=32, metadata={"help": "preference pairs per process per micro-step"})
+    grad_accum: int = field(default=1, metadata={"help": "micro-steps per optimizer step"})
+    lr: float = field(default=1e-3, metadata={"help": "peak learning rate (~5e-6 for Gemma-2B)"})
+    warmup_ratio: float = field(default=0.05, metadata={"help": "fraction of the steps spent warming up, then cosine decay"})
+    max_steps: int = field(default=200, metadata={"help": "optimizer steps; 0 = `epochs` passes over the RM split"})
+    epochs: float = field(default=1.0, metadata={"help": "passes over the RM split when max_steps is 0"})
+    eval_every: int = field(default=100, metadata={"help": "held-out accuracy every k steps"})
+    save_every: int = field(default=100, metadata={"help": "resumable checkpoint every k steps"})
+    n_eval: int = field(default=1024, metadata={"help": "held-out pairs for the pairwise accuracy"})
+    n_gold_prompts: int = field(default=256, metadata={"help": "chitchat: held-out prompts whose two SFT samples test RM-gold agreement (0 = skip)"})
+    bf16: bool = field(default=False, metadata={"help": "bf16 mixed precision (GPUs)"})
+    gradient_checkpointing: bool = field(default=False, metadata={"help": "recompute activations to save memory (GPUs)"})
+    skip_bad_rows: bool = field(default=False, metadata={"help": "drop malformed dataset rows (and report how many) instead of stopping"})
+    seed: int = field(default=1234, metadata={"help": "random seed (data split seed is fixed at 1234)"})
+    resume: bool = field(default=False, metadata={"help": "continue from <output_dir>.checkpoint"})
+
+
+# ---------------------------------------------------------------------------------------------
+# Scoring: the head's scalar at every position; the reward is the one at the last real token
+# ---------------------------------------------------------------------------------------------
+
+def token_values(model, input_ids, attention_mask):
+    """The score head applied to every hidden state: [B, T]. For the RM only the last real token
+    matters; the PPO critic (initialised from the RM) reads a value at every response token."""
+    backbone = getattr(model, model.base_model_prefix)
+    hidden = backbone(input_ids=input_ids, attention_mask=attention_mask,
+                      position_ids=data.position_ids(attention_mask)).last_hidden_state
+    return model.score(hidden).squeeze(-1).float()
+
+
+def last_token(values, attention_mask):
+    """values[b, last t with attention_mask 1]: right for left padding, right padding and both."""
+    T = attention_mask.shape[1]
+    last = T - 1 - attention_mask.flip(-1).long().argmax(-1)
+    return values.gather(1, last.unsqueeze(1)).squeeze(1)
+
+
+@torch.no_grad()
+def score(model, tokenizer, prompts, responses, max_prompt_len=48, max_response_len=32, batch_size=64):
+    """Reward of each (prompt, response) pair as a float tensor [N] (EOS appended to responses
+    that fit, as in training)."""
+    device = next(model.parameters()).device
+    out = []
+    for i in range(0, len(prompts), batch_size):
+        b = data.collate(tokenizer, prompts[i:i + batch_size], responses[i:i + batch_size],
+                         max_prompt_len, max_response_len)
+        ids, mask = b["input_ids"].to(device), b["attention_mask"].to(device)
+        out.append(last_token(token_values(model, ids, mask), mask).cpu())
+    return torch.cat(out) if out else torch.zeros(0)
+
+
+def bradley_terry(model, batch):
+    """-log sigmoid(r+ - r-) over a batch whose first half holds the chosen responses and second
+    half the rejected ones (same prompts); returns (loss, accuracy)."""
+    r = last_token(token_values(model, batch["input_ids"], batch["attention_mask"]), batch["attention_mask"])
+    r_chosen, r_rejected = r.chunk(2)
+    diff = r_chosen - r_rejected
+    return -F.logsigmoid(diff).mean(), (diff > 0).float().mean()
+
+
+def load_reward_model(path, bf16=False):
+    from transformers import AutoModelForSequenceClassification
+    model = AutoModelForSequenceClassification.from_pretrained(
+        path, num_labels=1, dtype=torch.bfloat16 if bf16 else torch.float32)
+    tokenizer = sft.load_tokenizer(path)
+    model.config.pad_token_id = tokenizer.pad_token_id
+    return model, tokenizer
+
+
+@torch.no_grad()
+def gold_agreement(rm, policy, tokenizer, prompts, args):
+    """Two SFT samples per held-out prompt; how often the RM prefers the one the gold judge
+    prefers (pairs the gold judge scores equal are left out). Returns (agreement, n_pairs)."""
+    twice = [p for p in prompts for _ in range(2)]
+    *_, r_ids, _ = sft.sample(policy, tokenizer, twice, args.max_prompt_len, args.max_response_len)
+    texts = tokenizer.batch_decode(r_ids, skip_special_tokens=True)
+    gold = torch.tensor(data.gold_score(texts)).view(-1, 2)
+    rm_scores = score(rm, tokenizer, twice, texts, args.max_prompt_len, args.max_response_len).view(-1, 2)
+    decided = gold[:, 0] != gold[:, 1]
+    agree = ((gold[:, 0] > gold[:, 1]) == (rm_scores[:, 0] > rm_scores[:, 1]))[decided]
+    return agree.float().mean().item() if len(agree) else float("nan"), int(decided.sum())
+
+
+def main(args):
+    accelerator = sft.make_accelerator(args.bf16, args.grad_accum)
+    torch.manual_seed(args.seed)
+    random.seed(args.seed)
+    log = accelerator.print
+    log(f"[rm] config: {asdict(args)}")
+    splits = data.load_task(args.task, skip_bad_rows=args.skip_bad_rows)
+    train_rows, eval_rows = splits["rm"], splits["test"][:args.n_eval]
+    log(f"[rm] {args.task}: {len(train_rows)} training pairs, {len(eval_rows)} held-out pairs")
+
+    ckpt_dir = args.output_dir.rstrip("/") + ".checkpoint"
+    state = None
+    source = args.sft_path
+    if args.resume:
+        sft.require_model_dir(ckpt_dir, "checkpoint to resume", "Run without --resume to start afresh.")
+        source = ckpt_dir
+        state = torch.load(os.path.join(ckpt_dir, "trainer_state.pt"), weights_only=False)
+    elif os.sep in source or source.startswith("."):
+        sft.require_model_dir(source, "SFT model", "Train one first: python sft.py")
+    model, tokenizer = load_reward_model(source, args.bf16)
+    if args.gradient_checkpointing:
+        model.gradient_checkpointing_enable()
+
+    world, rank = accelerator.num_processes, accelerator.process_index
+    steps = args.max_steps or math.ceil(args.epochs * len(train_rows) / (args.batch_size * world * args.grad_accum))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
+    from transformers import get_cosine_schedule_with_warmup
+    scheduler = get_cosine_schedule_with_warmup(optimizer, int(args.warmup_ratio * steps), steps)
+    model, optimizer = accelerator.prepare(model, optimizer)
+    start = 0
+    if state is not None:
+        optimizer.load_state_dict(state["optimizer"])
+        scheduler.load_state_dict(state["scheduler"])
+        sft.set_rng_state(state["rng"])
+        start = state["step"]
+        log(f"[rm] resumed at step {start}")
+
+    def pairs_of(rows):
+        b = data.collate(tokenizer, [r["prompt"] for r in rows] * 2,
+                         [r["chosen"] for r in rows] + [r["rejected"] for r in rows],
+                         args.max_prompt_len, args.max_response_len)
+        return {k: v.to(accelerator.device) for k, v in b.items() if torch.is_tensor(v)}
+
+    @torch.no_grad()
+    def evaluate():
+        model.eval()
+        total = torch.zeros(2, device=accelerator.device)
+        for i in range(rank * args.batch_size, len(eval_rows), world * args.batch_size):
+            rows = eval_rows[i:i + args.batch_size]
+            _, acc = bradley_terry(model, pairs_of(rows))
+            total += torch.tensor([acc.item() * len(rows), len(rows)], device=accelerator.device)
+        total = accelerator.reduce(total, "sum")
+        model.train()
+        return (total[0] / total[1].clamp(min=1)).item()
+
+    def save(path, step, final=False):
+        if accelerator.is_main_process:
+            sft.atomic_save(path, accelerator.unwrap_model(model), tokenizer, None if final else {
+                "step": step, "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
+                "rng": sft.rng_state(), "args": asdict(args)})
+        accelerator.wait_for_everyone()
+
+    from tqdm.auto import tqdm
+    model.train()
+    done, t0 = start, time.time()
+    accuracy = float("nan")
+    bar = tqdm(range(start, steps), desc="rm", disable=not accelerator.is_local_main_process)
+    try:
+        for step in bar:
+            for micro in range(args.grad_accum):
+                idx = sft.batch_indices(len(train_rows), args.batch_size, step * args.grad_accum + micro,
+                                        args.seed, rank, world)
+                with accelerator.accumulate(model):
+                    loss, acc = bradley_terry(model, pairs_of([train_rows[i] for i in idx]))
+                    if not torch.isfinite(loss):
+                        raise FloatingPointError(f"non-finite RM loss at step {step}; last good "
+                                                 f"checkpoint kept at {ckpt_dir}")
+                    accelerator.backward(loss)
+                    optimizer.step()
+                    optimizer.zero_grad()
+            scheduler.step()
+            bar.set_postfix(loss=f"{loss.item():.3f}", acc=f"{acc.item():.2f}")
+            if (step + 1) % args.eval_every == 0 or step + 1 == steps:
+                accuracy = evaluate()
+                log(f"[rm] step {step + 1}/{steps}  train loss {loss.item():.3f}  held-out accuracy "
+                    f"{accuracy:.3f}  ({time.time() - t0:.0f}s)")
+            done = step + 1
+            if done % args.save_every == 0:
+                save(ckpt_dir, done)
+    except KeyboardInterrupt:
+        save(ckpt_dir, done)
+        log(f"[rm] interrupted after step {done}: checkpoint saved to {ckpt_dir}; continue with --resume")
+        sys.exit(130)
+    save(args.output_dir, steps, final=True)
+    log(f"[rm] saved {args.output_dir}  held-out pairwise accuracy {accuracy:.3f}")
+    if args.task == "chitchat" and args.n_gold_prompts and accelerator.is_main_process:
+        from transformers import AutoModelForCausalLM
+        policy = AutoModelForCausalLM.from_pretrained(args.sft_path).eval()
+        agreement, n = gold_agreement(accelerator.unwrap_model(model).eval(), policy, tokenizer,
+                                      data.prompts_of(splits["test"])[:args.n_gold_prompts], args)
+        log(f"[rm] RM-gold agreement on {n} pairs of SFT samples: {agreement:.3f}")
+    return accuracy
+
+
+if __name__ == "__main__":
+    from transformers import HfArgumentParser
+    main(HfArgumentParser(RMArgs).parse_args_into_dataclasses()[0])
