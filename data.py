@@ -112,10 +112,13 @@ def _chitchat_pairs(examples, split, seed):
     return out
 
 
-def load_chitchat(seed=SEED):
+def load_chitchat(seed=SEED, only=None):
+    """Splits of the embedded task; `only` names the splits to build (gold labelling takes a few
+    seconds per 10k pairs, so a stage builds just what it reads)."""
     examples = chitchat_examples(chitchat_conversations())
     splits = split_by_group(examples, seed, test_fraction=TEST_FRACTION)
-    return {name: _chitchat_pairs(rows, name, seed) for name, rows in splits.items()}
+    return {name: _chitchat_pairs(rows, name, seed) for name, rows in splits.items()
+            if only is None or name in only}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -247,13 +250,14 @@ def split_by_group(rows, seed=SEED, test_fraction=0.0):
     return out
 
 
-def load_task(name, data_files=None, skip_bad_rows=False, seed=SEED):
+def load_task(name, data_files=None, skip_bad_rows=False, seed=SEED, only=None):
     """Splits {sft, rm, ppo, test} of preference rows {prompt, chosen, rejected, group}.
 
     name: "chitchat", a HUB name, or a local json / jsonl / parquet path (schema from its columns).
-    data_files: for a HUB name, {"train": path, "test": path} of local files in the hub schema."""
+    data_files: for a HUB name, {"train": path, "test": path} of local files in the hub schema.
+    only: the splits wanted (default all)."""
     if name == "chitchat":
-        return load_chitchat(seed)
+        return load_chitchat(seed, only)
     if name in HUB:
         hub_id, config, hub_splits, mapper = HUB[name]
         sources = data_files or {s: hub_id for s in hub_splits}
@@ -276,7 +280,7 @@ def load_task(name, data_files=None, skip_bad_rows=False, seed=SEED):
     splits = split_by_group(mapped["train"], seed, 0.0 if "test" in mapped else TEST_FRACTION)
     if "test" in mapped:
         splits["test"] = mapped["test"]
-    return splits
+    return {k: v for k, v in splits.items() if only is None or k in only}
 
 
 def prompts_of(rows):

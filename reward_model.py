@@ -119,10 +119,6 @@ def main(args):
     random.seed(args.seed)
     log = accelerator.print
     log(f"[rm] config: {asdict(args)}")
-    splits = data.load_task(args.task, skip_bad_rows=args.skip_bad_rows)
-    train_rows, eval_rows = splits["rm"], splits["test"][:args.n_eval]
-    log(f"[rm] {args.task}: {len(train_rows)} training pairs, {len(eval_rows)} held-out pairs")
-
     ckpt_dir = args.output_dir.rstrip("/") + ".checkpoint"
     state = None
     source = args.sft_path
@@ -132,6 +128,9 @@ def main(args):
         state = torch.load(os.path.join(ckpt_dir, "trainer_state.pt"), weights_only=False)
     elif os.sep in source or source.startswith("."):
         sft.require_model_dir(source, "SFT model", "Train one first: python sft.py")
+    splits = data.load_task(args.task, skip_bad_rows=args.skip_bad_rows, only=("rm", "test"))
+    train_rows, eval_rows = splits["rm"], splits["test"][:args.n_eval]
+    log(f"[rm] {args.task}: {len(train_rows)} training pairs, {len(eval_rows)} held-out pairs")
     model, tokenizer = load_reward_model(source, args.bf16)
     if args.gradient_checkpointing:
         model.gradient_checkpointing_enable()

@@ -197,11 +197,6 @@ def main(args):
     random.seed(args.seed)
     log = accelerator.print
     log(f"[sft] config: {asdict(args)}")
-    splits = data.load_task(args.task, skip_bad_rows=args.skip_bad_rows)
-    train_rows, eval_rows = split_holdout(splits["sft"])
-    eval_rows = eval_rows[:args.n_eval]
-    log(f"[sft] {args.task}: {len(train_rows)} training, {len(eval_rows)} held-out examples")
-
     ckpt_dir = args.output_dir.rstrip("/") + ".checkpoint"
     state = None
     if args.resume:
@@ -210,6 +205,10 @@ def main(args):
         state = torch.load(os.path.join(ckpt_dir, "trainer_state.pt"), weights_only=False)
     else:
         source = args.model
+    splits = data.load_task(args.task, skip_bad_rows=args.skip_bad_rows, only=("sft", "test"))
+    train_rows, eval_rows = split_holdout(splits["sft"])
+    eval_rows = eval_rows[:args.n_eval]
+    log(f"[sft] {args.task}: {len(train_rows)} training, {len(eval_rows)} held-out examples")
     if source == "tiny":
         tokenizer = train_tokenizer([r["prompt"] + r["chosen"] for r in train_rows], args.vocab_size)
         model = tiny_gemma(tokenizer, args.hidden_size, args.num_layers,

@@ -1,0 +1,198 @@
+"""data.py: one preference schema for every task, splits without leakage, careful tokenization."""
+import json
+import pathlib
+
+import pytest
+import torch
+
+import data
+
+FIXTURES = pathlib.Path(__file__).resolve().parent / "fixtures"
+
+
+@pytest.fixture(scope="module")
+def chitchat():
+    return data.load_chitchat()
+
+
+def groups(rows):
+    return {r["group"] for r in rows}
+
+
+# --- the embedded default ---------------------------------------------------------------------
+
+def test_chitchat_splits_are_disjoint_by_conversation_and_sized_20_40_40(chitchat):
+    names = ["sft", "rm", "ppo", "test"]
+    for i, a in enumerate(names):
+        for b in names[i + 1:]:
+            assert not groups(chitchat[a]) & groups(chitchat[b]), f"{a} and {b} share conversations"
+    n = {k: len(groups(chitchat[k])) for k in names}
+    train = n["sft"] + n["rm"] + n["ppo"]
+    assert abs(n["sft"] / train - 0.2) < 0.03 and abs(n["rm"] / train - 0.4) < 0.03
+    assert 0.03 < n["test"] / (train + n["test"]) < 0.07
+
+
+def test_chitchat_is_deterministic(chitchat):
+    again = data.load_chitchat()
+    assert all(again[k] == chitchat[k] for k in chitchat)
+
+
+def test_chitchat_rm_and_test_pairs_are_labelled_by_the_gold_judge(chitchat):
+    for split in ("rm", "test"):
+        rows = chitchat[split][:300]
+        chosen = data.gold_score([r["chosen"] for r in rows])
+        rejected = data.gold_score([r["rejected"] for r in rows])
+        assert all(c - r >= data.CHITCHAT_MARGIN for c, r in zip(chosen, rejected))
+
+
+def test_chitchat_prompts_use_the_hh_template_and_end_with_the_assistant(chitchat):
+    for r in chitchat["ppo"][:200]:
+        assert r["prompt"].startswith("\n\n") and r["prompt"].endswith("\n\nAssistant:")
+        speakers = [line.split(":")[0] for line in r["prompt"].split("\n\n")[1:]]
+        assert all(a != b for a, b in zip(speakers, speakers[1:]))       # turns alternate
+        assert r["chosen"].startswith(" ") and 1 <= len(r["chosen"].split()) <= data.CHITCHAT_MAX_RESPONSE_WORDS
+
+
+def test_hh_prompt_alternates_speakers_ending_with_the_human():
+    assert data.hh_prompt(["hi", "hello there"]) == "\n\nAssistant: hi\n\nHuman: hello there\n\nAssistant:"
+    assert data.hh_prompt(["a", "b", "c"]) == "\n\nHuman: a\n\nAssistant: b\n\nHuman: c\n\nAssistant:"
+
+
+def test_gold_judge_prefers_positive_replies():
+    good, bad = data.gold_score(["That is wonderful, I love it!", "That is awful, I hate it."])
+    assert good > 0.5 and bad < -0.5
+
+
+def test_split_depends_on_group_and_seed_only():
+    rows = [{"group": f"doc{i % 50}", "i": i} for i in range(500)]
+    a = data.split_by_group(rows, seed=1234, test_fraction=0.1)
+    b = data.split_by_group(list(reversed(rows)), seed=1234, test_fraction=0.1)
+    assert all(groups(a[k]) == groups(b[k]) for k in a)
+    c = data.split_by_group(rows, seed=7, test_fraction=0.1)
+    assert any(groups(a[k]) != groups(c[k]) for k in a)
+
+
+# --- real datasets, through the same code path as the hub -------------------------------------
+
+def everything(splits):
+    return [r for rows in splits.values() for r in rows]
+
+
+def test_tldr_comparisons_map_to_the_reddit_template_and_the_chosen_summary():
+    splits = data.load_task("tldr", data_files={"train": str(FIXTURES / "tldr_comparisons_train.jsonl"),
+                                                 "test": str(FIXTURES / "tldr_comparisons_valid.jsonl")})
+    assert len(everything(splits)) == 8 and len(splits["test"]) == 2
+    for r in everything(splits):
+        assert r["prompt"].startswith("SUBREDDIT: r/") and r["prompt"].endswith("\nTL;DR:")
+        assert "\nTITLE: " in r["prompt"] and "\nPOST: " in r["prompt"]
+        assert len(r["chosen"]) > len(r["rejected"])     # fixture: the longer summary is the chosen one
+    for split in ("sft", "rm", "ppo"):                      # both orders of a post stay in one split
+        for g in groups(splits[split]):
+            assert sum(r["group"] == g for r in everything(splits)) == 2
+
+
+def test_tldr_carper_variant_does_not_repeat_tldr():
+    splits = data.load_task(str(FIXTURES / "tldr_carper.jsonl"))
+    rows = everything(splits)
+    assert len(rows) == 4
+    assert all(r["prompt"].endswith("TL;DR:") and "TL;DR" not in r["chosen"] + r["rejected"] for r in rows)
+    assert all(r["chosen"].startswith(" ") for r in rows)
+
+
+def test_hh_keeps_prompt_and_responses():
+    splits = data.load_task("hh", data_files={"train": str(FIXTURES / "hh_train.jsonl"),
+                                               "test": str(FIXTURES / "hh_test.jsonl")})
+    assert [r["chosen"] for r in splits["test"]] == [" About 9-12 minutes for hard-boiled, 6-7 for a jammy yolk."]
+    assert len(everything(splits)) == 5
+    assert all(r["prompt"].endswith("\n\nAssistant:") for r in everything(splits))
+
+
+def test_webgpt_drops_ties_strips_citations_and_holds_out_a_test_split():
+    splits = data.load_task("webgpt", data_files={"train": str(FIXTURES / "webgpt.jsonl")})
+    rows = everything(splits)
+    assert len(rows) == 3                                             # one tie dropped
+    assert "test" in splits
+    assert not any("[" in r["chosen"] + r["rejected"] for r in rows)
+    bread = next(r for r in rows if "bread" in r["prompt"])
+    assert bread["chosen"] == " Yeast makes gas that gets trapped in gluten, so the dough rises."
+    assert bread["prompt"] == "\n\nHuman: Why is bread fluffy?\n\nAssistant:"
+
+
+def test_local_parquet_in_any_known_schema(tmp_path):
+    import datasets
+    rows = [json.loads(line) for line in open(FIXTURES / "webgpt.jsonl")]
+    path = tmp_path / "webgpt.parquet"
+    datasets.Dataset.from_list(rows).to_parquet(str(path))
+    assert len(everything(data.load_task(str(path)))) == 3
+
+
+def test_unknown_columns_and_unknown_names_are_clear_errors(tmp_path):
+    path = tmp_path / "odd.jsonl"
+    path.write_text('{"question": "q", "answer": "a"}\n')
+    with pytest.raises(data.DataError, match="match no known schema"):
+        data.load_task(str(path))
+    with pytest.raises(data.DataError, match="unknown task 'nope'"):
+        data.load_task("nope")
+
+
+def test_a_bad_row_names_dataset_row_and_field():
+    with pytest.raises(data.DataError, match=r"pairs_bad.jsonl\[train\]: row 1: missing field 'rejected'"):
+        data.load_task(str(FIXTURES / "pairs_bad.jsonl"))
+
+
+def test_bad_rows_can_be_skipped_and_are_counted(capsys):
+    rows = everything(data.load_task(str(FIXTURES / "pairs_bad.jsonl"), skip_bad_rows=True))
+    assert sorted(r["chosen"] for r in rows) == [" sure", " yes"]
+    assert "skipped 2 malformed rows" in capsys.readouterr().out
+
+
+def test_wrong_type_and_empty_field_messages():
+    bad = [{"prompt": "p", "chosen": 3, "rejected": "r"}, {"prompt": "p", "chosen": " ", "rejected": "r"}]
+    with pytest.raises(data.DataError, match="row 0: field 'chosen' should be str, got int"):
+        data.map_rows(bad[:1], data._pairs_row, "mine")
+    with pytest.raises(data.DataError, match="row 0: field 'chosen' is empty"):
+        data.map_rows(bad[1:], data._pairs_row, "mine")
+
+
+# --- tokenization -------------------------------------------------------------------------------
+
+def test_tokenizer_round_trips_with_pad_different_from_eos(tokenizer):
+    text = "Héllo wörld, naïve café — “quotes”\n  and spaces"
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    assert tokenizer.decode(ids) == text
+    assert tokenizer.pad_token_id != tokenizer.eos_token_id
+    data.check_tokenizer(tokenizer)
+
+
+def test_a_tokenizer_whose_pad_is_eos_is_refused(tokenizer):
+    import copy
+    broken = copy.deepcopy(tokenizer)
+    broken.pad_token = broken.eos_token
+    with pytest.raises(ValueError, match="pad token different from its EOS"):
+        data.check_tokenizer(broken)
+
+
+def test_prompts_are_left_padded_and_keep_their_end(tokenizer):
+    long_prompt = "one two three four five six seven eight nine ten eleven twelve"
+    ids, mask, truncated = data.encode_prompts(tokenizer, [long_prompt, "hi"], max_len=6)
+    assert ids.shape == (2, 6) and truncated == 1
+    assert ids[0, 0] == tokenizer.bos_token_id                       # BOS survives truncation
+    assert tokenizer.decode(ids[0, 1:]).endswith("twelve")
+    assert mask[1].tolist()[:3] == [0, 0, 0] and mask[1, -1] == 1 and ids[1, 0] == tokenizer.pad_token_id
+
+
+def test_responses_are_right_padded_with_eos_when_it_fits(tokenizer):
+    ids, mask = data.encode_responses(tokenizer, [" quick", " the quick brown fox jumped over"], max_len=4)
+    short = ids[0][mask[0].bool()].tolist()
+    assert short[-1] == tokenizer.eos_token_id and ids[0, -1] == tokenizer.pad_token_id
+    assert mask[1].sum() == 4 and tokenizer.eos_token_id not in ids[1].tolist()   # cut: no EOS
+
+
+def test_collate_labels_only_response_tokens(tokenizer):
+    b = data.collate(tokenizer, ["a short prompt", "a much much longer prompt here"], [" yes", " no way"], 16, 8)
+    labels, ids, mask = b["labels"], b["input_ids"], b["attention_mask"]
+    P = b["prompt_width"]
+    assert (labels[:, :P] == -100).all()
+    assert torch.equal(labels[:, P:] != -100, mask[:, P:].bool())
+    assert torch.equal(labels[:, P:][mask[:, P:].bool()], ids[:, P:][mask[:, P:].bool()])
+    assert torch.equal(b["position_ids"][0][mask[0].bool()], torch.arange(int(mask[0].sum())))
