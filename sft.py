@@ -210,7 +210,13 @@ def main(args):
     eval_rows = eval_rows[:args.n_eval]
     log(f"[sft] {args.task}: {len(train_rows)} training, {len(eval_rows)} held-out examples")
     if source == "tiny":
-        tokenizer = train_tokenizer([r["prompt"] + r["chosen"] for r in train_rows], args.vocab_size)
+        # one process trains the tokenizer, the others load it: every rank has the same vocabulary
+        tok_dir = args.output_dir.rstrip("/") + ".tokenizer"
+        if accelerator.is_main_process:
+            atomic_save(tok_dir, tokenizer=train_tokenizer([r["prompt"] + r["chosen"] for r in train_rows],
+                                                           args.vocab_size))
+        accelerator.wait_for_everyone()
+        tokenizer = load_tokenizer(tok_dir)
         model = tiny_gemma(tokenizer, args.hidden_size, args.num_layers,
                            max_len=2 * (args.max_prompt_len + args.max_response_len))
     else:
@@ -219,9 +225,9 @@ def main(args):
         model = AutoModelForCausalLM.from_pretrained(source, dtype=torch.bfloat16 if args.bf16 else torch.float32)
     if args.gradient_checkpointing:
         model.gradient_checkpointing_enable()
-    log(f"[sft] model {source}: {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters")
-
     world, rank = accelerator.num_processes, accelerator.process_index
+    log(f"[sft] model {source}: {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters, "
+        f"{world} process(es) on {accelerator.device}")
     steps = args.max_steps or math.ceil(args.epochs * len(train_rows) / (args.batch_size * world * args.grad_accum))
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay)
     from transformers import get_cosine_schedule_with_warmup

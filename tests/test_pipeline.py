@@ -71,6 +71,18 @@ def test_reward_model_trains_from_the_sft_checkpoint(sft_runs, tmp_path):
     assert model.config.num_labels == 1
 
 
+def test_sft_under_accelerate_launch_with_two_cpu_processes(tmp_path):
+    launch = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
+              "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no"]
+    proc = subprocess.run([*launch, "sft.py", *TINY, "--max_steps", "6", "--eval_every", "3",
+                           "--output_dir", str(tmp_path / "ddp")], cwd=ROOT, capture_output=True, text=True,
+                          timeout=240)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "2 process(es)" in proc.stdout
+    assert proc.stdout.count("held-out loss") == 2                     # printed by the main process only
+    assert os.path.exists(tmp_path / "ddp" / "model.safetensors")
+
+
 def test_missing_sft_checkpoint_is_a_clear_error(tmp_path):
     proc = subprocess.run([sys.executable, "reward_model.py", "--sft_path", str(tmp_path / "nowhere")],
                           cwd=ROOT, capture_output=True, text=True, timeout=120)
