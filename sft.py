@@ -94,15 +94,18 @@ def make_accelerator(bf16=False, grad_accum=1, **kwargs):
                        mixed_precision="bf16" if bf16 else "no", **kwargs)
 
 
-def atomic_save(path, model=None, tokenizer=None, state=None):
+def atomic_save(path, model=None, tokenizer=None, state=None, parts=None):
     """Write a save_pretrained folder to a temporary sibling, then swap it in with a rename: an
-    interruption never leaves a half-written checkpoint where the last good one was."""
+    interruption never leaves a half-written checkpoint where the last good one was.
+    `parts` {name: model} go to sub-folders (ppo.py's policy and critic)."""
     path = os.path.abspath(path)
     tmp, old = path + ".tmp", path + ".old"
     shutil.rmtree(tmp, ignore_errors=True)
     os.makedirs(tmp)
     if model is not None:
         model.save_pretrained(tmp)
+    for name, part in (parts or {}).items():
+        part.save_pretrained(os.path.join(tmp, name))
     if tokenizer is not None:
         tokenizer.save_pretrained(tmp)
     if state is not None:

@@ -1,0 +1,387 @@
+"""Stage 3: PPO and MA-PPO (paper Algorithm 1); `--n 1` is vanilla token-level PPO.
+
+    accelerate launch ppo.py --n 5       # builds (or reuses) runs/chitchat/{sft,rm}, then trains MA-PPO
+
+One iteration, as numbered below: 1. rollout, 2. score, 3. rewards, 4. macro actions,
+5. advantages, 6. PPO update, 7. log / evaluate / checkpoint.
+"""
+import json
+import os
+import random
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+import data
+import macro_actions as ma
+import reward_model as rm
+import sft
+
+
+@dataclass
+class PPOArgs:
+    task: str = field(default="chitchat", metadata={"help": "chitchat, tldr, tldr_carper, hh, webgpt, or a local json/jsonl/parquet file"})
+    sft_path: str = field(default="", metadata={"help": "SFT model (policy init and frozen reference); default runs/<task>/sft, built on chitchat if missing"})
+    rm_path: str = field(default="", metadata={"help": "reward model (also the critic's init); default runs/<task>/rm, built on chitchat if missing"})
+    output_dir: str = field(default="", metadata={"help": "default runs/<task>/ppo_n<n>"})
+    n: int = field(default=5, metadata={"help": "macro action length for --termination fixed: 1 = vanilla PPO, 0 = the whole response"})
+    termination: str = field(default="fixed", metadata={"help": "fixed | randomized | parsing | ppl | entropy (paper §3.2.1)"})
+    sigma: str = field(default="equal", metadata={"help": "macro value weights: equal | unit | position | first (App. D.1)"})
+    reward_agg: str = field(default="sum", metadata={"help": "macro reward: sum (the paper's equation) | mean (the released code)"})
+    ratio: str = field(default="token", metadata={"help": "token: per-token ratios with macro advantages (released code) | macro: pi(omega)/pi_old(omega)"})
+    kl_estimator: str = field(default="k1", metadata={"help": "per-token KL: k1 = logp - logp_ref | k3 = (r - 1) - log r, r = p_ref/p"})
+    beta: float = field(default=0.05, metadata={"help": "KL penalty coefficient"})
+    clip: float = field(default=0.2, metadata={"help": "policy ratio clip range"})
+    value_clip: float = field(default=0.2, metadata={"help": "value clip range"})
+    gamma: float = field(default=1.0, metadata={"help": "discount"})
+    lam: float = field(default=0.95, metadata={"help": "GAE lambda"})
+    temperature: float = field(default=0.8, metadata={"help": "sampling temperature (logprobs are taken under the same distribution)"})
+    top_k: int = field(default=0, metadata={"help": "top-k sampling, 0 = off"})
+    top_p: float = field(default=1.0, metadata={"help": "nucleus sampling, 1 = off"})
+    cutoff: int = field(default=5, metadata={"help": "parsing termination: largest node kept as one macro action"})
+    entropy_threshold: float = field(default=2.0, metadata={"help": "entropy termination: a token above this entropy (nats) starts a macro action"})
+    max_prompt_len: int = field(default=48, metadata={"help": "prompt tokens kept (truncated from the left, counted)"})
+    max_response_len: int = field(default=32, metadata={"help": "generated tokens at most"})
+    rollout_batch_size: int = field(default=32, metadata={"help": "prompts per process per iteration"})
+    mini_batch_size: int = field(default=16, metadata={"help": "rollouts per PPO minibatch"})
+    grad_accum: int = field(default=1, metadata={"help": "minibatches per optimizer step"})
+    ppo_epochs: int = field(default=1, metadata={"help": "passes over each rollout batch"})
+    steps: int = field(default=120, metadata={"help": "PPO iterations"})
+    policy_lr: float = field(default=3e-4, metadata={"help": "policy learning rate (~1e-6 for Gemma-2B)"})
+    critic_lr: float = field(default=1e-3, metadata={"help": "critic learning rate"})
+    warmup_steps: int = field(default=5, metadata={"help": "linear warmup iterations for both optimizers"})
+    missing_eos_penalty: float = field(default=0.0, metadata={"help": "added to the score of a response without EOS (e.g. -1)"})
+    whiten_advantages: bool = field(default=True, metadata={"help": "normalise advantages over the batch"})
+    eval_every: int = field(default=20, metadata={"help": "held-out RM / gold score every k iterations"})
+    save_every: int = field(default=40, metadata={"help": "checkpoint every k iterations"})
+    n_eval_prompts: int = field(default=256, metadata={"help": "held-out prompts per evaluation"})
+    seed: int = field(default=1234, metadata={"help": "random seed"})
+    resume: bool = field(default=False, metadata={"help": "continue from <output_dir>/checkpoint"})
+    report_to: str = field(default="none", metadata={"help": "accelerate trackers: none | tensorboard | wandb"})
+    bf16: bool = field(default=False, metadata={"help": "bf16 mixed precision (GPUs)"})
+    gradient_checkpointing: bool = field(default=False, metadata={"help": "recompute activations to save memory (GPUs)"})
+
+
+# ---------------------------------------------------------------------------------------------
+# Small pure helpers
+# ---------------------------------------------------------------------------------------------
+
+def masked_mean(x, mask):
+    return (x * mask).sum() / mask.sum().clamp(min=1)
+
+
+def masked_whiten(x, mask):
+    mean = masked_mean(x, mask)
+    var = masked_mean((x - mean) ** 2, mask)
+    return (x - mean) * torch.rsqrt(var + 1e-8) * mask
+
+
+def response_logprobs(model, ids, mask, prompt_width, temperature):
+    """log pi(y_t | x, y_<t) of every response token under the sampling distribution (logits /
+    temperature), and the entropy there: both [B, R]."""
+    logits = model(input_ids=ids, attention_mask=mask, position_ids=data.position_ids(mask)).logits
+    logits = logits[:, prompt_width - 1:-1].float() / temperature
+    logp_all = logits.log_softmax(-1)
+    logp = logp_all.gather(-1, ids[:, prompt_width:].unsqueeze(-1)).squeeze(-1)
+    entropy = -(logp_all.exp() * logp_all).sum(-1)
+    return logp, entropy
+
+
+def critic_values(critic, ids, mask, prompt_width):
+    """V(s_t) for the state before each response token: the head at the preceding position [B, R]."""
+    return rm.token_values(critic, ids, mask)[:, prompt_width - 1:-1]
+
+
+def macro_starts(args, r_ids, r_mask, logprobs, entropy, tokenizer, generator):
+    """4. Which response tokens begin a macro action, and the parse fallback rate."""
+    if args.termination == "fixed":
+        return ma.fixed_ngram_starts(r_mask, args.n), 0.0
+    if args.termination == "randomized":
+        return ma.randomized_ngram_starts(r_mask, generator=generator), 0.0
+    if args.termination == "ppl":
+        return ma.perplexity_starts(logprobs, r_mask), 0.0
+    if args.termination == "entropy":
+        return ma.entropy_starts(entropy, r_mask, args.entropy_threshold), 0.0
+    if args.termination == "parsing":
+        starts, fallback = ma.parsing_starts(r_ids, r_mask, tokenizer, args.cutoff, return_fallback=True)
+        return starts, fallback.float().mean().item()
+    raise ValueError(f"unknown --termination {args.termination!r}")
+
+
+def ppo_losses(args, logp, old_logp, values, old_values, advantages, returns, mask, starts):
+    """6. Clipped policy loss (token or macro ratio) and clipped value loss, masked means."""
+    log_ratio = (logp - old_logp) * mask
+    if args.ratio == "macro":                        # log pi(omega)/pi_old(omega), on every token of omega
+        ids = ma.macro_ids(starts)
+        log_ratio = torch.zeros_like(log_ratio).scatter_add(1, ids, log_ratio).gather(1, ids) * mask
+    ratio = log_ratio.exp()
+    pg = torch.max(-advantages * ratio, -advantages * ratio.clamp(1 - args.clip, 1 + args.clip))
+    v_clipped = old_values + (values - old_values).clamp(-args.value_clip, args.value_clip)
+    vf = 0.5 * torch.max((values - returns) ** 2, (v_clipped - returns) ** 2)
+    stats = {"policy/clipfrac": masked_mean(((ratio - 1).abs() > args.clip).float(), mask),
+             "policy/approxkl": masked_mean(0.5 * log_ratio ** 2, mask), "policy/ratio": masked_mean(ratio, mask)}
+    return masked_mean(pg, mask), masked_mean(vf, mask), stats
+
+
+# ---------------------------------------------------------------------------------------------
+# The default pipeline: build the SFT and reward models of the embedded task when missing
+# ---------------------------------------------------------------------------------------------
+
+def build_default(args, accelerator):
+    """chitchat with no paths given: run sft.py / reward_model.py once (main process), reuse after."""
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("ACCELERATE_", "RANK", "WORLD_SIZE", "LOCAL_", "MASTER_", "OMP_"))}
+    for path, script, extra in [(args.sft_path, "sft.py", []), (args.rm_path, "reward_model.py", ["--sft_path", args.sft_path])]:
+        if accelerator.is_main_process and not os.path.exists(os.path.join(path, "config.json")):
+            if args.task != "chitchat":
+                sys.exit(f"error: no model at {path!r}; train it with {script} or pass its path")
+            accelerator.print(f"[ppo] {path} missing: running {script}")
+            subprocess.run([sys.executable, script, "--output_dir", path, *extra], check=True, env=env,
+                           cwd=os.path.dirname(os.path.abspath(__file__)))
+        accelerator.wait_for_everyone()
+
+
+@torch.no_grad()
+def evaluate_policy(policy, rm_model, tokenizer, prompts, args, seed):
+    """Held-out prompts -> (responses, RM scores, gold scores); sampling as in training."""
+    torch.manual_seed(seed)
+    *_, r_ids, _ = sft.sample(policy, tokenizer, prompts, args.max_prompt_len, args.max_response_len,
+                              args.temperature, args.top_k, args.top_p)
+    texts = tokenizer.batch_decode(r_ids, skip_special_tokens=True)
+    scores = rm.score(rm_model, tokenizer, prompts, texts, args.max_prompt_len, args.max_response_len)
+    gold = torch.tensor(data.gold_score(texts)) if args.task == "chitchat" else None
+    return texts, scores, gold
+
+
+def main(args):
+    args.sft_path = args.sft_path or f"runs/{args.task}/sft"
+    args.rm_path = args.rm_path or f"runs/{args.task}/rm"
+    args.output_dir = args.output_dir or f"runs/{args.task}/ppo_n{args.n}_{args.termination}"
+    accelerator = sft.make_accelerator(args.bf16, args.grad_accum,
+                                       log_with=None if args.report_to == "none" else args.report_to,
+                                       project_dir=args.output_dir)
+    log = accelerator.print
+    log(f"[ppo] config: {asdict(args)}")
+    build_default(args, accelerator)
+    from transformers import AutoModelForCausalLM
+    dtype = torch.bfloat16 if args.bf16 else torch.float32
+    torch.manual_seed(args.seed)
+    random.seed(args.seed)
+    ckpt = os.path.join(args.output_dir, "checkpoint")
+    if args.resume:
+        sft.require_model_dir(os.path.join(ckpt, "policy"), "checkpoint to resume", "Run without --resume.")
+    policy_src = os.path.join(ckpt, "policy") if args.resume else args.sft_path
+    critic_src = os.path.join(ckpt, "critic") if args.resume else args.rm_path
+    tokenizer = sft.load_tokenizer(args.sft_path)
+    policy = AutoModelForCausalLM.from_pretrained(policy_src, dtype=dtype)
+    ref = AutoModelForCausalLM.from_pretrained(args.sft_path, dtype=dtype).eval().requires_grad_(False)
+    critic, _ = rm.load_reward_model(critic_src, args.bf16)
+    reward, _ = rm.load_reward_model(args.rm_path, args.bf16)
+    reward.eval().requires_grad_(False)
+    for m in (policy, critic):
+        if args.gradient_checkpointing:
+            m.gradient_checkpointing_enable()
+    for m in (policy, ref, critic, reward):
+        m.config.dropout = 0.0
+    splits = data.load_task(args.task, only=("ppo", "test"))
+    prompts = data.prompts_of(splits["ppo"])
+    eval_prompts = data.prompts_of(splits["test"])[:args.n_eval_prompts]
+    world, rank = accelerator.num_processes, accelerator.process_index
+    log(f"[ppo] {len(prompts)} training prompts, {len(eval_prompts)} held-out prompts, {world} process(es)")
+
+    def schedule(step):
+        return min(1.0, (step + 1) / max(1, args.warmup_steps))
+    policy_opt = torch.optim.AdamW(policy.parameters(), lr=args.policy_lr)
+    critic_opt = torch.optim.AdamW(critic.parameters(), lr=args.critic_lr)
+    policy_sched = torch.optim.lr_scheduler.LambdaLR(policy_opt, schedule)
+    critic_sched = torch.optim.lr_scheduler.LambdaLR(critic_opt, schedule)
+    policy, critic, policy_opt, critic_opt = accelerator.prepare(policy, critic, policy_opt, critic_opt)
+    ref.to(accelerator.device)
+    reward.to(accelerator.device)
+    start = 0
+    if args.resume:
+        state = torch.load(os.path.join(ckpt, "trainer_state.pt"), weights_only=False)
+        for obj, key in [(policy_opt, "policy_opt"), (critic_opt, "critic_opt"), (policy_sched, "policy_sched"),
+                         (critic_sched, "critic_sched")]:
+            obj.load_state_dict(state[key])
+        sft.set_rng_state(state["rng"])
+        start = state["step"]
+        log(f"[ppo] resumed at iteration {start}")
+    generator = torch.Generator().manual_seed(args.seed)
+    if args.resume:
+        generator.set_state(state["generator"])
+    if args.report_to != "none":
+        accelerator.init_trackers("ma-rlhf", config=asdict(args))
+    os.makedirs(args.output_dir, exist_ok=True)
+    metrics_path = os.path.join(args.output_dir, "metrics.jsonl")
+
+    def save(step):
+        if accelerator.is_main_process:
+            sft.atomic_save(ckpt, tokenizer=tokenizer, parts={
+                "policy": accelerator.unwrap_model(policy), "critic": accelerator.unwrap_model(critic)}, state={
+                "step": step, "rng": sft.rng_state(), "generator": generator.get_state(), "args": asdict(args),
+                **{k: o.state_dict() for k, o in [("policy_opt", policy_opt), ("critic_opt", critic_opt),
+                                                   ("policy_sched", policy_sched), ("critic_sched", critic_sched)]}})
+        accelerator.wait_for_everyone()
+
+    from tqdm.auto import tqdm
+    truncated_total, done = 0, start
+    bar = tqdm(range(start, args.steps), desc=f"ppo n={args.n}", disable=not accelerator.is_local_main_process)
+    try:
+        for step in bar:
+            t0 = time.time()
+            # 1. Rollout: sample responses; logprobs under the sampling distribution
+            idx = sft.batch_indices(len(prompts), args.rollout_batch_size, step, args.seed, rank, world)
+            batch_prompts = [prompts[i] for i in idx]
+            truncated_total += data.encode_prompts(tokenizer, batch_prompts, args.max_prompt_len)[2]
+            policy.eval()
+            p_ids, p_mask, r_ids, r_mask = sft.sample(accelerator.unwrap_model(policy), tokenizer, batch_prompts,
+                                                      args.max_prompt_len, args.max_response_len,
+                                                      args.temperature, args.top_k, args.top_p)
+            t_gen = time.time() - t0
+            P = p_ids.shape[1]
+            ids, mask = torch.cat([p_ids, r_ids], 1), torch.cat([p_mask, r_mask], 1)
+            m = r_mask.float()
+            # 2. Score: old logprobs, reference logprobs, values, RM score at the last real token
+            with torch.no_grad():
+                old_logp, entropy = response_logprobs(policy, ids, mask, P, args.temperature)
+                ref_logp, _ = response_logprobs(ref, ids, mask, P, args.temperature)
+                old_values = critic_values(critic, ids, mask, P) * m
+                score = rm.last_token(rm.token_values(reward, ids, mask), mask)
+            has_eos = ((r_ids == tokenizer.eos_token_id) & r_mask.bool()).any(-1)
+            score = score + args.missing_eos_penalty * (~has_eos).float()
+            # 3. Rewards: -beta * KL per token, the score added at the last real token
+            log_r = old_logp - ref_logp
+            kl = log_r if args.kl_estimator == "k1" else (torch.exp(-log_r) - 1) + log_r
+            rewards = -args.beta * kl * m
+            last = (r_mask.sum(-1) - 1).clamp(min=0)
+            rewards[torch.arange(len(last)), last] += score
+            if not torch.isfinite(rewards).all():
+                raise FloatingPointError(f"non-finite reward at iteration {step}; last good checkpoint in {ckpt}")
+            # 4. Macro actions
+            t1 = time.time()
+            starts, fallback = macro_starts(args, r_ids, r_mask, old_logp, entropy, tokenizer, generator)
+            # 5. Macro-level GAE, broadcast to tokens
+            advantages, returns = ma.macro_advantages(old_values, rewards, r_mask, starts, args.gamma, args.lam,
+                                                      args.sigma, args.reward_agg)
+            t_macro = time.time() - t1
+            raw_adv = advantages
+            if args.whiten_advantages:
+                advantages = masked_whiten(advantages, m)
+            # 6. PPO epochs over minibatches; separate policy and critic optimizers
+            policy.train()
+            critic.train()
+            stats = []
+            for _ in range(args.ppo_epochs):
+                order = torch.randperm(len(idx), generator=generator)
+                for k in range(0, len(idx), args.mini_batch_size):
+                    mb = order[k:k + args.mini_batch_size]
+                    with accelerator.accumulate(policy, critic):
+                        logp, _ = response_logprobs(policy, ids[mb], mask[mb], P, args.temperature)
+                        values = critic_values(critic, ids[mb], mask[mb], P)
+                        pg_loss, vf_loss, s = ppo_losses(args, logp, old_logp[mb], values, old_values[mb],
+                                                         advantages[mb], returns[mb], m[mb], starts[mb])
+                        if not (torch.isfinite(pg_loss) and torch.isfinite(vf_loss)):
+                            raise FloatingPointError(f"non-finite loss at iteration {step}; last good checkpoint in {ckpt}")
+                        accelerator.backward(pg_loss + vf_loss)
+                        policy_opt.step()
+                        critic_opt.step()
+                        policy_opt.zero_grad()
+                        critic_opt.zero_grad()
+                    stats.append({"loss/policy": pg_loss.detach(), "loss/value": vf_loss.detach(), **s})
+            policy_sched.step()
+            critic_sched.step()
+            # 7. Log (averaged over processes), evaluate, checkpoint
+            n_macro = starts.sum(-1).clamp(min=1).float()
+            var_r = masked_mean((returns - masked_mean(returns, m)) ** 2, m)
+            local = {"reward/rm": score.mean(), "reward/total": (rewards.sum(-1)).mean(),
+                     "kl": (kl * m).sum(-1).mean(), "entropy": masked_mean(entropy, m),
+                     "value/explained_variance": 1 - masked_mean((returns - old_values) ** 2, m) / var_r.clamp(min=1e-8),
+                     "adv/l2": (raw_adv ** 2 * m).sum(-1).sqrt().mean(), "q/l2": (returns ** 2 * m).sum(-1).sqrt().mean(),
+                     "macro/mean_len": (r_mask.sum(-1) / n_macro).mean(), "macro/parse_fallback": torch.tensor(fallback),
+                     "response/len": r_mask.sum(-1).float().mean(), "response/eos_rate": has_eos.float().mean(),
+                     **{k: torch.stack([s[k] for s in stats]).mean() for k in stats[0]}}
+            keys = sorted(local)
+            values_all = accelerator.reduce(torch.stack([local[k].float().to(accelerator.device) for k in keys]), "mean")
+            metrics = {k: round(v, 5) for k, v in zip(keys, values_all.tolist())}
+            metrics.update({"step": step + 1, "time/step": round(time.time() - t0, 3), "time/generate": round(t_gen, 3),
+                            "time/macro": round(t_macro, 4), "prompts/truncated": truncated_total,
+                            "tokens_per_s": round(float(r_mask.sum()) * world / (time.time() - t0), 1)})
+            if (step + 1) % args.eval_every == 0 or step + 1 == args.steps:
+                if accelerator.is_main_process:
+                    _, ev_scores, ev_gold = evaluate_policy(accelerator.unwrap_model(policy).eval(), reward, tokenizer,
+                                                            eval_prompts, args, args.seed)
+                    metrics["eval/rm"] = round(ev_scores.mean().item(), 4)
+                    if ev_gold is not None:
+                        metrics["eval/gold"] = round(ev_gold.mean().item(), 4)
+                    log(f"[ppo] iteration {step + 1}: " + "  ".join(f"{k} {metrics[k]}" for k in
+                        ("reward/rm", "kl", "eval/rm", "eval/gold", "macro/mean_len") if k in metrics))
+                accelerator.wait_for_everyone()
+            if accelerator.is_main_process:
+                with open(metrics_path, "a") as f:
+                    f.write(json.dumps(metrics) + "\n")
+            if args.report_to != "none":
+                accelerator.log(metrics, step=step + 1)
+            bar.set_postfix(rm=f"{metrics['reward/rm']:.2f}", kl=f"{metrics['kl']:.2f}")
+            done = step + 1
+            if done % args.save_every == 0:
+                save(done)
+    except KeyboardInterrupt:
+        save(done)
+        log(f"[ppo] interrupted after iteration {done}: checkpoint in {ckpt}; continue with --resume")
+        sys.exit(130)
+    if accelerator.is_main_process:
+        sft.atomic_save(os.path.join(args.output_dir, "policy"), accelerator.unwrap_model(policy), tokenizer)
+        final_report(args, accelerator.unwrap_model(policy).eval(), reward, tokenizer, eval_prompts, metrics_path)
+    accelerator.wait_for_everyone()
+    if args.report_to != "none":
+        accelerator.end_training()
+
+
+def final_report(args, policy, reward, tokenizer, prompts, metrics_path):
+    """SFT vs policy on the held-out prompts: mean RM score, mean gold score, gold win rate."""
+    from transformers import AutoModelForCausalLM
+    sft_model = AutoModelForCausalLM.from_pretrained(args.sft_path).eval()
+    _, s_rm, s_gold = evaluate_policy(sft_model, reward, tokenizer, prompts, args, args.seed + 1)
+    _, p_rm, p_gold = evaluate_policy(policy, reward, tokenizer, prompts, args, args.seed + 1)
+    lines = ["", f"| held-out ({len(prompts)} prompts) | SFT | policy (n={args.n}, {args.termination}) |",
+             "|---|---|---|", f"| mean RM score | {s_rm.mean():.3f} | {p_rm.mean():.3f} |"]
+    if s_gold is not None:
+        win = ((p_gold > s_gold).float() + 0.5 * (p_gold == s_gold).float()).mean()
+        lines += [f"| mean gold score | {s_gold.mean():.3f} | {p_gold.mean():.3f} |",
+                  f"| gold win rate vs SFT (ties half) | | {win:.1%} |"]
+    png = plot_curves(metrics_path)
+    lines += ["", f"metrics: {metrics_path}", f"learning curve: {png}"]
+    print("\n".join(lines))
+    with open(os.path.join(args.output_dir, "summary.md"), "w") as f:
+        f.write("\n".join(lines) + "\n")
+
+
+def plot_curves(metrics_path):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    rows = [json.loads(line) for line in open(metrics_path)]
+    fig, ax = plt.subplots(1, 2, figsize=(9, 3.2))
+    ax[0].plot([r["step"] for r in rows], [r["reward/rm"] for r in rows], label="train RM score")
+    ev = [r for r in rows if "eval/rm" in r]
+    ax[0].plot([r["step"] for r in ev], [r["eval/rm"] for r in ev], "o-", label="held-out RM score")
+    if ev and "eval/gold" in ev[0]:
+        ax[1].plot([r["step"] for r in ev], [r["eval/gold"] for r in ev], "o-", color="C2")
+    ax[1].set_title("held-out gold score")
+    ax[0].legend()
+    for a in ax:
+        a.set_xlabel("iteration")
+    png = os.path.join(os.path.dirname(metrics_path), "learning_curve.png")
+    fig.tight_layout()
+    fig.savefig(png, dpi=100)
+    return png
+
+
+if __name__ == "__main__":
+    from transformers import HfArgumentParser
+    main(HfArgumentParser(PPOArgs).parse_args_into_dataclasses()[0])
