@@ -1,0 +1,115 @@
+"""ppo.py: rollout and training forwards agree; n=1 is token-level PPO; every flag runs a step."""
+import json
+import os
+
+import pytest
+import torch
+
+import data
+import macro_actions as ma
+import ppo
+import sft
+from reference import token_gae
+
+PROMPTS = ["\n\nHuman: how are you\n\nAssistant:", "hi", "\n\nHuman: tell me about the quick brown fox please\n\nAssistant:",
+           "\n\nHuman: The quick brown fox (a clever one) jumped over the lazy dog, then what?\n\nAssistant:"]
+
+
+@pytest.fixture(scope="module")
+def policy(tokenizer):
+    torch.manual_seed(0)
+    return sft.tiny_gemma(tokenizer, hidden_size=32, num_layers=2).eval()
+
+
+def test_rollout_logprobs_equal_training_forward_so_the_first_ratio_is_one(policy, tokenizer):
+    """generate()'s own (temperature-scaled) scores vs ppo's forward over left-padded prompts."""
+    torch.manual_seed(1)
+    p_ids, p_mask, _ = data.encode_prompts(tokenizer, PROMPTS, 32)
+    out = policy.generate(input_ids=p_ids, attention_mask=p_mask, max_new_tokens=10, do_sample=True,
+                          temperature=0.7, top_k=None, top_p=None, output_scores=True, return_dict_in_generate=True,
+                          pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
+    r_ids, r_mask = sft.response_logits_mask(out.sequences[:, p_ids.shape[1]:], tokenizer.eos_token_id,
+                                             tokenizer.pad_token_id)
+    gen_logp = torch.stack(out.scores, 1).log_softmax(-1).gather(-1, r_ids.unsqueeze(-1)).squeeze(-1)
+    ids, mask = torch.cat([p_ids, r_ids], 1), torch.cat([p_mask, r_mask], 1)
+    with torch.no_grad():
+        logp, _ = ppo.response_logprobs(policy, ids, mask, p_ids.shape[1], 0.7)
+        mb_logp, _ = ppo.response_logprobs(policy, ids[1:3], mask[1:3], p_ids.shape[1], 0.7)
+    m = r_mask.bool()
+    assert torch.allclose(logp[m], gen_logp[m], atol=1e-4)
+    assert torch.allclose((mb_logp - logp[1:3]).exp()[m[1:3]], torch.ones(int(m[1:3].sum())), atol=1e-5)
+
+
+def reference_token_ppo(logp, old_logp, values, old_values, rewards, mask, clip, value_clip, gamma, lam):
+    """Plain token-level PPO, one sample at a time (the textbook losses)."""
+    pg_terms, vf_terms = [], []
+    for b in range(len(mask)):
+        n = int(mask[b].sum())
+        adv, returns = token_gae(old_values[b], rewards[b], n, gamma, lam)
+        for t in range(n):
+            a, ret = adv[t], returns[t]
+            ratio = torch.exp(logp[b, t] - old_logp[b, t])
+            pg_terms.append(torch.max(-a * ratio, -a * ratio.clamp(1 - clip, 1 + clip)))
+            vc = old_values[b, t] + (values[b, t] - old_values[b, t]).clamp(-value_clip, value_clip)
+            vf_terms.append(0.5 * torch.max((values[b, t] - ret) ** 2, (vc - ret) ** 2))
+    return torch.stack(pg_terms).mean(), torch.stack(vf_terms).mean()
+
+
+def test_n1_is_exactly_token_level_ppo_loss_and_gradients():
+    torch.manual_seed(0)
+    B, T = 3, 7
+    mask = torch.tensor([[1] * 7, [1] * 4 + [0] * 3, [1] * 2 + [0] * 5]).float()
+    old_logp, old_values, rewards = -torch.rand(B, T) * mask, torch.randn(B, T) * mask, torch.randn(B, T) * mask
+    logp = (old_logp + 0.3 * torch.randn(B, T)).requires_grad_()
+    values = (old_values + 0.3 * torch.randn(B, T)).requires_grad_()
+    args = ppo.PPOArgs(n=1, whiten_advantages=False)
+    starts = ma.fixed_ngram_starts(mask, 1)
+    adv, ret = ma.macro_advantages(old_values, rewards, mask, starts, args.gamma, args.lam)
+    pg, vf, _ = ppo.ppo_losses(args, logp, old_logp, values, old_values, adv, ret, mask, starts)
+    ref_pg, ref_vf = reference_token_ppo(logp, old_logp, values, old_values, rewards, mask, args.clip,
+                                         args.value_clip, args.gamma, args.lam)
+    assert torch.allclose(pg, ref_pg, atol=1e-6) and torch.allclose(vf, ref_vf, atol=1e-6)
+    grads = torch.autograd.grad(pg + vf, [logp, values])
+    ref_grads = torch.autograd.grad(ref_pg + ref_vf, [logp, values])
+    assert all(torch.allclose(g, r, atol=1e-6) for g, r in zip(grads, ref_grads))
+
+
+def test_macro_ratio_is_the_product_of_the_token_ratios_of_the_macro_action():
+    mask = torch.ones(1, 5)
+    starts = torch.tensor([[True, False, False, True, False]])
+    old = torch.zeros(1, 5)
+    logp = torch.tensor([[0.1, 0.2, -0.05, 0.3, 0.0]])
+    adv = torch.ones(1, 5)
+    args = ppo.PPOArgs(ratio="macro", clip=10.0)
+    _, _, stats = ppo.ppo_losses(args, logp, old, old, old, adv, old, mask, starts)
+    expected = torch.tensor([0.25] * 3 + [0.3] * 2).exp().mean()
+    assert torch.allclose(stats["policy/ratio"], expected)
+
+
+@pytest.fixture(scope="module")
+def tiny_models(tmp_path_factory, tokenizer):
+    from transformers import AutoModelForSequenceClassification
+    root = tmp_path_factory.mktemp("ppo_models")
+    torch.manual_seed(0)
+    sft.atomic_save(str(root / "sft"), sft.tiny_gemma(tokenizer, hidden_size=32, num_layers=1), tokenizer)
+    reward = AutoModelForSequenceClassification.from_pretrained(root / "sft", num_labels=1)
+    sft.atomic_save(str(root / "rm"), reward, tokenizer)
+    return root
+
+
+@pytest.mark.parametrize("flags", [
+    {"n": 1}, {"n": 0}, {"termination": "randomized"}, {"termination": "ppl"}, {"termination": "parsing"},
+    {"termination": "entropy", "entropy_threshold": 1.0}, {"sigma": "unit"}, {"sigma": "position"},
+    {"sigma": "first"}, {"reward_agg": "mean"}, {"ratio": "macro"}, {"kl_estimator": "k3"},
+    {"top_k": 5, "top_p": 0.9, "missing_eos_penalty": -1.0, "whiten_advantages": False, "ppo_epochs": 2},
+])
+def test_every_flag_runs_one_iteration(tiny_models, tmp_path, flags):
+    args = ppo.PPOArgs(sft_path=str(tiny_models / "sft"), rm_path=str(tiny_models / "rm"), output_dir=str(tmp_path),
+                       steps=1, rollout_batch_size=4, mini_batch_size=2, max_prompt_len=16, max_response_len=8,
+                       n_eval_prompts=4, **flags)
+    ppo.main(args)
+    rows = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
+    assert len(rows) == 1 and all(v == v for v in rows[0].values())           # no NaN
+    assert os.path.exists(tmp_path / "policy" / "model.safetensors")
+    if flags.get("n") == 1:
+        assert rows[0]["macro/mean_len"] == 1.0
