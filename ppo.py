@@ -91,9 +91,21 @@ def response_logprobs(model, ids, mask, prompt_width, temperature):
     return logp, entropy
 
 
+class Critic(torch.nn.Module):
+    """The reward model read at every position (critic initialised from the RM, App. B.2); a module
+    of its own so that DDP / FSDP wrap the forward that computes the values."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+
+    def forward(self, ids, mask):
+        return rm.token_values(self.model, ids, mask)
+
+
 def critic_values(critic, ids, mask, prompt_width):
     """V(s_t) for the state before each response token: the head at the preceding position [B, R]."""
-    return rm.token_values(critic, ids, mask)[:, prompt_width - 1:-1]
+    return critic(ids, mask)[:, prompt_width - 1:-1]
 
 
 def macro_starts(args, r_ids, r_mask, logprobs, entropy, tokenizer, generator):
@@ -147,10 +159,12 @@ def build_default(args, accelerator):
 
 @torch.no_grad()
 def evaluate_policy(policy, rm_model, tokenizer, prompts, args, seed):
-    """Held-out prompts -> (responses, RM scores, gold scores); sampling as in training."""
-    torch.manual_seed(seed)
-    *_, r_ids, _ = sft.sample(policy, tokenizer, prompts, args.max_prompt_len, args.max_response_len,
-                              args.temperature, args.top_k, args.top_p)
+    """Held-out prompts -> (responses, RM scores, gold scores); sampling as in training, under
+    its own seed so that evaluating never changes the training run's random numbers."""
+    with torch.random.fork_rng():
+        torch.manual_seed(seed)
+        *_, r_ids, _ = sft.sample(policy, tokenizer, prompts, args.max_prompt_len, args.max_response_len,
+                                  args.temperature, args.top_k, args.top_p)
     texts = tokenizer.batch_decode(r_ids, skip_special_tokens=True)
     scores = rm.score(rm_model, tokenizer, prompts, texts, args.max_prompt_len, args.max_response_len)
     gold = torch.tensor(data.gold_score(texts)) if args.task == "chitchat" else None
@@ -179,14 +193,12 @@ def main(args):
     tokenizer = sft.load_tokenizer(args.sft_path)
     policy = AutoModelForCausalLM.from_pretrained(policy_src, dtype=dtype)
     ref = AutoModelForCausalLM.from_pretrained(args.sft_path, dtype=dtype).eval().requires_grad_(False)
-    critic, _ = rm.load_reward_model(critic_src, args.bf16)
+    critic = Critic(rm.load_reward_model(critic_src, args.bf16)[0])
     reward, _ = rm.load_reward_model(args.rm_path, args.bf16)
     reward.eval().requires_grad_(False)
-    for m in (policy, critic):
-        if args.gradient_checkpointing:
-            m.gradient_checkpointing_enable()
-    for m in (policy, ref, critic, reward):
-        m.config.dropout = 0.0
+    if args.gradient_checkpointing:
+        policy.gradient_checkpointing_enable()
+        critic.model.gradient_checkpointing_enable()
     splits = data.load_task(args.task, only=("ppo", "test"))
     prompts = data.prompts_of(splits["ppo"])
     eval_prompts = data.prompts_of(splits["test"])[:args.n_eval_prompts]
@@ -222,14 +234,16 @@ def main(args):
     def save(step):
         if accelerator.is_main_process:
             sft.atomic_save(ckpt, tokenizer=tokenizer, parts={
-                "policy": accelerator.unwrap_model(policy), "critic": accelerator.unwrap_model(critic)}, state={
-                "step": step, "rng": sft.rng_state(), "generator": generator.get_state(), "args": asdict(args),
+                "policy": accelerator.unwrap_model(policy), "critic": accelerator.unwrap_model(critic).model}, state={
+                "step": step, "truncated": truncated_total, "rng": sft.rng_state(), "generator": generator.get_state(), "args": asdict(args),
                 **{k: o.state_dict() for k, o in [("policy_opt", policy_opt), ("critic_opt", critic_opt),
                                                    ("policy_sched", policy_sched), ("critic_sched", critic_sched)]}})
         accelerator.wait_for_everyone()
 
+    # ZeRO-3 / FSDP shard the policy: every rank must keep running forwards until all are done
+    sharded = world > 1 and accelerator.distributed_type.value in ("FSDP", "DEEPSPEED")
     from tqdm.auto import tqdm
-    truncated_total, done = 0, start
+    truncated_total, done = (state["truncated"] if args.resume else 0), start
     bar = tqdm(range(start, args.steps), desc=f"ppo n={args.n}", disable=not accelerator.is_local_main_process)
     try:
         for step in bar:
@@ -241,7 +255,7 @@ def main(args):
             policy.eval()
             p_ids, p_mask, r_ids, r_mask = sft.sample(accelerator.unwrap_model(policy), tokenizer, batch_prompts,
                                                       args.max_prompt_len, args.max_response_len,
-                                                      args.temperature, args.top_k, args.top_p)
+                                                      args.temperature, args.top_k, args.top_p, synced_gpus=sharded)
             t_gen = time.time() - t0
             P = p_ids.shape[1]
             ids, mask = torch.cat([p_ids, r_ids], 1), torch.cat([p_mask, r_mask], 1)
@@ -334,12 +348,27 @@ def main(args):
         save(done)
         log(f"[ppo] interrupted after iteration {done}: checkpoint in {ckpt}; continue with --resume")
         sys.exit(130)
+    if truncated_total:
+        log(f"[ppo] warning: {truncated_total} prompts (this process) were longer than {args.max_prompt_len} "
+            f"tokens and lost their beginning")
+    if not sharded:
+        log(f"[ppo] ranks in sync: {ranks_in_sync(accelerator, policy) and ranks_in_sync(accelerator, critic)}")
     if accelerator.is_main_process:
         sft.atomic_save(os.path.join(args.output_dir, "policy"), accelerator.unwrap_model(policy), tokenizer)
         final_report(args, accelerator.unwrap_model(policy).eval(), reward, tokenizer, eval_prompts, metrics_path)
     accelerator.wait_for_everyone()
     if args.report_to != "none":
         accelerator.end_training()
+
+
+@torch.no_grad()
+def ranks_in_sync(accelerator, model):
+    """True when every process holds the same parameters (a checksum gathered over ranks)."""
+    params = [p.detach().float().flatten() for p in accelerator.unwrap_model(model).parameters()]
+    flat = torch.cat(params)
+    checksum = torch.stack([flat.sum(), (flat * torch.arange(len(flat), device=flat.device) % 7).sum()])
+    every = accelerator.gather(checksum.unsqueeze(0))
+    return bool((every == every[0]).all())
 
 
 def final_report(args, policy, reward, tokenizer, prompts, metrics_path):
