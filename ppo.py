@@ -276,6 +276,7 @@ def main(args):
             rewards[torch.arange(len(last)), last] += score
             if not torch.isfinite(rewards).all():
                 raise FloatingPointError(f"non-finite reward at iteration {step}; last good checkpoint in {ckpt}")
+            t_forward = time.time() - t0 - t_gen
             # 4. Macro actions
             t1 = time.time()
             starts, fallback = macro_starts(args, r_ids, r_mask, old_logp, entropy, tokenizer, generator)
@@ -287,6 +288,7 @@ def main(args):
             if args.whiten_advantages:
                 advantages = masked_whiten(advantages, m)
             # 6. PPO epochs over minibatches; separate policy and critic optimizers
+            t2 = time.time()
             policy.train()
             critic.train()
             stats = []
@@ -309,6 +311,7 @@ def main(args):
                     stats.append({"loss/policy": pg_loss.detach(), "loss/value": vf_loss.detach(), **s})
             policy_sched.step()
             critic_sched.step()
+            t_update = time.time() - t2
             # 7. Log (averaged over processes), evaluate, checkpoint
             n_macro = starts.sum(-1).clamp(min=1).float()
             var_r = masked_mean((returns - masked_mean(returns, m)) ** 2, m)
@@ -323,7 +326,8 @@ def main(args):
             values_all = accelerator.reduce(torch.stack([local[k].float().to(accelerator.device) for k in keys]), "mean")
             metrics = {k: round(v, 5) for k, v in zip(keys, values_all.tolist())}
             metrics.update({"step": step + 1, "time/step": round(time.time() - t0, 3), "time/generate": round(t_gen, 3),
-                            "time/macro": round(t_macro, 4), "prompts/truncated": truncated_total,
+                            "time/forward": round(t_forward, 3), "time/macro": round(t_macro, 4),
+                            "time/update": round(t_update, 3), "prompts/truncated": truncated_total,
                             "tokens_per_s": round(float(r_mask.sum()) * world / (time.time() - t0), 1)})
             if (step + 1) % args.eval_every == 0 or step + 1 == args.steps:
                 if accelerator.is_main_process:
