@@ -27,7 +27,9 @@ class PPOArgs:
     task: str = field(default="chitchat", metadata={"help": "chitchat, tldr, tldr_carper, hh, webgpt, or a local json/jsonl/parquet file"})
     sft_path: str = field(default="", metadata={"help": "SFT model (policy init and frozen reference); default runs/<task>/sft, built on chitchat if missing"})
     rm_path: str = field(default="", metadata={"help": "reward model (also the critic's init); default runs/<task>/rm, built on chitchat if missing"})
-    output_dir: str = field(default="", metadata={"help": "default runs/<task>/ppo_n<n>"})
+    output_dir: str = field(default="", metadata={"help": "default runs/<task>/ppo_n<n>_<termination>"})
+    sft_args: str = field(default="", metadata={"help": "extra sft.py flags used when the default SFT model is built, e.g. '--max_steps 600'"})
+    rm_args: str = field(default="", metadata={"help": "extra reward_model.py flags used when the default RM is built"})
     n: int = field(default=5, metadata={"help": "macro action length for --termination fixed: 1 = vanilla PPO, 0 = the whole response"})
     termination: str = field(default="fixed", metadata={"help": "fixed | randomized | parsing | ppl | entropy (paper §3.2.1)"})
     sigma: str = field(default="equal", metadata={"help": "macro value weights: equal | unit | position | first (App. D.1)"})
@@ -147,7 +149,8 @@ def build_default(args, accelerator):
     """chitchat with no paths given: run sft.py / reward_model.py once (main process), reuse after."""
     env = {k: v for k, v in os.environ.items()
            if not k.startswith(("ACCELERATE_", "RANK", "WORLD_SIZE", "LOCAL_", "MASTER_", "OMP_"))}
-    for path, script, extra in [(args.sft_path, "sft.py", []), (args.rm_path, "reward_model.py", ["--sft_path", args.sft_path])]:
+    for path, script, extra in [(args.sft_path, "sft.py", args.sft_args.split()),
+                                (args.rm_path, "reward_model.py", ["--sft_path", args.sft_path, *args.rm_args.split()])]:
         if accelerator.is_main_process and not os.path.exists(os.path.join(path, "config.json")):
             if args.task != "chitchat":
                 sys.exit(f"error: no model at {path!r}; train it with {script} or pass its path")

@@ -145,3 +145,22 @@ def test_two_cpu_processes_stay_in_sync(tiny_models, tmp_path):
     out, rows = run_ppo(tiny_models, tmp_path / "ddp", "--steps", "3", launch=launch)
     assert "2 process(es)" in out and "ranks in sync: True" in out
     assert len(rows) == 3                                            # one metrics line per iteration
+
+
+def test_non_finite_rewards_stop_with_a_clear_message(tiny_models, tmp_path):
+    args = ppo.PPOArgs(sft_path=str(tiny_models / "sft"), rm_path=str(tiny_models / "rm"), output_dir=str(tmp_path),
+                       steps=1, rollout_batch_size=4, mini_batch_size=2, max_prompt_len=16, max_response_len=8,
+                       beta=float("nan"))
+    with pytest.raises(FloatingPointError, match="non-finite reward at iteration 0"):
+        ppo.main(args)
+
+
+def test_default_pipeline_builds_sft_and_rm_then_trains(tmp_path):
+    """The zero-argument path, with small sizes: missing models are built by sft.py / reward_model.py."""
+    small = "--max_prompt_len 16 --max_response_len 8 --batch_size 4 --max_steps 4 --eval_every 2 --n_eval 8"
+    out, rows = run_ppo(tmp_path, tmp_path / "ppo", "--steps", "2", "--sft_args",
+                        small + " --hidden_size 32 --num_layers 1 --vocab_size 300", "--rm_args",
+                        small + " --n_gold_prompts 4")
+    assert "sft missing: running sft.py" in out and "rm missing: running reward_model.py" in out
+    assert "gold win rate vs SFT" in out and len(rows) == 2
+    assert os.path.exists(tmp_path / "ppo" / "learning_curve.png")
