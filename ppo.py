@@ -14,7 +14,6 @@ import time
 from dataclasses import asdict, dataclass, field
 
 import torch
-import torch.nn.functional as F
 
 import data
 import macro_actions as ma

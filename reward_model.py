@@ -9,11 +9,8 @@ output at the last real token of prompt + response. Reported: held-out pairwise 
 chitchat the agreement of the RM with the gold judge on pairs of SFT samples (the distribution
 PPO will show it). `score()` and `token_values()` are what ppo.py and evaluate.py use.
 """
-import math
 import os
 import random
-import sys
-import time
 from dataclasses import asdict, dataclass, field
 
 import torch
@@ -119,14 +116,9 @@ def main(args):
     random.seed(args.seed)
     log = accelerator.print
     log(f"[rm] config: {asdict(args)}")
-    ckpt_dir = args.output_dir.rstrip("/") + ".checkpoint"
-    state = None
-    source = args.sft_path
-    if args.resume:
-        sft.require_model_dir(ckpt_dir, "checkpoint to resume", "Run without --resume to start afresh.")
-        source = ckpt_dir
-        state = torch.load(os.path.join(ckpt_dir, "trainer_state.pt"), weights_only=False)
-    elif os.sep in source or source.startswith("."):
+    state = sft.resume_state(args)
+    source = args.output_dir.rstrip("/") + ".checkpoint" if state else args.sft_path
+    if not state and (os.sep in source or source.startswith(".")):
         sft.require_model_dir(source, "SFT model", "Train one first: python sft.py")
     splits = data.load_task(args.task, skip_bad_rows=args.skip_bad_rows, only=("rm", "test"))
     train_rows, eval_rows = splits["rm"], splits["test"][:args.n_eval]
@@ -134,20 +126,8 @@ def main(args):
     model, tokenizer = load_reward_model(source, args.bf16)
     if args.gradient_checkpointing:
         model.gradient_checkpointing_enable()
-
     world, rank = accelerator.num_processes, accelerator.process_index
-    steps = args.max_steps or math.ceil(args.epochs * len(train_rows) / (args.batch_size * world * args.grad_accum))
-    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
-    from transformers import get_cosine_schedule_with_warmup
-    scheduler = get_cosine_schedule_with_warmup(optimizer, int(args.warmup_ratio * steps), steps)
-    model, optimizer = accelerator.prepare(model, optimizer)
-    start = 0
-    if state is not None:
-        optimizer.load_state_dict(state["optimizer"])
-        scheduler.load_state_dict(state["scheduler"])
-        sft.set_rng_state(state["rng"])
-        start = state["step"]
-        log(f"[rm] resumed at step {start}")
+    trainer = sft.Trainer("rm", accelerator, model, tokenizer, args, len(train_rows), state)
 
     def pairs_of(rows):
         b = data.collate(tokenizer, [r["prompt"] for r in rows] * 2,
@@ -155,62 +135,22 @@ def main(args):
                          args.max_prompt_len, args.max_response_len)
         return {k: v.to(accelerator.device) for k, v in b.items() if torch.is_tensor(v)}
 
-    @torch.no_grad()
     def evaluate():
-        model.eval()
         total = torch.zeros(2, device=accelerator.device)
         for i in range(rank * args.batch_size, len(eval_rows), world * args.batch_size):
             rows = eval_rows[i:i + args.batch_size]
-            _, acc = bradley_terry(model, pairs_of(rows))
+            _, acc = bradley_terry(trainer.model, pairs_of(rows))
             total += torch.tensor([acc.item() * len(rows), len(rows)], device=accelerator.device)
         total = accelerator.reduce(total, "sum")
-        model.train()
-        return (total[0] / total[1].clamp(min=1)).item()
+        accuracy = (total[0] / total[1].clamp(min=1)).item()
+        return accuracy, f"held-out accuracy {accuracy:.3f}"
 
-    def save(path, step, final=False):
-        if accelerator.is_main_process:
-            sft.atomic_save(path, accelerator.unwrap_model(model), tokenizer, None if final else {
-                "step": step, "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
-                "rng": sft.rng_state(), "args": asdict(args)})
-        accelerator.wait_for_everyone()
-
-    from tqdm.auto import tqdm
-    model.train()
-    done, t0 = start, time.time()
-    accuracy = float("nan")
-    bar = tqdm(range(start, steps), desc="rm", disable=not accelerator.is_local_main_process)
-    try:
-        for step in bar:
-            for micro in range(args.grad_accum):
-                idx = sft.batch_indices(len(train_rows), args.batch_size, step * args.grad_accum + micro,
-                                        args.seed, rank, world)
-                with accelerator.accumulate(model):
-                    loss, acc = bradley_terry(model, pairs_of([train_rows[i] for i in idx]))
-                    if not torch.isfinite(loss):
-                        raise FloatingPointError(f"non-finite RM loss at step {step}; last good "
-                                                 f"checkpoint kept at {ckpt_dir}")
-                    accelerator.backward(loss)
-                    optimizer.step()
-                    optimizer.zero_grad()
-            scheduler.step()
-            bar.set_postfix(loss=f"{loss.item():.3f}", acc=f"{acc.item():.2f}")
-            if (step + 1) % args.eval_every == 0 or step + 1 == steps:
-                accuracy = evaluate()
-                log(f"[rm] step {step + 1}/{steps}  train loss {loss.item():.3f}  held-out accuracy "
-                    f"{accuracy:.3f}  ({time.time() - t0:.0f}s)")
-            done = step + 1
-            if done % args.save_every == 0:
-                save(ckpt_dir, done)
-    except KeyboardInterrupt:
-        save(ckpt_dir, done)
-        log(f"[rm] interrupted after step {done}: checkpoint saved to {ckpt_dir}; continue with --resume")
-        sys.exit(130)
-    save(args.output_dir, steps, final=True)
-    log(f"[rm] saved {args.output_dir}  held-out pairwise accuracy {accuracy:.3f}")
+    accuracy = trainer.fit(train_rows, lambda rows: bradley_terry(trainer.model, pairs_of(rows))[0], evaluate)
+    log(f"[rm] held-out pairwise accuracy {accuracy:.3f}")
     if args.task == "chitchat" and args.n_gold_prompts and accelerator.is_main_process:
         from transformers import AutoModelForCausalLM
         policy = AutoModelForCausalLM.from_pretrained(args.sft_path).eval()
-        agreement, n = gold_agreement(accelerator.unwrap_model(model).eval(), policy, tokenizer,
+        agreement, n = gold_agreement(accelerator.unwrap_model(trainer.model).eval(), policy, tokenizer,
                                       data.prompts_of(splits["test"])[:args.n_gold_prompts], args)
         log(f"[rm] RM-gold agreement on {n} pairs of SFT samples: {agreement:.3f}")
     return accuracy

@@ -173,6 +173,87 @@ def require_model_dir(path, what, hint):
         sys.exit(f"error: no {what} at {path!r} (no config.json there). {hint}")
 
 
+class Trainer:
+    """What SFT and RM training share: the optimizer and cosine schedule, resuming, micro-batches
+    with accumulation, held-out evaluation, atomic checkpoints every `save_every` steps and on
+    Ctrl-C, and a stop on a non-finite loss. `loss_fn(rows) -> loss`, `evaluate() -> (value, text)`."""
+
+    def __init__(self, name, accelerator, model, tokenizer, args, n_rows, state=None):
+        from transformers import get_cosine_schedule_with_warmup
+        self.name, self.accelerator, self.tokenizer, self.args, self.n_rows = name, accelerator, tokenizer, args, n_rows
+        self.ckpt_dir = args.output_dir.rstrip("/") + ".checkpoint"
+        world = accelerator.num_processes
+        self.steps = args.max_steps or math.ceil(args.epochs * n_rows / (args.batch_size * world * args.grad_accum))
+        optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=getattr(args, "weight_decay", 0.0))
+        self.scheduler = get_cosine_schedule_with_warmup(optimizer, int(args.warmup_ratio * self.steps), self.steps)
+        self.model, self.optimizer = accelerator.prepare(model, optimizer)
+        self.start = 0
+        if state is not None:
+            self.optimizer.load_state_dict(state["optimizer"])
+            self.scheduler.load_state_dict(state["scheduler"])
+            set_rng_state(state["rng"])
+            self.start = state["step"]
+            accelerator.print(f"[{name}] resumed at step {self.start}")
+
+    def save(self, path, step, final=False):
+        if self.accelerator.is_main_process:
+            atomic_save(path, self.accelerator.unwrap_model(self.model), self.tokenizer, None if final else {
+                "step": step, "optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict(),
+                "rng": rng_state(), "args": asdict(self.args)})
+        self.accelerator.wait_for_everyone()
+
+    def fit(self, rows, loss_fn, evaluate):
+        """Train to the last step, then save the final model; returns the last evaluation value."""
+        from tqdm.auto import tqdm
+        acc, args, name = self.accelerator, self.args, self.name
+        world, rank = acc.num_processes, acc.process_index
+        self.model.train()
+        done, t0, value = self.start, time.time(), float("nan")
+        bar = tqdm(range(self.start, self.steps), desc=name, disable=not acc.is_local_main_process)
+        try:
+            for step in bar:
+                for micro in range(args.grad_accum):
+                    idx = batch_indices(self.n_rows, args.batch_size, step * args.grad_accum + micro, args.seed,
+                                        rank, world)
+                    with acc.accumulate(self.model):
+                        loss = loss_fn([rows[i] for i in idx])
+                        if not torch.isfinite(loss):
+                            raise FloatingPointError(f"non-finite {name} loss at step {step}; last good "
+                                                     f"checkpoint kept at {self.ckpt_dir}")
+                        acc.backward(loss)
+                        self.optimizer.step()
+                        self.optimizer.zero_grad()
+                self.scheduler.step()
+                bar.set_postfix(loss=f"{loss.item():.3f}", lr=f"{self.scheduler.get_last_lr()[0]:.1e}")
+                if (step + 1) % args.eval_every == 0 or step + 1 == self.steps:
+                    self.model.eval()
+                    with torch.no_grad():
+                        value, text = evaluate()
+                    self.model.train()
+                    acc.print(f"[{name}] step {step + 1}/{self.steps}  train loss {loss.item():.3f}  {text}  "
+                              f"({time.time() - t0:.0f}s)")
+                done = step + 1
+                if done % args.save_every == 0:
+                    self.save(self.ckpt_dir, done)
+        except KeyboardInterrupt:
+            self.save(self.ckpt_dir, done)
+            acc.print(f"[{name}] interrupted after step {done}: checkpoint saved to {self.ckpt_dir}; "
+                      f"continue with --resume")
+            sys.exit(130)
+        self.save(args.output_dir, self.steps, final=True)
+        acc.print(f"[{name}] saved {args.output_dir}")
+        return value
+
+
+def resume_state(args):
+    """The trainer state of `<output_dir>.checkpoint` when --resume, else None (clear error if absent)."""
+    if not args.resume:
+        return None
+    ckpt_dir = args.output_dir.rstrip("/") + ".checkpoint"
+    require_model_dir(ckpt_dir, "checkpoint to resume", "Run without --resume to start afresh.")
+    return torch.load(os.path.join(ckpt_dir, "trainer_state.pt"), weights_only=False)
+
+
 # ---------------------------------------------------------------------------------------------
 # Stage 1
 # ---------------------------------------------------------------------------------------------
@@ -200,14 +281,8 @@ def main(args):
     random.seed(args.seed)
     log = accelerator.print
     log(f"[sft] config: {asdict(args)}")
-    ckpt_dir = args.output_dir.rstrip("/") + ".checkpoint"
-    state = None
-    if args.resume:
-        require_model_dir(ckpt_dir, "checkpoint to resume", "Run without --resume to start afresh.")
-        source = ckpt_dir
-        state = torch.load(os.path.join(ckpt_dir, "trainer_state.pt"), weights_only=False)
-    else:
-        source = args.model
+    state = resume_state(args)
+    source = args.output_dir.rstrip("/") + ".checkpoint" if state else args.model
     splits = data.load_task(args.task, skip_bad_rows=args.skip_bad_rows, only=("sft", "test"))
     train_rows, eval_rows = split_holdout(splits["sft"])
     eval_rows = eval_rows[:args.n_eval]
@@ -231,76 +306,25 @@ def main(args):
     world, rank = accelerator.num_processes, accelerator.process_index
     log(f"[sft] model {source}: {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters, "
         f"{world} process(es) on {accelerator.device}")
-    steps = args.max_steps or math.ceil(args.epochs * len(train_rows) / (args.batch_size * world * args.grad_accum))
-    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay)
-    from transformers import get_cosine_schedule_with_warmup
-    scheduler = get_cosine_schedule_with_warmup(optimizer, int(args.warmup_ratio * steps), steps)
-    model, optimizer = accelerator.prepare(model, optimizer)
-    start = 0
-    if state is not None:
-        optimizer.load_state_dict(state["optimizer"])
-        scheduler.load_state_dict(state["scheduler"])
-        set_rng_state(state["rng"])
-        start = state["step"]
-        log(f"[sft] resumed at step {start}")
+    trainer = Trainer("sft", accelerator, model, tokenizer, args, len(train_rows), state)
 
     def batch_of(rows):
         b = data.collate(tokenizer, [r["prompt"] for r in rows], [r["chosen"] for r in rows],
                          args.max_prompt_len, args.max_response_len)
         return {k: v.to(accelerator.device) for k, v in b.items() if torch.is_tensor(v)}
 
-    @torch.no_grad()
     def evaluate():
-        model.eval()
         total = torch.zeros(2, device=accelerator.device)
         for i in range(rank * args.batch_size, len(eval_rows), world * args.batch_size):
-            loss, n = sft_loss(model, batch_of(eval_rows[i:i + args.batch_size]))
+            loss, n = sft_loss(trainer.model, batch_of(eval_rows[i:i + args.batch_size]))
             total += torch.stack([loss * n, n.float()])
         total = accelerator.reduce(total, "sum")
-        model.train()
-        return (total[0] / total[1].clamp(min=1)).item()
+        loss = (total[0] / total[1].clamp(min=1)).item()
+        return loss, f"held-out loss {loss:.3f}  ppl {math.exp(loss):.1f}"
 
-    def save(path, step, final=False):
-        if accelerator.is_main_process:
-            atomic_save(path, accelerator.unwrap_model(model), tokenizer, None if final else {
-                "step": step, "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
-                "rng": rng_state(), "args": asdict(args)})
-        accelerator.wait_for_everyone()
-
-    from tqdm.auto import tqdm
-    model.train()
-    done, t0 = start, time.time()
-    bar = tqdm(range(start, steps), desc="sft", disable=not accelerator.is_local_main_process)
-    try:
-        for step in bar:
-            for micro in range(args.grad_accum):
-                idx = batch_indices(len(train_rows), args.batch_size, step * args.grad_accum + micro,
-                                    args.seed, rank, world)
-                with accelerator.accumulate(model):
-                    loss, _ = sft_loss(model, batch_of([train_rows[i] for i in idx]))
-                    if not torch.isfinite(loss):
-                        raise FloatingPointError(f"non-finite SFT loss at step {step}; last good "
-                                                 f"checkpoint kept at {ckpt_dir}")
-                    accelerator.backward(loss)
-                    optimizer.step()
-                    optimizer.zero_grad()
-            scheduler.step()
-            bar.set_postfix(loss=f"{loss.item():.3f}", lr=f"{scheduler.get_last_lr()[0]:.1e}")
-            if (step + 1) % args.eval_every == 0 or step + 1 == steps:
-                ev = evaluate()
-                log(f"[sft] step {step + 1}/{steps}  train loss {loss.item():.3f}  held-out loss "
-                    f"{ev:.3f}  ppl {math.exp(ev):.1f}  ({time.time() - t0:.0f}s)")
-            done = step + 1
-            if done % args.save_every == 0:
-                save(ckpt_dir, done)
-    except KeyboardInterrupt:
-        save(ckpt_dir, done)
-        log(f"[sft] interrupted after step {done}: checkpoint saved to {ckpt_dir}; continue with --resume")
-        sys.exit(130)
-    save(args.output_dir, steps, final=True)
-    log(f"[sft] saved {args.output_dir}")
+    trainer.fit(train_rows, lambda rows: sft_loss(trainer.model, batch_of(rows))[0], evaluate)
     if accelerator.is_main_process:
-        unwrapped = accelerator.unwrap_model(model).eval()
+        unwrapped = accelerator.unwrap_model(trainer.model).eval()
         prompts = data.prompts_of(splits["test"])[:4]
         *_, r_ids, r_mask = sample(unwrapped, tokenizer, prompts, args.max_prompt_len,
                                    args.max_response_len, temperature=0.8)
