@@ -232,6 +232,10 @@ def main(args):
         accelerator.init_trackers("ma-rlhf", config=asdict(args))
     os.makedirs(args.output_dir, exist_ok=True)
     metrics_path = os.path.join(args.output_dir, "metrics.jsonl")
+    if args.resume and accelerator.is_main_process and os.path.exists(metrics_path):
+        kept = [line for line in open(metrics_path) if json.loads(line)["step"] <= start]
+        with open(metrics_path, "w") as f:                # drop iterations the checkpoint does not hold
+            f.writelines(kept)
 
     def save(step):
         if accelerator.is_main_process:

@@ -164,3 +164,27 @@ def test_default_pipeline_builds_sft_and_rm_then_trains(tmp_path):
     assert "sft missing: running sft.py" in out and "rm missing: running reward_model.py" in out
     assert "gold win rate vs SFT" in out and len(rows) == 2
     assert os.path.exists(tmp_path / "ppo" / "learning_curve.png")
+
+
+def test_ctrl_c_saves_a_checkpoint_that_resumes(tiny_models, tmp_path):
+    import signal
+    import time
+    out = tmp_path / "run"
+    cmd = [sys.executable, "ppo.py", "--sft_path", str(tiny_models / "sft"), "--rm_path", str(tiny_models / "rm"),
+           "--output_dir", str(out), "--rollout_batch_size", "4", "--mini_batch_size", "2", "--max_prompt_len", "16",
+           "--max_response_len", "8", "--n_eval_prompts", "4", "--eval_every", "1000", "--save_every", "1000",
+           "--steps", "1000"]
+    proc = subprocess.Popen(cmd, cwd=os.path.dirname(os.path.dirname(__file__)), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    metrics = out / "metrics.jsonl"
+    deadline = time.time() + 120
+    while time.time() < deadline and not (metrics.exists() and len(metrics.read_text().splitlines()) >= 2):
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGINT)
+    stdout, stderr = proc.communicate(timeout=120)
+    assert proc.returncode == 130, stderr[-2000:]
+    done = torch.load(out / "checkpoint" / "trainer_state.pt", weights_only=False)["step"]
+    assert f"interrupted after iteration {done}" in stdout and done >= 2
+    resumed, rows = run_ppo(tiny_models, out, "--steps", str(done + 2), "--resume")
+    assert f"resumed at iteration {done}" in resumed
+    assert [r["step"] for r in rows] == list(range(1, done + 3))
