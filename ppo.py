@@ -5,6 +5,7 @@
 One iteration, as numbered below: 1. rollout, 2. score, 3. rewards, 4. macro actions,
 5. advantages, 6. PPO update, 7. log / evaluate / checkpoint.
 """
+import contextlib
 import json
 import os
 import random
@@ -160,26 +161,73 @@ def build_default(args, accelerator):
 
 
 @torch.no_grad()
-def evaluate_policy(policy, rm_model, tokenizer, prompts, args, seed):
+def evaluate_policy(policy, rm_model, tokenizer, prompts, args, seed, synced_gpus=False):
     """Held-out prompts -> (responses, RM scores, gold scores); sampling as in training, under
     its own seed so that evaluating never changes the training run's random numbers."""
     with torch.random.fork_rng():
         torch.manual_seed(seed)
         *_, r_ids, _ = sft.sample(policy, tokenizer, prompts, args.max_prompt_len, args.max_response_len,
-                                  args.temperature, args.top_k, args.top_p)
+                                  args.temperature, args.top_k, args.top_p, synced_gpus=synced_gpus)
     texts = tokenizer.batch_decode(r_ids, skip_special_tokens=True)
     scores = rm.score(rm_model, tokenizer, prompts, texts, args.max_prompt_len, args.max_response_len)
     gold = torch.tensor(data.gold_score(texts)) if args.task == "chitchat" else None
     return texts, scores, gold
 
 
+def make_accelerators(args):
+    """(policy accelerator, critic accelerator): one and the same, except under DeepSpeed, where each
+    trained model needs its own engine. accelerate's multi-model recipe: one DeepSpeedPlugin per model
+    (both from the launch config) and a second Accelerator for the critic."""
+    kwargs = dict(log_with=None if args.report_to == "none" else args.report_to, project_dir=args.output_dir)
+    if os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() != "true":
+        accelerator = sft.make_accelerator(args.bf16, args.grad_accum, **kwargs)
+        return accelerator, accelerator
+    from accelerate import Accelerator
+    from accelerate.utils import DeepSpeedPlugin
+    plugins = {"policy": DeepSpeedPlugin(), "critic": DeepSpeedPlugin()}
+    for plugin in plugins.values():   # no dataloader is prepared, so DeepSpeed is told the micro-batch
+        plugin.deepspeed_config["train_micro_batch_size_per_gpu"] = args.mini_batch_size
+    accelerator = sft.make_accelerator(args.bf16, args.grad_accum, deepspeed_plugins=plugins, **kwargs)
+    return accelerator, Accelerator(gradient_accumulation_steps=args.grad_accum)
+
+
+@contextlib.contextmanager
+def whole_weights():
+    """Loading context for the frozen reference and reward models: under ZeRO-3, transformers would
+    partition them as they load (zero.Init), though no engine ever gathers them again. transformers
+    decides that from one module-level DeepSpeed config, set aside here while they load."""
+    from transformers.integrations import deepspeed as hf_deepspeed
+    saved = hf_deepspeed._hf_deepspeed_config_weak_ref
+    hf_deepspeed.unset_hf_deepspeed_config()
+    try:
+        yield
+    finally:
+        hf_deepspeed._hf_deepspeed_config_weak_ref = saved
+
+
+def accumulate(accelerator, policy, critic_accelerator, critic):
+    """Gradient accumulation context for both models (one accelerator counts the steps once)."""
+    if critic_accelerator is accelerator:
+        return accelerator.accumulate(policy, critic)
+    stack = contextlib.ExitStack()
+    stack.enter_context(accelerator.accumulate(policy))
+    stack.enter_context(critic_accelerator.accumulate(critic))
+    return stack
+
+
+def full_weights(accelerator, policy, critic_accelerator, critic):
+    """Whole state dicts of the trained models, gathered from ZeRO-3 / FSDP shards (a collective call:
+    every rank must make it); the critic's keys lose their wrapper's "model." prefix."""
+    critic_sd = critic_accelerator.get_state_dict(critic)
+    return {"policy": accelerator.get_state_dict(policy),
+            "critic": {k.removeprefix("model."): v for k, v in critic_sd.items()} if critic_sd else critic_sd}
+
+
 def main(args):
     args.sft_path = args.sft_path or f"runs/{args.task}/sft"
     args.rm_path = args.rm_path or f"runs/{args.task}/rm"
     args.output_dir = args.output_dir or f"runs/{args.task}/ppo_n{args.n}_{args.termination}"
-    accelerator = sft.make_accelerator(args.bf16, args.grad_accum,
-                                       log_with=None if args.report_to == "none" else args.report_to,
-                                       project_dir=args.output_dir)
+    accelerator, critic_accelerator = make_accelerators(args)
     log = accelerator.print
     log(f"[ppo] config: {asdict(args)}")
     build_default(args, accelerator)
@@ -194,9 +242,10 @@ def main(args):
     critic_src = os.path.join(ckpt, "critic") if args.resume else args.rm_path
     tokenizer = sft.load_tokenizer(args.sft_path)
     policy = AutoModelForCausalLM.from_pretrained(policy_src, dtype=dtype)
-    ref = AutoModelForCausalLM.from_pretrained(args.sft_path, dtype=dtype).eval().requires_grad_(False)
     critic = Critic(rm.load_reward_model(critic_src, args.bf16)[0])
-    reward, _ = rm.load_reward_model(args.rm_path, args.bf16)
+    with whole_weights():       # the frozen models are never handed to a ZeRO-3 engine
+        ref = AutoModelForCausalLM.from_pretrained(args.sft_path, dtype=dtype).eval().requires_grad_(False)
+        reward, _ = rm.load_reward_model(args.rm_path, args.bf16)
     reward.eval().requires_grad_(False)
     if args.gradient_checkpointing:
         policy.gradient_checkpointing_enable()
@@ -213,7 +262,13 @@ def main(args):
     critic_opt = torch.optim.AdamW(critic.parameters(), lr=args.critic_lr)
     policy_sched = torch.optim.lr_scheduler.LambdaLR(policy_opt, schedule)
     critic_sched = torch.optim.lr_scheduler.LambdaLR(critic_opt, schedule)
-    policy, critic, policy_opt, critic_opt = accelerator.prepare(policy, critic, policy_opt, critic_opt)
+    policy, policy_opt = accelerator.prepare(policy, policy_opt)
+    if critic_accelerator is not accelerator:              # DeepSpeed: the critic's own engine
+        accelerator.state.select_deepspeed_plugin("critic")
+    critic, critic_opt = critic_accelerator.prepare(critic, critic_opt)
+    # ZeRO-3 / FSDP shard the trained models: forwards (generate included) are collective, so every
+    # rank runs them; generate() uses synced_gpus=True so ranks that finish early keep answering
+    sharded = world > 1 and accelerator.distributed_type.value in ("FSDP", "DEEPSPEED")
     ref.to(accelerator.device)
     reward.to(accelerator.device)
     start = 0
@@ -221,7 +276,10 @@ def main(args):
         state = torch.load(os.path.join(ckpt, "trainer_state.pt"), weights_only=False)
         for obj, key in [(policy_opt, "policy_opt"), (critic_opt, "critic_opt"), (policy_sched, "policy_sched"),
                          (critic_sched, "critic_sched")]:
-            obj.load_state_dict(state[key])
+            if key in state:
+                obj.load_state_dict(state[key])
+            else:
+                log(f"[ppo] warning: the checkpoint holds no {key} state (saved under ZeRO/FSDP): it starts afresh")
         sft.set_rng_state(state["rng"])
         start = state["step"]
         log(f"[ppo] resumed at iteration {start}")
@@ -237,17 +295,18 @@ def main(args):
         with open(metrics_path, "w") as f:                # drop iterations the checkpoint does not hold
             f.writelines(kept)
 
-    def save(step):
+    def save(step, path=ckpt):
+        weights = full_weights(accelerator, policy, critic_accelerator, critic)    # collective: every rank
         if accelerator.is_main_process:
-            sft.atomic_save(ckpt, tokenizer=tokenizer, parts={
-                "policy": accelerator.unwrap_model(policy), "critic": accelerator.unwrap_model(critic).model}, state={
-                "step": step, "truncated": truncated_total, "rng": sft.rng_state(), "generator": generator.get_state(), "args": asdict(args),
-                **{k: o.state_dict() for k, o in [("policy_opt", policy_opt), ("critic_opt", critic_opt),
-                                                   ("policy_sched", policy_sched), ("critic_sched", critic_sched)]}})
+            # optimizer states are per-rank shards under ZeRO/FSDP: kept only when they are whole
+            optim = {} if sharded else {k: o.state_dict() for k, o in [("policy_opt", policy_opt), ("critic_opt", critic_opt)]}
+            sft.atomic_save(path, tokenizer=tokenizer, parts={
+                "policy": accelerator.unwrap_model(policy), "critic": critic_accelerator.unwrap_model(critic).model},
+                state_dicts=weights, state={
+                "step": step, "truncated": truncated_total, "rng": sft.rng_state(), "generator": generator.get_state(),
+                "args": asdict(args), "policy_sched": policy_sched.state_dict(), "critic_sched": critic_sched.state_dict(), **optim})
         accelerator.wait_for_everyone()
 
-    # ZeRO-3 / FSDP shard the policy: every rank must keep running forwards until all are done
-    sharded = world > 1 and accelerator.distributed_type.value in ("FSDP", "DEEPSPEED")
     from tqdm.auto import tqdm
     truncated_total, done = (state["truncated"] if args.resume else 0), start
     bar = tqdm(range(start, args.steps), desc=f"ppo n={args.n}", disable=not accelerator.is_local_main_process)
@@ -302,14 +361,15 @@ def main(args):
                 order = torch.randperm(len(idx), generator=generator)
                 for k in range(0, len(idx), args.mini_batch_size):
                     mb = order[k:k + args.mini_batch_size]
-                    with accelerator.accumulate(policy, critic):
+                    with accumulate(accelerator, policy, critic_accelerator, critic):
                         logp, _ = response_logprobs(policy, ids[mb], mask[mb], P, args.temperature)
                         values = critic_values(critic, ids[mb], mask[mb], P)
                         pg_loss, vf_loss, s = ppo_losses(args, logp, old_logp[mb], values, old_values[mb],
                                                          advantages[mb], returns[mb], m[mb], starts[mb])
                         if not (torch.isfinite(pg_loss) and torch.isfinite(vf_loss)):
                             raise FloatingPointError(f"non-finite loss at iteration {step}; last good checkpoint in {ckpt}")
-                        accelerator.backward(pg_loss + vf_loss)
+                        accelerator.backward(pg_loss)            # the two graphs are disjoint:
+                        critic_accelerator.backward(vf_loss)     # one backward per model
                         policy_opt.step()
                         critic_opt.step()
                         policy_opt.zero_grad()
@@ -336,9 +396,10 @@ def main(args):
                             "time/update": round(t_update, 3), "prompts/truncated": truncated_total,
                             "tokens_per_s": round(float(r_mask.sum()) * world / (time.time() - t0), 1)})
             if (step + 1) % args.eval_every == 0 or step + 1 == args.steps:
-                if accelerator.is_main_process:
+                if accelerator.is_main_process or sharded:       # sharded forwards need every rank
                     _, ev_scores, ev_gold = evaluate_policy(accelerator.unwrap_model(policy).eval(), reward, tokenizer,
-                                                            eval_prompts, args, args.seed)
+                                                            eval_prompts, args, args.seed, synced_gpus=sharded)
+                if accelerator.is_main_process:
                     metrics["eval/rm"] = round(ev_scores.mean().item(), 4)
                     if ev_gold is not None:
                         metrics["eval/gold"] = round(ev_gold.mean().item(), 4)
@@ -363,9 +424,14 @@ def main(args):
             f"tokens and lost their beginning")
     if not sharded:
         log(f"[ppo] ranks in sync: {ranks_in_sync(accelerator, policy) and ranks_in_sync(accelerator, critic)}")
+    weights = full_weights(accelerator, policy, critic_accelerator, critic)["policy"]
     if accelerator.is_main_process:
-        sft.atomic_save(os.path.join(args.output_dir, "policy"), accelerator.unwrap_model(policy), tokenizer)
-        final_report(args, accelerator.unwrap_model(policy).eval(), reward, tokenizer, eval_prompts, metrics_path)
+        final = os.path.join(args.output_dir, "policy")
+        sft.atomic_save(final, tokenizer=tokenizer, model=accelerator.unwrap_model(policy), state_dicts={"model": weights})
+        # the report reads the saved policy back: whole weights on one process, whatever the sharding
+        with whole_weights():
+            final_report(args, AutoModelForCausalLM.from_pretrained(final, dtype=dtype).to(accelerator.device).eval(),
+                         reward, tokenizer, eval_prompts, metrics_path)
     accelerator.wait_for_everyone()
     if args.report_to != "none":
         accelerator.end_training()

@@ -88,24 +88,28 @@ def tiny_gemma(tokenizer, hidden_size=128, num_layers=4, max_len=256):
 
 def make_accelerator(bf16=False, grad_accum=1, **kwargs):
     """Accelerator(cpu=True) without a GPU: `accelerate launch --multi_gpu --num_processes 2` on a
-    CPU then runs two synchronised gloo processes instead of two independent ones."""
+    CPU then runs two synchronised gloo processes instead of two independent ones. (Not under a
+    DeepSpeed launch: cpu=True would silently turn DeepSpeed off.)"""
     from accelerate import Accelerator
-    return Accelerator(cpu=not torch.cuda.is_available(), gradient_accumulation_steps=grad_accum,
+    deepspeed = os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true"
+    return Accelerator(cpu=not torch.cuda.is_available() and not deepspeed, gradient_accumulation_steps=grad_accum,
                        mixed_precision="bf16" if bf16 else "no", **kwargs)
 
 
-def atomic_save(path, model=None, tokenizer=None, state=None, parts=None):
+def atomic_save(path, model=None, tokenizer=None, state=None, parts=None, state_dicts=None):
     """Write a save_pretrained folder to a temporary sibling, then swap it in with a rename: an
     interruption never leaves a half-written checkpoint where the last good one was.
-    `parts` {name: model} go to sub-folders (ppo.py's policy and critic)."""
+    `parts` {name: model} go to sub-folders (ppo.py's policy and critic); `state_dicts` {name or
+    "model": weights} replaces a model's own weights (the gathered whole weights of a ZeRO-3 / FSDP
+    sharded model)."""
     path = os.path.abspath(path)
     tmp, old = path + ".tmp", path + ".old"
     shutil.rmtree(tmp, ignore_errors=True)
     os.makedirs(tmp)
     if model is not None:
-        model.save_pretrained(tmp)
+        model.save_pretrained(tmp, state_dict=(state_dicts or {}).get("model"))
     for name, part in (parts or {}).items():
-        part.save_pretrained(os.path.join(tmp, name))
+        part.save_pretrained(os.path.join(tmp, name), state_dict=(state_dicts or {}).get(name))
     if tokenizer is not None:
         tokenizer.save_pretrained(tmp)
     if state is not None:

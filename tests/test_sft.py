@@ -65,7 +65,7 @@ def test_atomic_save_keeps_the_last_good_checkpoint_when_saving_fails(tmp_path, 
     before = sorted(os.listdir(path))
 
     class Broken:
-        def save_pretrained(self, where):
+        def save_pretrained(self, where, state_dict=None):
             open(os.path.join(where, "partial.bin"), "w").write("half")
             raise OSError("disk full")
 
