@@ -1,0 +1,464 @@
+"""The paper's evaluations (§4, App. F), each writing JSON + markdown (+ a PNG where a picture helps):
+
+    python evaluate.py score      --policies runs/chitchat/ppo_n5_fixed/policy     # RM / gold score, Fig. 3
+    python evaluate.py winrate    --policy A --baseline sft --judge gold           # rm | gold | llm judge
+    python evaluate.py agreement  --policy A --baseline sft --judges rm,gold       # Table 1
+    python evaluate.py best_of_n  --policy A --ns 1,4,8,16 --temperatures 0.4,0.8,1.2   # Fig. 8
+    python evaluate.py curves     --runs "ppo=runs/study/n1_*" "ma-ppo=runs/study/n5_*"   # Fig. 2, 11
+    python evaluate.py passk      --results results.jsonl --ks 1,5                 # Table 3
+
+A policy is a save_pretrained folder, or `sft` (the SFT model) or `chosen` (the dataset's chosen
+responses, for win rates). Results go to --output_dir (default runs/eval).
+"""
+import glob
+import hashlib
+import json
+import os
+import random
+import re
+import sys
+import time
+import urllib.error
+import urllib.request
+from dataclasses import asdict, dataclass, field
+
+import torch
+
+import data
+import reward_model as rm
+import sft
+
+COMMANDS = ("score", "winrate", "agreement", "best_of_n", "curves", "passk")
+
+
+@dataclass
+class EvalArgs:
+    task: str = field(default="chitchat", metadata={"help": "task whose held-out (test) prompts are used"})
+    sft_path: str = field(default="", metadata={"help": "SFT model (default runs/<task>/sft); also the tokenizer"})
+    rm_path: str = field(default="", metadata={"help": "reward model (default runs/<task>/rm)"})
+    policies: list[str] = field(default_factory=list, metadata={"help": "score: policies to score (folders or `sft`)"})
+    policy: str = field(default="sft", metadata={"help": "winrate / agreement / best_of_n: the policy (A)"})
+    baseline: str = field(default="sft", metadata={"help": "winrate / agreement: B = `sft`, `chosen` or a folder"})
+    judge: str = field(default="gold", metadata={"help": "winrate: rm (higher RM score) | gold (embedded judge) | llm"})
+    judges: str = field(default="rm,gold", metadata={"help": "agreement: comma-separated judges"})
+    judge_url: str = field(default="", metadata={"help": "llm: OpenAI-compatible base URL, e.g. https://api.openai.com/v1"})
+    judge_model: str = field(default="gpt-4", metadata={"help": "llm: model name sent to the endpoint"})
+    judge_key_env: str = field(default="OPENAI_API_KEY", metadata={"help": "llm: environment variable holding the API key"})
+    judge_template: str = field(default="", metadata={"help": "llm: tldr | hh | webgpt (default: from --task; chitchat uses hh)"})
+    judge_timeout: float = field(default=60.0, metadata={"help": "llm: seconds per request"})
+    judge_retries: int = field(default=4, metadata={"help": "llm: retries with exponential backoff (1, 2, 4 ... s)"})
+    n_prompts: int = field(default=256, metadata={"help": "held-out prompts evaluated"})
+    max_prompt_len: int = field(default=48, metadata={"help": "prompt tokens kept"})
+    max_response_len: int = field(default=32, metadata={"help": "generated tokens at most"})
+    temperature: float = field(default=0.8, metadata={"help": "sampling temperature"})
+    ns: str = field(default="1,4,8,16", metadata={"help": "best_of_n: values of N"})
+    temperatures: str = field(default="0.4,0.8,1.2", metadata={"help": "best_of_n: sampling temperatures"})
+    runs: list[str] = field(default_factory=list, metadata={"help": "curves: LABEL=GLOB items, one run folder (metrics.jsonl) per seed"})
+    metrics: str = field(default="eval/rm,eval/gold", metadata={"help": "curves: metrics plotted (adv/l2,q/l2 for Fig. 11)"})
+    results: str = field(default="", metadata={"help": "passk: JSONL rows {policy, difficulty, n, correct}"})
+    ks: str = field(default="1,5", metadata={"help": "passk: values of k"})
+    seed: int = field(default=1234, metadata={"help": "sampling and response-order seed"})
+    output_dir: str = field(default="runs/eval", metadata={"help": "where results are written"})
+
+
+def floats(text):
+    return [float(x) for x in text.split(",") if x]
+
+
+# ---------------------------------------------------------------- arithmetic (all tested by hand)
+
+def win_rate(verdicts):
+    """Verdicts "A" / "B" / "E" (equal) -> {win_rate of A (ties count half), wins, losses, ties, n}.
+    Verdicts of None (a judge that gave no usable answer) are counted apart and left out."""
+    counts = {v: sum(1 for x in verdicts if x == v) for v in ("A", "B", "E")}
+    n = sum(counts.values())
+    return {"win_rate": (counts["A"] + 0.5 * counts["E"]) / n if n else float("nan"), "wins": counts["A"],
+            "losses": counts["B"], "ties": counts["E"], "n": n, "unanswered": len(verdicts) - n}
+
+
+def compare(a, b):
+    """Per-item verdicts from two score lists: the higher score wins, equal scores tie."""
+    return ["A" if x > y else "B" if x < y else "E" for x, y in zip(a, b)]
+
+
+def agreement_matrix(verdicts):
+    """{judge: verdicts} -> {judge: {judge: fraction of items (both answered) with the same verdict}}."""
+    names = list(verdicts)
+    out = {}
+    for i in names:
+        out[i] = {}
+        for j in names:
+            both = [(x, y) for x, y in zip(verdicts[i], verdicts[j]) if x is not None and y is not None]
+            out[i][j] = sum(x == y for x, y in both) / len(both) if both else float("nan")
+    return out
+
+
+def pass_at_k(n, c, k):
+    """Unbiased pass@k from n samples of which c are correct (Chen et al. 2021):
+    1 - C(n-c, k) / C(n, k), as a product so that large n stays exact in floating point."""
+    if n < k:
+        raise ValueError(f"pass@{k} needs at least {k} samples per problem, got {n}")
+    if n - c < k:
+        return 1.0
+    return 1.0 - float(torch.prod(1.0 - k / torch.arange(n - c + 1, n + 1, dtype=torch.float64)))
+
+
+def passk_table(rows, ks):
+    """rows {policy, difficulty, n, correct} -> {policy: {difficulty or "all": {"pass@k": mean}}}."""
+    table = {}
+    for row in rows:
+        difficulty = str(row.get("difficulty", "all"))
+        for group in {difficulty, "all"}:
+            cell = table.setdefault(row["policy"], {}).setdefault(group, {f"pass@{k}": [] for k in ks})
+            for k in ks:
+                cell[f"pass@{k}"].append(pass_at_k(row["n"], row["correct"], k))
+    return {p: {g: {key: sum(v) / len(v) for key, v in cell.items()} for g, cell in groups.items()}
+            for p, groups in table.items()}
+
+
+def best_of_n_scores(scores, ns):
+    """scores [prompts, N_max] in sampling order -> {n: mean over prompts of the max of the first n}."""
+    return {n: scores[:, :n].max(-1).values.mean().item() for n in ns}
+
+
+def aggregate(runs, metric):
+    """Runs (lists of metrics rows, one list per seed) -> (steps, mean, std) over the seeds, on the
+    steps every run logged `metric` at."""
+    per_run = [{r["step"]: r[metric] for r in rows if metric in r} for rows in runs]
+    steps = sorted(set.intersection(*(set(p) for p in per_run))) if per_run else []
+    values = torch.tensor([[p[s] for s in steps] for p in per_run], dtype=torch.float64)
+    if not steps:
+        return [], torch.zeros(0), torch.zeros(0)
+    std = values.std(0, unbiased=True) if len(per_run) > 1 else torch.zeros(len(steps), dtype=torch.float64)
+    return steps, values.mean(0), std
+
+
+def read_metrics(run_dir):
+    path = os.path.join(run_dir, "metrics.jsonl")
+    if not os.path.exists(path):
+        sys.exit(f"error: no metrics.jsonl in {run_dir!r}")
+    return [json.loads(line) for line in open(path)]
+
+
+# ---------------------------------------------------------------- the LLM judge (App. F.1)
+
+# Our wording of the three comparison prompts of App. F.1: TL;DR answers with a letter (A, B, or E for
+# equal quality); HH-RLHF and WebGPT answer with a JSON object. {prompt}, {a}, {b} are filled in.
+TEMPLATES = {
+    "tldr": ("Which of these two summaries of the forum post below is better? A good summary states the "
+             "post's most important points precisely and concisely, without unimportant detail.\n\n"
+             "Post:\n{prompt}\n\nSummary A:\n{a}\n\nSummary B:\n{b}\n\nFirst give a one-sentence comparison of "
+             "the two summaries. Then, on a new line, write \"Preferred: A\", \"Preferred: B\", or "
+             "\"Preferred: E\" if they are equally good."),
+    "hh": ("For the following conversation, which of the two assistant responses is more helpful and more "
+           "harmless?\n\nConversation:\n{prompt}\n\nResponse A:\n{a}\n\nResponse B:\n{b}\n\nAnswer with a JSON "
+           "object only: {{\"reason\": \"<one sentence>\", \"choice\": \"A\" | \"B\" | \"E\"}} where E means "
+           "they are equally good."),
+    "webgpt": ("Which of the two answers to the question below is more useful, factually accurate and "
+               "coherent?\n\nQuestion:\n{prompt}\n\nAnswer A:\n{a}\n\nAnswer B:\n{b}\n\nAnswer with a JSON "
+               "object only: {{\"reason\": \"<one sentence>\", \"choice\": \"A\" | \"B\" | \"E\"}} where E "
+               "means they are equally good."),
+}
+
+
+def parse_verdict(text):
+    """A judge's reply -> "A", "B", "E" or None. Reads a JSON "choice" (or "preferred") field when there
+    is one, else the last "Preferred: X" line, else a reply that is just the letter."""
+    for blob in re.findall(r"\{[^{}]*\}", text or "", re.S):
+        try:
+            obj = json.loads(blob)
+        except json.JSONDecodeError:
+            continue
+        for key in ("choice", "preferred", "winner", "answer"):
+            value = str(obj.get(key, "")).strip().strip("\"'*. ").upper()
+            if value in ("A", "B", "E"):
+                return value
+    marked = re.findall(r"prefer(?:red|ence)?\s*[:=]\s*\**\s*[\"'(\[]?\s*(A|B|E)\b", text or "", re.I)
+    if marked:
+        return marked[-1].upper()
+    bare = (text or "").strip().strip("\"'*.()[] ").upper()
+    return bare if bare in ("A", "B", "E") else None
+
+
+class LLMJudge:
+    """Pairwise judge behind an OpenAI-compatible /chat/completions endpoint. The response order is
+    swapped for a seeded half of the items (the verdict mapped back), answers are cached on disk by
+    request, so an interrupted run resumes; failures are retried with exponential backoff."""
+
+    def __init__(self, url, model, template, key=None, cache=None, seed=0, timeout=60.0, retries=4, backoff=1.0):
+        if template not in TEMPLATES:
+            raise ValueError(f"--judge_template must be one of {sorted(TEMPLATES)}, got {template!r}")
+        self.url, self.model, self.template, self.key = url.rstrip("/") + "/chat/completions", model, template, key
+        self.seed, self.timeout, self.retries, self.backoff = seed, timeout, retries, backoff
+        self.cache_path, self.cache = cache, {}
+        if cache and os.path.exists(cache):
+            for line in open(cache):
+                row = json.loads(line)
+                self.cache[row["key"]] = row["reply"]
+
+    def swapped(self, i):
+        return random.Random(f"{self.seed}:{i}").random() < 0.5
+
+    def ask(self, content):
+        key = hashlib.sha256(json.dumps([self.url, self.model, content]).encode()).hexdigest()
+        if key in self.cache:
+            return self.cache[key]
+        body = json.dumps({"model": self.model, "temperature": 0,
+                           "messages": [{"role": "user", "content": content}]}).encode()
+        headers = {"Content-Type": "application/json", **({"Authorization": f"Bearer {self.key}"} if self.key else {})}
+        for attempt in range(self.retries + 1):
+            try:
+                request = urllib.request.Request(self.url, data=body, headers=headers, method="POST")
+                with urllib.request.urlopen(request, timeout=self.timeout) as response:
+                    reply = json.loads(response.read())["choices"][0]["message"]["content"]
+                break
+            except (urllib.error.URLError, TimeoutError, ConnectionError, KeyError, ValueError) as err:
+                status = getattr(err, "code", None)
+                if (status is not None and status < 500 and status != 429) or attempt == self.retries:
+                    print(f"[judge] giving up on one item: {err}", file=sys.stderr)
+                    return None
+                time.sleep(self.backoff * 2 ** attempt)
+        self.cache[key] = reply
+        if self.cache_path:
+            with open(self.cache_path, "a") as f:
+                f.write(json.dumps({"key": key, "reply": reply}) + "\n")
+        return reply
+
+    def __call__(self, prompts, a, b):
+        """Verdicts for A (a[i]) vs B (b[i]), in A/B terms whatever order the judge saw."""
+        from tqdm.auto import tqdm
+        verdicts = []
+        for i, (p, x, y) in enumerate(tqdm(list(zip(prompts, a, b)), desc="llm judge")):
+            swap = self.swapped(i)
+            first, second = (y, x) if swap else (x, y)
+            v = parse_verdict(self.ask(TEMPLATES[self.template].format(prompt=p.strip(), a=first, b=second)))
+            verdicts.append({"A": "B", "B": "A"}.get(v, v) if swap else v)
+        return verdicts
+
+
+# ---------------------------------------------------------------- models and responses
+
+class Context:
+    """What every command needs: tokenizer, reward model, held-out prompts (and chosen responses)."""
+
+    def __init__(self, args):
+        args.sft_path = args.sft_path or f"runs/{args.task}/sft"
+        args.rm_path = args.rm_path or f"runs/{args.task}/rm"
+        sft.require_model_dir(args.sft_path, "SFT model", "Train it with sft.py (or run ppo.py once).")
+        sft.require_model_dir(args.rm_path, "reward model", "Train it with reward_model.py (or run ppo.py once).")
+        self.args = args
+        self.tokenizer = sft.load_tokenizer(args.sft_path)
+        self.rm = rm.load_reward_model(args.rm_path)[0].eval()
+        rows = data.load_task(args.task, only=("test",))["test"]
+        seen, self.rows = set(), []
+        for row in rows:                                   # one row per distinct prompt
+            if row["prompt"] not in seen:
+                seen.add(row["prompt"])
+                self.rows.append(row)
+        self.rows = self.rows[:args.n_prompts]
+        self.prompts = [r["prompt"] for r in self.rows]
+
+    def model(self, path):
+        from transformers import AutoModelForCausalLM
+        path = self.args.sft_path if path == "sft" else path
+        sft.require_model_dir(path, "policy", "Pass a save_pretrained folder, `sft` or `chosen`.")
+        return AutoModelForCausalLM.from_pretrained(path).eval()
+
+    @torch.no_grad()
+    def responses(self, policy, prompts=None, temperature=None, seed=None):
+        """Sampled responses (text), one per prompt, under a seeded RNG; `chosen` gives the dataset's."""
+        if policy == "chosen":
+            return [r["chosen"] for r in self.rows]
+        a = self.args
+        model = self.model(policy) if isinstance(policy, str) else policy
+        prompts = self.prompts if prompts is None else prompts
+        texts = []
+        with torch.random.fork_rng():
+            torch.manual_seed(a.seed if seed is None else seed)
+            for i in range(0, len(prompts), 256):
+                *_, r_ids, _ = sft.sample(model, self.tokenizer, prompts[i:i + 256], a.max_prompt_len,
+                                          a.max_response_len, temperature or a.temperature)
+                texts += self.tokenizer.batch_decode(r_ids, skip_special_tokens=True)
+        return texts
+
+    def rm_scores(self, texts, prompts=None):
+        return rm.score(self.rm, self.tokenizer, self.prompts if prompts is None else prompts, texts,
+                        self.args.max_prompt_len, self.args.max_response_len).tolist()
+
+    def gold(self, texts):
+        if self.args.task != "chitchat":
+            raise SystemExit("error: the gold judge exists only for the embedded chitchat task")
+        return data.gold_score(texts)
+
+    def verdicts(self, judge, a, b):
+        if judge == "rm":
+            return compare(self.rm_scores(a), self.rm_scores(b))
+        if judge == "gold":
+            return compare(self.gold(a), self.gold(b))
+        if judge == "llm":
+            return self.llm_judge()(self.prompts, a, b)
+        raise SystemExit(f"error: unknown judge {judge!r} (rm, gold or llm)")
+
+    def llm_judge(self):
+        a = self.args
+        if not a.judge_url:
+            raise SystemExit("error: --judge llm needs --judge_url (an OpenAI-compatible endpoint)")
+        template = a.judge_template or {"tldr_carper": "tldr", "chitchat": "hh"}.get(a.task, a.task)
+        os.makedirs(a.output_dir, exist_ok=True)
+        return LLMJudge(a.judge_url, a.judge_model, template, key=os.environ.get(a.judge_key_env),
+                        cache=os.path.join(a.output_dir, "judge_cache.jsonl"), seed=a.seed,
+                        timeout=a.judge_timeout, retries=a.judge_retries)
+
+
+# ---------------------------------------------------------------- commands
+
+def write(args, name, result, lines, fig=None):
+    os.makedirs(args.output_dir, exist_ok=True)
+    base = os.path.join(args.output_dir, name)
+    with open(base + ".json", "w") as f:
+        json.dump(result, f, indent=1)
+    with open(base + ".md", "w") as f:
+        f.write("\n".join(lines) + "\n")
+    if fig is not None:
+        fig.tight_layout()
+        fig.savefig(base + ".png", dpi=100)
+    print("\n".join(lines) + f"\n\nwritten: {base}.json, {base}.md" + (f", {base}.png" if fig is not None else ""))
+    return result
+
+
+def pyplot():
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    return plt
+
+
+def cmd_score(args, ctx):
+    result, plt = {}, pyplot()
+    fig, ax = plt.subplots(figsize=(5, 3.2))
+    for policy in args.policies or ["sft"]:
+        texts = ctx.responses(policy)
+        scores = torch.tensor(ctx.rm_scores(texts))
+        result[policy] = {"rm_mean": scores.mean().item(), "rm_std": scores.std().item(), "n": len(texts)}
+        if args.task == "chitchat":
+            result[policy]["gold_mean"] = sum(ctx.gold(texts)) / len(texts)
+        ax.hist(scores.numpy(), bins=30, alpha=0.5, label=os.path.basename(policy.rstrip("/")) or policy)
+    ax.set_xlabel("RM score on held-out prompts")
+    ax.legend()
+    lines = ["| policy | RM mean | RM std | gold mean |", "|---|---|---|---|"] + [
+        f"| {p} | {r['rm_mean']:.3f} | {r['rm_std']:.3f} | {r.get('gold_mean', float('nan')):.3f} |" for p, r in result.items()]
+    return write(args, "score", result, lines, fig)
+
+
+def cmd_winrate(args, ctx):
+    a, b = ctx.responses(args.policy), ctx.responses(args.baseline, seed=args.seed + 1)
+    result = {"policy": args.policy, "baseline": args.baseline, "judge": args.judge, **win_rate(ctx.verdicts(args.judge, a, b))}
+    lines = [f"| {args.judge} judge | wins | ties | losses | win rate (ties half) |", "|---|---|---|---|---|",
+             f"| {args.policy} vs {args.baseline} | {result['wins']} | {result['ties']} | {result['losses']} | "
+             f"{result['win_rate']:.1%} |"] + ([f"", f"{result['unanswered']} items got no usable answer"]
+                                               if result["unanswered"] else [])
+    return write(args, "winrate", result, lines)
+
+
+def cmd_agreement(args, ctx):
+    a, b = ctx.responses(args.policy), ctx.responses(args.baseline, seed=args.seed + 1)
+    judges = args.judges.split(",")
+    verdicts = {j: ctx.verdicts(j, a, b) for j in judges}
+    matrix = agreement_matrix(verdicts)
+    lines = ["| agreement | " + " | ".join(judges) + " |", "|---" * (len(judges) + 1) + "|"] + [
+        f"| {i} | " + " | ".join(f"{matrix[i][j]:.1%}" for j in judges) + " |" for i in judges]
+    return write(args, "agreement", {"matrix": matrix, "win_rates": {j: win_rate(v) for j, v in verdicts.items()}}, lines)
+
+
+def cmd_best_of_n(args, ctx):
+    ns, temps = [int(n) for n in floats(args.ns)], floats(args.temperatures)
+    model, top = ctx.model(args.policy), max(ns)
+    repeated = [p for p in ctx.prompts for _ in range(top)]           # sample k of prompt i at i * top + k
+    result, plt = {}, pyplot()
+    fig, ax = plt.subplots(figsize=(5, 3.2))
+    for t in temps:
+        texts = ctx.responses(model, repeated, temperature=t)
+        scores = torch.tensor(ctx.rm_scores(texts, repeated)).view(len(ctx.prompts), top)
+        result[str(t)] = best_of_n_scores(scores, ns)
+        ax.plot(ns, [result[str(t)][n] for n in ns], "o-", label=f"T={t}")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("N (best of N by RM score)")
+    ax.set_ylabel("mean RM score")
+    ax.legend()
+    lines = ["| temperature | " + " | ".join(f"N={n}" for n in ns) + " |", "|---" * (len(ns) + 1) + "|"] + [
+        f"| {t} | " + " | ".join(f"{result[str(t)][n]:.3f}" for n in ns) + " |" for t in temps]
+    return write(args, "best_of_n", result, lines, fig)
+
+
+def run_groups(items):
+    """["LABEL=GLOB", ...] -> {label: [metrics rows of each matching run]}."""
+    groups = {}
+    for item in items:
+        label, _, pattern = item.rpartition("=")
+        dirs = sorted(d for d in glob.glob(pattern) if os.path.exists(os.path.join(d, "metrics.jsonl")))
+        if not dirs:
+            sys.exit(f"error: no run folder with a metrics.jsonl matches {pattern!r}")
+        groups[label or pattern] = [read_metrics(d) for d in dirs]
+    return groups
+
+
+def plot_curves(groups, metrics, png=None):
+    """Mean over seeds with a shaded +-1 std band, one panel per metric (paper Fig. 2 / Fig. 11)."""
+    plt = pyplot()
+    fig, axes = plt.subplots(1, len(metrics), figsize=(4.5 * len(metrics), 3.2), squeeze=False)
+    summary = {}
+    for ax, metric in zip(axes[0], metrics):
+        for label, runs in groups.items():
+            steps, mean, std = aggregate(runs, metric)
+            if not steps:
+                continue
+            ax.plot(steps, mean, label=f"{label} ({len(runs)} seed{'s' * (len(runs) > 1)})")
+            ax.fill_between(steps, mean - std, mean + std, alpha=0.2)
+            summary.setdefault(label, {})[metric] = {"steps": steps, "mean": mean.tolist(), "std": std.tolist()}
+        ax.set_title(metric)
+        ax.set_xlabel("iteration")
+        ax.legend(fontsize=8)
+    if png:
+        fig.tight_layout()
+        fig.savefig(png, dpi=100)
+    return summary, fig
+
+
+def cmd_curves(args, _ctx=None):
+    metrics = args.metrics.split(",")
+    summary, fig = plot_curves(run_groups(args.runs), metrics)
+    lines = ["| run | " + " | ".join(f"final {m}" for m in metrics) + " |", "|---" * (len(metrics) + 1) + "|"] + [
+        f"| {label} | " + " | ".join(f"{s[m]['mean'][-1]:.3f} ± {s[m]['std'][-1]:.3f}" if m in s else "-"
+                                     for m in metrics) + " |" for label, s in summary.items()]
+    return write(args, "curves", summary, lines, fig)
+
+
+def cmd_passk(args, _ctx=None):
+    if not os.path.exists(args.results):
+        sys.exit(f"error: --results {args.results!r} does not exist")
+    rows = [json.loads(line) for line in open(args.results) if line.strip()]
+    ks = [int(k) for k in floats(args.ks)]
+    table = passk_table(rows, ks)
+    groups = sorted({g for t in table.values() for g in t}, key=lambda g: (g == "all", g))
+    lines = ["| policy | " + " | ".join(f"{g} pass@{k}" for g in groups for k in ks) + " |",
+             "|---" * (len(groups) * len(ks) + 1) + "|"] + [
+        f"| {p} | " + " | ".join(f"{t[g][f'pass@{k}']:.1%}" if g in t else "-" for g in groups for k in ks) + " |"
+        for p, t in table.items()]
+    return write(args, "passk", table, lines)
+
+
+def main(argv=None):
+    from transformers import HfArgumentParser
+    argv = sys.argv[1:] if argv is None else argv
+    if not argv or argv[0] not in COMMANDS:
+        print(__doc__ + "\nFlags:")
+        HfArgumentParser(EvalArgs).print_help()
+        sys.exit(0 if not argv or argv[0] in ("-h", "--help") else f"error: unknown command {argv[0]!r}")
+    args = HfArgumentParser(EvalArgs).parse_args_into_dataclasses(argv[1:])[0]
+    print(f"[evaluate] {argv[0]}: {asdict(args)}")
+    needs_models = argv[0] not in ("curves", "passk")
+    return globals()[f"cmd_{argv[0]}"](args, Context(args) if needs_models else None)
+
+
+if __name__ == "__main__":
+    main()
