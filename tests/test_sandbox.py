@@ -43,7 +43,7 @@ def test_apps_and_humaneval_formats(program, tests, outcome, counts, reward):
     ("syntax error", "def add(a, b)\n    return a + b\n", "compile_error", "SyntaxError"),
     ("infinite loop", "while True:\n    pass\n", "timeout", "killed"),
     ("sleeping forever", "import time\ntime.sleep(100)\n", "timeout", "killed"),
-    ("fork bomb", "import os\nwhile True:\n    os.fork()\n", "runtime_error", "NoneType"),
+    ("fork bomb", "import os\nwhile True:\n    os.fork()\n", "runtime_error", "no attribute 'fork'"),
     ("subprocess", "import subprocess\nsubprocess.run(['sh', '-c', 'echo hi'])\n", "runtime_error", ""),
     ("memory bomb", "x = bytearray(8 * 1024 ** 3)\n", "runtime_error", "MemoryError"),
     ("growing list", "x = []\nwhile True:\n    x.append('a' * 10 ** 6)\n", "runtime_error", "MemoryError"),
@@ -106,3 +106,14 @@ def test_run_many_runs_concurrently_and_keeps_the_order():
     assert [r.outcome for r in results] == ["passed"] * 3 + ["timeout"] + ["passed"] * 2
     assert time.time() - t0 < 1.5 + 6 * 1.0                          # the loop did not hold everything up
     assert os.getpid() > 0                                            # still here
+
+
+def test_all_humaneval_canonical_solutions_pass_and_wrong_completions_fail():
+    import data
+    problems = data.humaneval_problems()
+    assert len(problems) == 164
+    results = sandbox.run_many([(p["prompt"] + p["canonical_solution"], p["tests"]) for p in problems])
+    failures = [(p["task_id"], r) for p, r in zip(problems, results) if r.outcome != "passed"]
+    assert not failures, failures[:3]
+    wrong = sandbox.run_many([(p["prompt"] + "    return None\n", p["tests"]) for p in problems[:20]])
+    assert all(r.outcome in ("failed", "runtime_error") and r.reward < 0 for r in wrong)
