@@ -15,6 +15,7 @@ into SFT 20% / RM 40% / PPO 40%; `test` is the dataset's own test split (or a he
 documents when it has none). Rows of one document never appear in two splits.
 """
 import hashlib
+import json
 import os
 import random
 import re
@@ -232,14 +233,19 @@ def _group_hash(group, seed):
     return int(hashlib.sha256(f"{seed}:{group}".encode()).hexdigest()[:12], 16) / 16 ** 12
 
 
-def split_by_group(rows, seed=SEED, test_fraction=0.0):
-    """Split rows by their `group` (document / conversation) into test / sft / rm / ppo. A group's
-    place depends only on its name and the seed, so the split is the same on every machine."""
-    out = {"sft": [], "rm": [], "ppo": []}
+def split_by_group(rows, seed=SEED, test_fraction=0.0, fractions=None):
+    """Split rows by their `group` (document / conversation) into test / sft / rm / ppo (or the
+    splits of `fractions`). A group's place depends only on its name and the seed, so the split is
+    the same on every machine."""
+    fractions = fractions or SPLIT_FRACTIONS
+    out = {name: [] for name in fractions}
     if test_fraction:
         out["test"] = []
-    edges = [("sft", SPLIT_FRACTIONS["sft"]), ("rm", SPLIT_FRACTIONS["sft"] + SPLIT_FRACTIONS["rm"]),
-             ("ppo", 1.0)]
+    edges, total = [], 0.0
+    for name, fraction in fractions.items():
+        total += fraction
+        edges.append((name, total))
+    edges[-1] = (edges[-1][0], 1.0)
     for row in rows:
         u = _group_hash(row["group"], seed)
         if u < test_fraction:
@@ -258,6 +264,8 @@ def load_task(name, data_files=None, skip_bad_rows=False, seed=SEED, only=None):
     only: the splits wanted (default all)."""
     if name == "chitchat":
         return load_chitchat(seed, only)
+    if name in CODE_TASKS:
+        return load_code_task(name, data_files, seed, only)
     if name in HUB:
         hub_id, config, hub_splits, mapper = HUB[name]
         sources = data_files or {s: hub_id for s in hub_splits}
@@ -286,6 +294,120 @@ def load_task(name, data_files=None, skip_bad_rows=False, seed=SEED, only=None):
 def prompts_of(rows):
     """Distinct prompts of a split, in order (PPO and evaluation take prompts only)."""
     return list(dict.fromkeys(r["prompt"] for r in rows))
+
+
+# ---------------------------------------------------------------------------------------------
+# Code tasks (paper §4, App. B.5): rows {prompt, prefix, chosen, rejected: "", tests, difficulty, group}.
+# The program run is prefix + response: the prompt itself where it is code (the embedded task,
+# HumanEval), nothing for APPS, whose prompt is prose. The reward is running the program
+# (sandbox.py); there is no reward model. SFT / RLHF split 20 / 80.
+# ---------------------------------------------------------------------------------------------
+
+CODE_TASKS = ("code", "apps", "humaneval")
+CODE_SPLIT = {"sft": 0.2, "ppo": 0.8}
+# The embedded `code` task: (difficulty, function name, arguments, docstrings, body). {k} and {m} are
+# digits drawn per problem, so that a model has to read its spec; arguments: x, y ints; xs a list of
+# ints; s a string. Difficulty names follow APPS.
+CODE_FAMILIES = [
+    ("introductory", "add", "x, y", ["Return the sum of x and y.", "Add x and y."], "return x + y"),
+    ("introductory", "plus_k", "x", ["Return x plus {k}.", "Add {k} to x."], "return x + {k}"),
+    ("introductory", "times_k", "x", ["Return x times {k}.", "Multiply x by {k}."], "return x * {k}"),
+    ("introductory", "larger", "x, y", ["Return the larger of x and y."], "return max(x, y)"),
+    ("introductory", "smaller", "x, y", ["Return the smaller of x and y."], "return min(x, y)"),
+    ("introductory", "size", "xs", ["Return the length of the list xs."], "return len(xs)"),
+    ("introductory", "total", "xs", ["Return the sum of the list xs."], "return sum(xs)"),
+    ("introductory", "first", "xs", ["Return the first element of xs."], "return xs[0]"),
+    ("introductory", "last", "xs", ["Return the last element of xs."], "return xs[-1]"),
+    ("introductory", "reverse", "s", ["Return s reversed."], "return s[::-1]"),
+    ("introductory", "shout", "s", ["Return s in upper case."], "return s.upper()"),
+    ("introductory", "square", "x", ["Return x squared."], "return x * x"),
+    ("interview", "affine", "x", ["Return x plus {k}, times {m}."], "return (x + {k}) * {m}"),
+    ("interview", "scaled_total", "xs", ["Return the sum of xs times {k}."], "return sum(xs) * {k}"),
+    ("interview", "shift_all", "xs", ["Add {k} to every element of xs."], "return [v + {k} for v in xs]"),
+    ("interview", "scale_all", "xs", ["Multiply every element of xs by {k}."], "return [v * {k} for v in xs]"),
+    ("interview", "count_above", "xs", ["Count the elements of xs greater than {k}."],
+     "return len([v for v in xs if v > {k}])"),
+    ("interview", "repeat", "s", ["Return s repeated {k} times."], "return s * {k}"),
+    ("competition", "is_even", "x", ["Return True if x is even, else False."], "return x % 2 == 0"),
+    ("competition", "at_least_k", "x", ["Return x if x is at least {k}, else {k}."], "return x if x >= {k} else {k}"),
+    ("competition", "even_total", "xs", ["Return the sum of the even elements of xs."],
+     "return sum(v for v in xs if v % 2 == 0)"),
+    ("competition", "count_letter", "s", ["Count how many times the letter {c} appears in s."],
+     "return s.count('{c}')"),
+]
+
+
+def _code_inputs(arguments, rng):
+    value = {"x": lambda: rng.randint(-20, 20), "y": lambda: rng.randint(-20, 20),
+             "xs": lambda: [rng.randint(-9, 9) for _ in range(rng.randint(1, 6))],
+             "s": lambda: "".join(rng.choice("abcde") for _ in range(rng.randint(1, 6)))}
+    return [value[a.strip()]() for a in arguments.split(",")]
+
+
+CODE_NAMES = {"pairs": [("x", "y"), ("n", "m"), ("p", "q"), ("i", "j")], "xs": ["xs", "nums", "values", "items"],
+              "s": ["s", "text", "word", "name"], "prefix": ["", "get_", "compute_", "calc_"]}
+
+
+def code_problems(n=6000, seed=SEED, n_tests=5):
+    """The embedded `code` task: `n` generated problems (a docstring spec and a signature), each with
+    its reference body and `n_tests` call-based tests whose outputs come from running that body.
+    Constants, argument names and function-name prefixes vary, so held-out prompts are new."""
+    rng = random.Random(seed)
+    rows = []
+    for _ in range(n):
+        difficulty, name, arguments, docs, body = rng.choice(CODE_FAMILIES)
+        fill = {"k": rng.randint(2, 19), "m": rng.randint(2, 9), "c": rng.choice("abcde")}
+        doc, body = rng.choice(docs).format(**fill), body.format(**fill)
+        first, second = rng.choice(CODE_NAMES["pairs"])
+        rename = {"x": first, "y": second, "xs": rng.choice(CODE_NAMES["xs"]), "s": rng.choice(CODE_NAMES["s"])}
+        doc, body, signature = (re.sub(r"\b(xs|x|y|s)\b", lambda w: rename[w.group(1)], t) for t in (doc, body, arguments))
+        name = rng.choice(CODE_NAMES["prefix"]) + name
+        prompt = f'def {name}({signature}):\n    """{doc}"""\n'
+        namespace = {}
+        exec(prompt + "    " + body + "\n", namespace)             # our own reference code
+        inputs = [_code_inputs(arguments, rng) for _ in range(n_tests)]
+        outputs = [namespace[name](*args) for args in inputs]
+        rows.append({"prompt": prompt, "prefix": prompt, "chosen": "    " + body + "\n", "rejected": "", "group": prompt,
+                     "difficulty": difficulty, "tests": {"fn_name": name, "inputs": inputs, "outputs": outputs}})
+    return rows
+
+
+def apps_prompt(question, starter_code, call_based):
+    """The APPS prompt of Hendrycks et al. (2021)."""
+    return (f"\nQUESTION:\n{question}\n{starter_code}\n"
+            f"\n{'Use Call-Based format' if call_based else 'Use Standard Input format'}\n\nANSWER:\n")
+
+
+def _apps_row(row, get):
+    where = f"{get.dataset}: row {get.index}"
+    try:
+        io = json.loads(get(row, "input_output"))
+        solutions = json.loads(row.get("solutions") or "[]")
+    except json.JSONDecodeError as err:
+        raise DataError(f"{where}: field 'input_output' or 'solutions' is not valid JSON ({err})") from None
+    if not io.get("inputs") or len(io["inputs"]) != len(io.get("outputs") or []):
+        raise DataError(f"{where}: field 'input_output' needs as many 'inputs' as 'outputs', at least one")
+    tests = {"inputs": io["inputs"], "outputs": io["outputs"], **({"fn_name": io["fn_name"]} if io.get("fn_name") else {})}
+    return {"prompt": apps_prompt(get(row, "question"), row.get("starter_code") or "", "fn_name" in tests),
+            "prefix": "", "chosen": solutions[0] if solutions else "", "rejected": "", "tests": tests,
+            "difficulty": get(row, "difficulty"), "group": str(row.get("problem_id", row["question"]))}
+
+
+def load_code_task(name, data_files=None, seed=SEED, only=None):
+    """Splits {sft, ppo, test} of code problems: `code` (embedded), `apps` (codeparrot/apps schema;
+    its own test split), `humaneval` (164 problems, all of them `test`: an evaluation set)."""
+    if name == "humaneval":
+        rows = [{"prompt": p["prompt"], "prefix": p["prompt"], "chosen": p["canonical_solution"], "rejected": "", "tests": p["tests"],
+                 "difficulty": "humaneval", "group": p["task_id"]} for p in humaneval_problems()]
+        splits = {"sft": [], "ppo": [], "test": rows}
+    elif name == "code":
+        splits = split_by_group(code_problems(seed=seed), seed, TEST_FRACTION, CODE_SPLIT)
+    else:
+        sources = data_files or {"train": "codeparrot/apps", "test": "codeparrot/apps"}
+        mapped = {s: map_rows(_read(sources[s], None, s), _apps_row, f"apps[{s}]")[0] for s in ("train", "test")}
+        splits = split_by_group(mapped["train"], seed, 0.0, CODE_SPLIT)
+        splits["test"] = mapped["test"]
+    return {k: v for k, v in splits.items() if only is None or k in only}
 
 
 def humaneval_problems():

@@ -5,7 +5,7 @@
     python evaluate.py agreement  --policy A --baseline sft --judges rm,gold       # Table 1
     python evaluate.py best_of_n  --policy A --ns 1,4,8,16 --temperatures 0.4,0.8,1.2   # Fig. 8
     python evaluate.py curves     --runs "ppo=runs/study/n1_*" "ma-ppo=runs/study/n5_*"   # Fig. 2, 11
-    python evaluate.py passk      --results results.jsonl --ks 1,5                 # Table 3
+    python evaluate.py passk      --task code --policies sft P --samples 10 --ks 1,5  # Table 3
 
 A policy is a save_pretrained folder, or `sft` (the SFT model) or `chosen` (the dataset's chosen
 responses, for win rates). Results go to --output_dir (default runs/eval).
@@ -36,7 +36,7 @@ class EvalArgs:
     task: str = field(default="chitchat", metadata={"help": "task whose held-out (test) prompts are used"})
     sft_path: str = field(default="", metadata={"help": "SFT model (default runs/<task>/sft); also the tokenizer"})
     rm_path: str = field(default="", metadata={"help": "reward model (default runs/<task>/rm)"})
-    policies: list[str] = field(default_factory=list, metadata={"help": "score: policies to score (folders or `sft`)"})
+    policies: list[str] = field(default_factory=list, metadata={"help": "score / passk: policies (folders or `sft`)"})
     policy: str = field(default="sft", metadata={"help": "winrate / agreement / best_of_n: the policy (A)"})
     baseline: str = field(default="sft", metadata={"help": "winrate / agreement: B = `sft`, `chosen` or a folder"})
     judge: str = field(default="gold", metadata={"help": "winrate: rm (higher RM score) | gold (embedded judge) | llm"})
@@ -55,7 +55,8 @@ class EvalArgs:
     temperatures: str = field(default="0.4,0.8,1.2", metadata={"help": "best_of_n: sampling temperatures"})
     runs: list[str] = field(default_factory=list, metadata={"help": "curves: LABEL=GLOB items, one run folder (metrics.jsonl) per seed"})
     metrics: str = field(default="eval/rm,eval/gold", metadata={"help": "curves: metrics plotted (adv/l2,q/l2 for Fig. 11)"})
-    results: str = field(default="", metadata={"help": "passk: JSONL rows {policy, difficulty, n, correct}"})
+    results: str = field(default="", metadata={"help": "passk: JSONL rows {policy, difficulty, n, correct} instead of sampling --policies"})
+    samples: int = field(default=10, metadata={"help": "passk: samples per problem (the estimator's n; at least the largest k)"})
     ks: str = field(default="1,5", metadata={"help": "passk: values of k"})
     seed: int = field(default=1234, metadata={"help": "sampling and response-order seed"})
     output_dir: str = field(default="runs/eval", metadata={"help": "where results are written"})
@@ -245,10 +246,12 @@ class Context:
         args.sft_path = args.sft_path or f"runs/{args.task}/sft"
         args.rm_path = args.rm_path or f"runs/{args.task}/rm"
         sft.require_model_dir(args.sft_path, "SFT model", "Train it with sft.py (or run ppo.py once).")
-        sft.require_model_dir(args.rm_path, "reward model", "Train it with reward_model.py (or run ppo.py once).")
-        self.args = args
+        self.args, self.code = args, args.task in data.CODE_TASKS
         self.tokenizer = sft.load_tokenizer(args.sft_path)
-        self.rm = rm.load_reward_model(args.rm_path)[0].eval()
+        self.rm = None                                     # code tasks have none: their reward is running the code
+        if not self.code:
+            sft.require_model_dir(args.rm_path, "reward model", "Train it with reward_model.py (or run ppo.py once).")
+            self.rm = rm.load_reward_model(args.rm_path)[0].eval()
         rows = data.load_task(args.task, only=("test",))["test"]
         seen, self.rows = set(), []
         for row in rows:                                   # one row per distinct prompt
@@ -282,6 +285,8 @@ class Context:
         return texts
 
     def rm_scores(self, texts, prompts=None):
+        if self.rm is None:
+            raise SystemExit(f"error: task {self.args.task!r} has no reward model; use `passk` for code tasks")
         return rm.score(self.rm, self.tokenizer, self.prompts if prompts is None else prompts, texts,
                         self.args.max_prompt_len, self.args.max_response_len).tolist()
 
@@ -433,11 +438,35 @@ def cmd_curves(args, _ctx=None):
     return write(args, "curves", summary, lines, fig)
 
 
-def cmd_passk(args, _ctx=None):
-    if not os.path.exists(args.results):
-        sys.exit(f"error: --results {args.results!r} does not exist")
-    rows = [json.loads(line) for line in open(args.results) if line.strip()]
+def passk_samples(ctx, policy, samples):
+    """Rows {policy, difficulty, n, correct}: `samples` sampled programs per held-out problem, run in
+    the sandbox."""
+    import sandbox
+    model = ctx.model(policy)
+    repeated = [p for p in ctx.prompts for _ in range(samples)]
+    texts = ctx.responses(model, repeated)
+    results = sandbox.run_many([(row["prefix"] + t, row["tests"]) for t, row in
+                                zip(texts, (r for r in ctx.rows for _ in range(samples)))])
+    return [{"policy": policy, "difficulty": row.get("difficulty", "all"), "n": samples,
+             "correct": sum(r.outcome == "passed" for r in results[i * samples:(i + 1) * samples])}
+            for i, row in enumerate(ctx.rows)]
+
+
+def cmd_passk(args, ctx=None):
     ks = [int(k) for k in floats(args.ks)]
+    if args.results:
+        if not os.path.exists(args.results):
+            sys.exit(f"error: --results {args.results!r} does not exist")
+        rows = [json.loads(line) for line in open(args.results) if line.strip()]
+    else:
+        if not ctx.code:
+            sys.exit(f"error: passk samples programs: use a code task (--task code, apps or humaneval), not {args.task!r}")
+        if args.samples < max(ks):
+            sys.exit(f"error: --samples {args.samples} is smaller than the largest k ({max(ks)})")
+        rows = [row for policy in args.policies or ["sft"] for row in passk_samples(ctx, policy, args.samples)]
+        os.makedirs(args.output_dir, exist_ok=True)
+        with open(os.path.join(args.output_dir, "passk_results.jsonl"), "w") as f:
+            f.writelines(json.dumps(r) + "\n" for r in rows)
     table = passk_table(rows, ks)
     groups = sorted({g for t in table.values() for g in t}, key=lambda g: (g == "all", g))
     lines = ["| policy | " + " | ".join(f"{g} pass@{k}" for g in groups for k in ks) + " |",
@@ -456,7 +485,7 @@ def main(argv=None):
         sys.exit(0 if not argv or argv[0] in ("-h", "--help") else f"error: unknown command {argv[0]!r}")
     args = HfArgumentParser(EvalArgs).parse_args_into_dataclasses(argv[1:])[0]
     print(f"[evaluate] {argv[0]}: {asdict(args)}")
-    needs_models = argv[0] not in ("curves", "passk")
+    needs_models = argv[0] != "curves" and not (argv[0] == "passk" and args.results)
     return globals()[f"cmd_{argv[0]}"](args, Context(args) if needs_models else None)
 
 

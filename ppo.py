@@ -19,14 +19,15 @@ import torch
 import data
 import macro_actions as ma
 import reward_model as rm
+import sandbox
 import sft
 
 
 @dataclass
 class PPOArgs:
-    task: str = field(default="chitchat", metadata={"help": "chitchat, tldr, tldr_carper, hh, webgpt, or a local json/jsonl/parquet file"})
+    task: str = field(default="chitchat", metadata={"help": "chitchat, tldr, tldr_carper, hh, webgpt, code, apps, or a local json/jsonl/parquet file"})
     sft_path: str = field(default="", metadata={"help": "SFT model (policy init and frozen reference); default runs/<task>/sft, built on chitchat if missing"})
-    rm_path: str = field(default="", metadata={"help": "reward model (also the critic's init); default runs/<task>/rm, built on chitchat if missing"})
+    rm_path: str = field(default="", metadata={"help": "reward model (also the critic's init); default runs/<task>/rm, built on chitchat if missing; unused for code tasks"})
     output_dir: str = field(default="", metadata={"help": "default runs/<task>/ppo_n<n>_<termination>"})
     sft_args: str = field(default="", metadata={"help": "extra sft.py flags used when the default SFT model is built, e.g. '--max_steps 600'"})
     rm_args: str = field(default="", metadata={"help": "extra reward_model.py flags used when the default RM is built"})
@@ -121,7 +122,8 @@ def macro_starts(args, r_ids, r_mask, logprobs, entropy, tokenizer, generator):
     if args.termination == "entropy":
         return ma.entropy_starts(entropy, r_mask, args.entropy_threshold), 0.0
     if args.termination == "parsing":
-        starts, fallback = ma.parsing_starts(r_ids, r_mask, tokenizer, args.cutoff, return_fallback=True)
+        language = "python" if args.task in data.CODE_TASKS else "text"
+        starts, fallback = ma.parsing_starts(r_ids, r_mask, tokenizer, args.cutoff, language, return_fallback=True)
         return starts, fallback.float().mean().item()
     raise ValueError(f"unknown --termination {args.termination!r}")
 
@@ -146,13 +148,16 @@ def ppo_losses(args, logp, old_logp, values, old_values, advantages, returns, ma
 # ---------------------------------------------------------------------------------------------
 
 def build_default(args, accelerator):
-    """chitchat with no paths given: run sft.py / reward_model.py once (main process), reuse after."""
+    """chitchat / code with no paths given: run sft.py (and reward_model.py, not for code: its reward
+    is running the program) once on the main process, reuse them afterwards."""
     env = {k: v for k, v in os.environ.items()
            if not k.startswith(("ACCELERATE_", "RANK", "WORLD_SIZE", "LOCAL_", "MASTER_", "OMP_"))}
-    for path, script, extra in [(args.sft_path, "sft.py", args.sft_args.split()),
-                                (args.rm_path, "reward_model.py", ["--sft_path", args.sft_path, *args.rm_args.split()])]:
+    stages = [(args.sft_path, "sft.py", ["--task", args.task, *args.sft_args.split()])]
+    if args.task not in data.CODE_TASKS:
+        stages.append((args.rm_path, "reward_model.py", ["--sft_path", args.sft_path, *args.rm_args.split()]))
+    for path, script, extra in stages:
         if accelerator.is_main_process and not os.path.exists(os.path.join(path, "config.json")):
-            if args.task != "chitchat":
+            if args.task not in ("chitchat", "code"):
                 sys.exit(f"error: no model at {path!r}; train it with {script} or pass its path")
             accelerator.print(f"[ppo] {path} missing: running {script}")
             subprocess.run([sys.executable, script, "--output_dir", path, *extra], check=True, env=env,
@@ -160,15 +165,25 @@ def build_default(args, accelerator):
         accelerator.wait_for_everyone()
 
 
+def execution_reward(problems, texts):
+    """Code tasks: each problem's prefix + response run against its tests in sandbox.py, concurrently.
+    Returns (the paper's execution reward [B], 1.0 where every test passed [B])."""
+    results = sandbox.run_many([(row["prefix"] + t, row["tests"]) for row, t in zip(problems, texts)])
+    return (torch.tensor([r.reward for r in results]), torch.tensor([float(r.outcome == "passed") for r in results]))
+
+
 @torch.no_grad()
-def evaluate_policy(policy, rm_model, tokenizer, prompts, args, seed, synced_gpus=False):
-    """Held-out prompts -> (responses, RM scores, gold scores); sampling as in training, under
-    its own seed so that evaluating never changes the training run's random numbers."""
+def evaluate_policy(policy, rm_model, tokenizer, prompts, args, seed, synced_gpus=False, problems=None):
+    """Held-out prompts -> (responses, RM scores, gold scores), or for code tasks (`problems` given)
+    (responses, execution rewards, passed); sampling as in training, under its own seed so that
+    evaluating never changes the training run's random numbers."""
     with torch.random.fork_rng():
         torch.manual_seed(seed)
         *_, r_ids, _ = sft.sample(policy, tokenizer, prompts, args.max_prompt_len, args.max_response_len,
                                   args.temperature, args.top_k, args.top_p, synced_gpus=synced_gpus)
     texts = tokenizer.batch_decode(r_ids, skip_special_tokens=True)
+    if problems is not None:
+        return (texts, *execution_reward(problems, texts))
     scores = rm.score(rm_model, tokenizer, prompts, texts, args.max_prompt_len, args.max_response_len)
     gold = torch.tensor(data.gold_score(texts)) if args.task == "chitchat" else None
     return texts, scores, gold
@@ -239,20 +254,24 @@ def main(args):
     if args.resume:
         sft.require_model_dir(os.path.join(ckpt, "policy"), "checkpoint to resume", "Run without --resume.")
     policy_src = os.path.join(ckpt, "policy") if args.resume else args.sft_path
-    critic_src = os.path.join(ckpt, "critic") if args.resume else args.rm_path
+    code = args.task in data.CODE_TASKS         # reward = running the program; critic from SFT (App. B.2)
+    critic_src = os.path.join(ckpt, "critic") if args.resume else args.sft_path if code else args.rm_path
     tokenizer = sft.load_tokenizer(args.sft_path)
     policy = AutoModelForCausalLM.from_pretrained(policy_src, dtype=dtype)
     critic = Critic(rm.load_reward_model(critic_src, args.bf16)[0])
     with whole_weights():       # the frozen models are never handed to a ZeRO-3 engine
         ref = AutoModelForCausalLM.from_pretrained(args.sft_path, dtype=dtype).eval().requires_grad_(False)
-        reward, _ = rm.load_reward_model(args.rm_path, args.bf16)
-    reward.eval().requires_grad_(False)
+        reward = None if code else rm.load_reward_model(args.rm_path, args.bf16)[0].eval().requires_grad_(False)
     if args.gradient_checkpointing:
         policy.gradient_checkpointing_enable()
         critic.model.gradient_checkpointing_enable()
     splits = data.load_task(args.task, only=("ppo", "test"))
-    prompts = data.prompts_of(splits["ppo"])
-    eval_prompts = data.prompts_of(splits["test"])[:args.n_eval_prompts]
+    problems, eval_problems = (list({r["prompt"]: r for r in reversed(splits[s])}.values())[::-1] for s in ("ppo", "test"))
+    prompts = [r["prompt"] for r in problems]
+    eval_problems = eval_problems[:args.n_eval_prompts]
+    eval_prompts = [r["prompt"] for r in eval_problems]
+    eval_code = eval_problems if code else None           # evaluation runs their programs
+    score_key, second_key = ("exec", "pass@1") if code else ("rm", "gold")
     world, rank = accelerator.num_processes, accelerator.process_index
     log(f"[ppo] {len(prompts)} training prompts, {len(eval_prompts)} held-out prompts, {world} process(es)")
 
@@ -270,7 +289,8 @@ def main(args):
     # rank runs them; generate() uses synced_gpus=True so ranks that finish early keep answering
     sharded = world > 1 and accelerator.distributed_type.value in ("FSDP", "DEEPSPEED")
     ref.to(accelerator.device)
-    reward.to(accelerator.device)
+    if reward is not None:
+        reward.to(accelerator.device)
     start = 0
     if args.resume:
         state = torch.load(os.path.join(ckpt, "trainer_state.pt"), weights_only=False)
@@ -330,7 +350,12 @@ def main(args):
                 old_logp, entropy = response_logprobs(policy, ids, mask, P, args.temperature)
                 ref_logp, _ = response_logprobs(ref, ids, mask, P, args.temperature)
                 old_values = critic_values(critic, ids, mask, P) * m
-                score = rm.last_token(rm.token_values(reward, ids, mask), mask)
+                if code:
+                    texts = tokenizer.batch_decode(r_ids, skip_special_tokens=True)
+                    score, passed = execution_reward([problems[i] for i in idx], texts)
+                    score = score.to(accelerator.device)
+                else:
+                    score = rm.last_token(rm.token_values(reward, ids, mask), mask)
             has_eos = ((r_ids == tokenizer.eos_token_id) & r_mask.bool()).any(-1)
             score = score + args.missing_eos_penalty * (~has_eos).float()
             # 3. Rewards: -beta * KL per token, the score added at the last real token
@@ -381,7 +406,7 @@ def main(args):
             # 7. Log (averaged over processes), evaluate, checkpoint
             n_macro = starts.sum(-1).clamp(min=1).float()
             var_r = masked_mean((returns - masked_mean(returns, m)) ** 2, m)
-            local = {"reward/rm": score.mean(), "reward/total": (rewards.sum(-1)).mean(),
+            local = {f"reward/{score_key}": score.mean(), **({"reward/pass_rate": passed.mean()} if code else {}), "reward/total": (rewards.sum(-1)).mean(),
                      "kl": (kl * m).sum(-1).mean(), "entropy": masked_mean(entropy, m),
                      "value/explained_variance": 1 - masked_mean((returns - old_values) ** 2, m) / var_r.clamp(min=1e-8),
                      "adv/l2": (raw_adv ** 2 * m).sum(-1).sqrt().mean(), "q/l2": (returns ** 2 * m).sum(-1).sqrt().mean(),
@@ -398,20 +423,20 @@ def main(args):
             if (step + 1) % args.eval_every == 0 or step + 1 == args.steps:
                 if accelerator.is_main_process or sharded:       # sharded forwards need every rank
                     _, ev_scores, ev_gold = evaluate_policy(accelerator.unwrap_model(policy).eval(), reward, tokenizer,
-                                                            eval_prompts, args, args.seed, synced_gpus=sharded)
+                                                            eval_prompts, args, args.seed, sharded, eval_code)
                 if accelerator.is_main_process:
-                    metrics["eval/rm"] = round(ev_scores.mean().item(), 4)
+                    metrics[f"eval/{score_key}"] = round(ev_scores.mean().item(), 4)
                     if ev_gold is not None:
-                        metrics["eval/gold"] = round(ev_gold.mean().item(), 4)
-                    log(f"[ppo] iteration {step + 1}: " + "  ".join(f"{k} {metrics[k]}" for k in
-                        ("reward/rm", "kl", "eval/rm", "eval/gold", "macro/mean_len") if k in metrics))
+                        metrics[f"eval/{second_key}"] = round(ev_gold.mean().item(), 4)
+                    log(f"[ppo] iteration {step + 1}: " + "  ".join(f"{k} {metrics[k]}" for k in (
+                        f"reward/{score_key}", "kl", f"eval/{score_key}", f"eval/{second_key}", "macro/mean_len") if k in metrics))
                 accelerator.wait_for_everyone()
             if accelerator.is_main_process:
                 with open(metrics_path, "a") as f:
                     f.write(json.dumps(metrics) + "\n")
             if args.report_to != "none":
                 accelerator.log(metrics, step=step + 1)
-            bar.set_postfix(rm=f"{metrics['reward/rm']:.2f}", kl=f"{metrics['kl']:.2f}")
+            bar.set_postfix(score=f"{metrics[f'reward/{score_key}']:.2f}", kl=f"{metrics['kl']:.2f}")
             done = step + 1
             if done % args.save_every == 0:
                 save(done)
@@ -431,7 +456,7 @@ def main(args):
         # the report reads the saved policy back: whole weights on one process, whatever the sharding
         with whole_weights():
             final_report(args, AutoModelForCausalLM.from_pretrained(final, dtype=dtype).to(accelerator.device).eval(),
-                         reward, tokenizer, eval_prompts, metrics_path)
+                         reward, tokenizer, eval_prompts, metrics_path, eval_code)
     accelerator.wait_for_everyone()
     if args.report_to != "none":
         accelerator.end_training()
@@ -447,17 +472,21 @@ def ranks_in_sync(accelerator, model):
     return bool((every == every[0]).all())
 
 
-def final_report(args, policy, reward, tokenizer, prompts, metrics_path):
-    """SFT vs policy on the held-out prompts: mean RM score, mean gold score, gold win rate."""
+def final_report(args, policy, reward, tokenizer, prompts, metrics_path, problems=None):
+    """SFT vs policy on the held-out prompts: mean RM score, mean gold score, gold win rate; for code
+    tasks mean execution reward and pass@1 (one sample per problem)."""
     from transformers import AutoModelForCausalLM
     sft_model = AutoModelForCausalLM.from_pretrained(args.sft_path).eval()
-    _, s_rm, s_gold = evaluate_policy(sft_model, reward, tokenizer, prompts, args, args.seed + 1)
-    _, p_rm, p_gold = evaluate_policy(policy, reward, tokenizer, prompts, args, args.seed + 1)
+    _, s_score, s_second = evaluate_policy(sft_model, reward, tokenizer, prompts, args, args.seed + 1, problems=problems)
+    _, p_score, p_second = evaluate_policy(policy, reward, tokenizer, prompts, args, args.seed + 1, problems=problems)
+    score_name = "mean execution reward" if problems is not None else "mean RM score"
     lines = ["", f"| held-out ({len(prompts)} prompts) | SFT | policy (n={args.n}, {args.termination}) |",
-             "|---|---|---|", f"| mean RM score | {s_rm.mean():.3f} | {p_rm.mean():.3f} |"]
-    if s_gold is not None:
-        win = ((p_gold > s_gold).float() + 0.5 * (p_gold == s_gold).float()).mean()
-        lines += [f"| mean gold score | {s_gold.mean():.3f} | {p_gold.mean():.3f} |",
+             "|---|---|---|", f"| {score_name} | {s_score.mean():.3f} | {p_score.mean():.3f} |"]
+    if problems is not None:
+        lines += [f"| pass@1 (sampled, T={args.temperature}) | {s_second.mean():.1%} | {p_second.mean():.1%} |"]
+    elif s_second is not None:
+        win = ((p_second > s_second).float() + 0.5 * (p_second == s_second).float()).mean()
+        lines += [f"| mean gold score | {s_second.mean():.3f} | {p_second.mean():.3f} |",
                   f"| gold win rate vs SFT (ties half) | | {win:.1%} |"]
     png = plot_curves(metrics_path)
     lines += ["", f"metrics: {metrics_path}", f"learning curve: {png}"]
@@ -471,13 +500,14 @@ def plot_curves(metrics_path):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     rows = [json.loads(line) for line in open(metrics_path)]
+    key, second, name = ("exec", "pass@1", "execution reward") if "reward/exec" in rows[0] else ("rm", "gold", "RM score")
     fig, ax = plt.subplots(1, 2, figsize=(9, 3.2))
-    ax[0].plot([r["step"] for r in rows], [r["reward/rm"] for r in rows], label="train RM score")
-    ev = [r for r in rows if "eval/rm" in r]
-    ax[0].plot([r["step"] for r in ev], [r["eval/rm"] for r in ev], "o-", label="held-out RM score")
-    if ev and "eval/gold" in ev[0]:
-        ax[1].plot([r["step"] for r in ev], [r["eval/gold"] for r in ev], "o-", color="C2")
-    ax[1].set_title("held-out gold score")
+    ax[0].plot([r["step"] for r in rows], [r[f"reward/{key}"] for r in rows], label=f"train {name}")
+    ev = [r for r in rows if f"eval/{key}" in r]
+    ax[0].plot([r["step"] for r in ev], [r[f"eval/{key}"] for r in ev], "o-", label=f"held-out {name}")
+    if ev and f"eval/{second}" in ev[0]:
+        ax[1].plot([r["step"] for r in ev], [r[f"eval/{second}"] for r in ev], "o-", color="C2")
+    ax[1].set_title(f"held-out {second} score" if second == "gold" else "held-out pass@1")
     ax[0].legend()
     for a in ax:
         a.set_xlabel("iteration")

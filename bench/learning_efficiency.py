@@ -7,7 +7,8 @@
 
 Every run is a real `ppo.py` subprocess writing runs/study/<config>/seed<k>/metrics.jsonl, with the
 held-out RM and gold scores every --eval_every iterations. Finished runs are reused, so an
-interrupted study continues where it stopped. The report (study.md, study.json, study.png) gives:
+interrupted study continues where it stopped. The report (study.md, study.json, study.png, and
+study_norms.png with the L2 norms of advantages and Q-values, paper Fig. 11) gives:
 - final held-out RM / gold score and KL per configuration, mean ± std over the seeds;
 - the gold win rate of each MA-PPO configuration against PPO (final policies, same prompts and
   sampling seed, pooled over the seeds; ties count half);
@@ -119,6 +120,8 @@ def report(args, models, runs, labels, seeds, elapsed):
     groups = {labels[name]: rows for name, rows in runs.items()}
     png = os.path.join(args.output_dir, "study.png")
     summary, _ = evaluate.plot_curves(groups, ["eval/rm", "eval/gold"], png)
+    norms_png = os.path.join(args.output_dir, "study_norms.png")          # paper Fig. 11
+    evaluate.plot_curves(groups, ["adv/l2", "q/l2", "kl"], norms_png)
     base = next(iter(runs))
     result = {"seeds": seeds, "steps": args.steps, "eval_every": args.eval_every, "minutes": elapsed / 60, "configs": {}}
     lines = [f"Held-out scores after {args.steps} iterations, mean ± std over seeds {seeds} "
@@ -143,7 +146,7 @@ def report(args, models, runs, labels, seeds, elapsed):
         lines.append(f"| {label} | " + " | ".join(f"{m:.3f} ± {s:.3f}" for m, s in cell.values())
                      + (f" | {wins['gold']['win_rate']:.1%} | {wins['rm']['win_rate']:.1%}" if wins else " | - | -")
                      + f" | {fmt_parity(parity.get('eval/rm'))} | {fmt_parity(parity.get('eval/gold'))} |")
-    lines += ["", f"learning curves: {png}"]
+    lines += ["", f"learning curves: {png}; L2 norms of advantages and Q-values, KL: {norms_png}"]
     with open(os.path.join(args.output_dir, "study.json"), "w") as f:
         json.dump(result, f, indent=1)
     with open(os.path.join(args.output_dir, "study.md"), "w") as f:

@@ -196,3 +196,49 @@ def test_collate_labels_only_response_tokens(tokenizer):
     assert torch.equal(labels[:, P:] != -100, mask[:, P:].bool())
     assert torch.equal(labels[:, P:][mask[:, P:].bool()], ids[:, P:][mask[:, P:].bool()])
     assert torch.equal(b["position_ids"][0][mask[0].bool()], torch.arange(int(mask[0].sum())))
+
+
+# ---- code tasks
+
+def test_code_task_is_deterministic_split_20_80_by_prompt_and_its_references_pass():
+    import sandbox
+    splits = data.load_task("code")
+    assert set(splits) == {"sft", "ppo", "test"}
+    assert [r["prompt"] for r in data.load_task("code")["sft"]] == [r["prompt"] for r in splits["sft"]]
+    prompts = {name: {r["prompt"] for r in rows} for name, rows in splits.items()}
+    assert not (prompts["sft"] & prompts["ppo"]) and not (prompts["test"] & (prompts["sft"] | prompts["ppo"]))
+    share = len(splits["sft"]) / (len(splits["sft"]) + len(splits["ppo"]))
+    assert 0.15 < share < 0.25                                             # SFT / RLHF 20 / 80 (App. B.2)
+    assert {r["difficulty"] for r in splits["test"]} == {"introductory", "interview", "competition"}
+    sample = splits["test"][:40]
+    results = sandbox.run_many([(r["prompt"] + r["chosen"], r["tests"]) for r in sample])
+    assert all(res.outcome == "passed" for res in results)
+    wrong = sandbox.run_many([(r["prompt"] + "    return 0\n", r["tests"]) for r in sample[:10]])
+    assert sum(res.outcome == "passed" for res in wrong) < 10
+
+
+def test_apps_schema_both_formats_and_the_hendrycks_prompt():
+    splits = data.load_task("apps", data_files={"train": str(FIXTURES / "apps_train.jsonl"),
+                                                 "test": str(FIXTURES / "apps_test.jsonl")})
+    assert len(splits["sft"]) + len(splits["ppo"]) == 4 and len(splits["test"]) == 2
+    call = next(r for r in splits["sft"] + splits["ppo"] if "fn_name" in r["tests"])
+    assert call["prompt"].startswith("\nQUESTION:\nReturn the number of vowels")
+    assert "class Solution:" in call["prompt"] and "Use Call-Based format" in call["prompt"]
+    assert call["prompt"].endswith("\nANSWER:\n") and call["difficulty"] == "interview"
+    stdio = next(r for r in splits["test"] if "fn_name" not in r["tests"])
+    assert "Use Standard Input format" in stdio["prompt"] and stdio["tests"]["outputs"] == ["6\n", "-4\n"]
+    import sandbox
+    every = splits["sft"] + splits["ppo"] + splits["test"]
+    assert all(r.outcome == "passed" for r in sandbox.run_many([(x["chosen"], x["tests"]) for x in every]))
+
+
+def test_a_bad_apps_row_names_the_row_and_field():
+    with pytest.raises(data.DataError, match=r"apps\[train\]: row 1: field 'input_output' needs as many"):
+        data.load_task("apps", data_files={"train": str(FIXTURES / "apps_bad.jsonl"),
+                                            "test": str(FIXTURES / "apps_test.jsonl")})
+
+
+def test_humaneval_task_is_all_test_problems():
+    splits = data.load_task("humaneval")
+    assert len(splits["test"]) == 164 and not splits["sft"] and not splits["ppo"]
+    assert splits["test"][0]["tests"]["entry_point"] and "def check" in splits["test"][0]["tests"]["test"]

@@ -214,3 +214,17 @@ def test_curves_command_and_a_clear_error_for_missing_runs(tmp_path):
     proc = subprocess.run([sys.executable, "evaluate.py", "curves", "--runs", f"x={tmp_path}/nothing*"], cwd=ROOT,
                           capture_output=True, text=True)
     assert proc.returncode != 0 and "no run folder with a metrics.jsonl" in proc.stderr
+
+
+def test_passk_samples_code_policies_through_the_sandbox(tiny_models, tmp_path):
+    out = cli("passk", "--task", "code", "--sft_path", str(tiny_models / "sft"), "--policies", "sft",
+              "--samples", "3", "--ks", "1,3", "--n_prompts", "6", "--max_response_len", "6",
+              "--output_dir", str(tmp_path))
+    rows = [json.loads(line) for line in open(tmp_path / "passk_results.jsonl")]
+    assert len(rows) == 6 and all(r["n"] == 3 and 0 <= r["correct"] <= 3 for r in rows)
+    table = json.load(open(tmp_path / "passk.json"))
+    expected = sum(evaluate.pass_at_k(3, r["correct"], 1) for r in rows) / 6
+    assert table["sft"]["all"]["pass@1"] == pytest.approx(expected) and "pass@3" in out
+    proc = subprocess.run([sys.executable, "evaluate.py", "passk", "--task", "code", "--sft_path", str(tiny_models / "sft"),
+                           "--samples", "2", "--ks", "1,5"], cwd=ROOT, capture_output=True, text=True)
+    assert proc.returncode != 0 and "smaller than the largest k" in proc.stderr

@@ -106,6 +106,29 @@ def test_every_flag_runs_one_iteration(tiny_models, tmp_path, flags):
         assert rows[0]["macro/mean_len"] == 1.0
 
 
+@pytest.mark.parametrize("flags", [{"n": 10}, {"termination": "parsing"}])
+def test_code_task_uses_the_execution_reward(tiny_models, tmp_path, flags):
+    """No reward model: the critic starts from the SFT model and the score is running the program."""
+    args = ppo.PPOArgs(task="code", sft_path=str(tiny_models / "sft"), rm_path=str(tmp_path / "no_rm"),
+                       output_dir=str(tmp_path), steps=1, rollout_batch_size=4, mini_batch_size=2,
+                       max_prompt_len=48, max_response_len=8, n_eval_prompts=4, **flags)
+    ppo.main(args)
+    row = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")][0]
+    assert -1.0 <= row["reward/exec"] <= 1.0 and 0.0 <= row["reward/pass_rate"] <= 1.0
+    assert "eval/pass@1" in row and "reward/rm" not in row
+    assert "pass@1" in open(tmp_path / "summary.md").read()
+    if flags.get("termination") == "parsing":
+        assert 0.0 <= row["macro/parse_fallback"] <= 1.0
+
+
+def test_execution_reward_runs_prefix_plus_response():
+    problems = [{"prefix": "def inc(x):\n", "tests": {"fn_name": "inc", "inputs": [[1]], "outputs": [2]}},
+                {"prefix": "", "tests": {"inputs": ["3\n"], "outputs": ["6\n"]}},
+                {"prefix": "def inc(x):\n", "tests": {"fn_name": "inc", "inputs": [[1]], "outputs": [2]}}]
+    reward, passed = ppo.execution_reward(problems, ["    return x + 1\n", "print(int(input()) * 2)", "    return (\n"])
+    assert reward.tolist() == [1.0, 1.0, -1.0] and passed.tolist() == [1.0, 1.0, 0.0]
+
+
 def run_ppo(tiny_models, out, *extra, launch=()):
     cmd = [*launch, "ppo.py", "--sft_path", str(tiny_models / "sft"), "--rm_path", str(tiny_models / "rm"),
            "--output_dir", str(out), "--rollout_batch_size", "4", "--mini_batch_size", "2", "--max_prompt_len", "16",
