@@ -4,7 +4,7 @@
     python evaluate.py winrate    --policy A --baseline sft --judge gold           # rm | gold | llm judge
     python evaluate.py agreement  --policy A --baseline sft --judges rm,gold       # Table 1
     python evaluate.py best_of_n  --policy A --ns 1,4,8,16 --temperatures 0.4,0.8,1.2   # Fig. 8
-    python evaluate.py curves     --runs "ppo=runs/study/n1_*" "ma-ppo=runs/study/n5_*"   # Fig. 2, 11
+    python evaluate.py curves     --runs "ppo=runs/study/n1/seed*" "ma-ppo=runs/study/n5_fixed_equal_sum/seed*"  # Fig. 2, 11
     python evaluate.py passk      --task code --policies sft P --samples 10 --ks 1,5  # Table 3
 
 A policy is a save_pretrained folder, or `sft` (the SFT model) or `chosen` (the dataset's chosen
