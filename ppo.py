@@ -330,6 +330,7 @@ def main(args):
     from tqdm.auto import tqdm
     truncated_total, done = (state["truncated"] if args.resume else 0), start
     bar = tqdm(range(start, args.steps), desc=f"ppo n={args.n}", disable=not accelerator.is_local_main_process)
+    sft.catch_ctrl_c()
     try:
         for step in bar:
             t0 = time.time()

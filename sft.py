@@ -13,6 +13,7 @@ import math
 import os
 import random
 import shutil
+import signal
 import sys
 import time
 from dataclasses import asdict, dataclass, field
@@ -85,6 +86,13 @@ def tiny_gemma(tokenizer, hidden_size=128, num_layers=4, max_len=256):
 # ---------------------------------------------------------------------------------------------
 # Helpers shared by the three stages: accelerator, atomic checkpoints, batches, sampling
 # ---------------------------------------------------------------------------------------------
+
+def catch_ctrl_c():
+    """SIGINT raises KeyboardInterrupt (so the training loop saves a checkpoint) even when the
+    process was started with SIGINT ignored, as a shell does for a command run in the background
+    with `&`: otherwise `kill -INT` would be silently ignored there."""
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+
 
 def make_accelerator(bf16=False, grad_accum=1, **kwargs):
     """Accelerator(cpu=True) without a GPU: `accelerate launch --multi_gpu --num_processes 2` on a
@@ -214,6 +222,7 @@ class Trainer:
         self.model.train()
         done, t0, value = self.start, time.time(), float("nan")
         bar = tqdm(range(self.start, self.steps), desc=name, disable=not acc.is_local_main_process)
+        catch_ctrl_c()
         try:
             for step in bar:
                 for micro in range(args.grad_accum):
