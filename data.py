@@ -296,6 +296,15 @@ def prompts_of(rows):
     return list(dict.fromkeys(r["prompt"] for r in rows))
 
 
+def first_row_per_prompt(rows):
+    """The first row of each distinct prompt, in the order of prompts_of (code rows carry the tests
+    that go with the prompt)."""
+    first = {}
+    for row in rows:
+        first.setdefault(row["prompt"], row)
+    return list(first.values())
+
+
 # ---------------------------------------------------------------------------------------------
 # Code tasks (paper §4, App. B.5): rows {prompt, prefix, chosen, rejected: "", tests, difficulty, group}.
 # The program run is prefix + response: the prompt itself where it is code (the embedded task,

@@ -252,13 +252,7 @@ class Context:
         if not self.code:
             sft.require_model_dir(args.rm_path, "reward model", "Train it with reward_model.py (or run ppo.py once).")
             self.rm = rm.load_reward_model(args.rm_path)[0].eval()
-        rows = data.load_task(args.task, only=("test",))["test"]
-        seen, self.rows = set(), []
-        for row in rows:                                   # one row per distinct prompt
-            if row["prompt"] not in seen:
-                seen.add(row["prompt"])
-                self.rows.append(row)
-        self.rows = self.rows[:args.n_prompts]
+        self.rows = data.first_row_per_prompt(data.load_task(args.task, only=("test",))["test"])[:args.n_prompts]
         self.prompts = [r["prompt"] for r in self.rows]
 
     def model(self, path):

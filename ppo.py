@@ -266,7 +266,7 @@ def main(args):
         policy.gradient_checkpointing_enable()
         critic.model.gradient_checkpointing_enable()
     splits = data.load_task(args.task, only=("ppo", "test"))
-    problems, eval_problems = (list({r["prompt"]: r for r in reversed(splits[s])}.values())[::-1] for s in ("ppo", "test"))
+    problems, eval_problems = data.first_row_per_prompt(splits["ppo"]), data.first_row_per_prompt(splits["test"])
     prompts = [r["prompt"] for r in problems]
     eval_problems = eval_problems[:args.n_eval_prompts]
     eval_prompts = [r["prompt"] for r in eval_problems]

@@ -242,3 +242,9 @@ def test_humaneval_task_is_all_test_problems():
     splits = data.load_task("humaneval")
     assert len(splits["test"]) == 164 and not splits["sft"] and not splits["ppo"]
     assert splits["test"][0]["tests"]["entry_point"] and "def check" in splits["test"][0]["tests"]["test"]
+
+
+def test_first_row_per_prompt_keeps_the_order_of_prompts_of():
+    rows = [{"prompt": "b", "k": 1}, {"prompt": "a", "k": 2}, {"prompt": "b", "k": 3}, {"prompt": "c", "k": 4}]
+    assert [r["k"] for r in data.first_row_per_prompt(rows)] == [1, 2, 4]
+    assert [r["prompt"] for r in data.first_row_per_prompt(rows)] == data.prompts_of(rows)

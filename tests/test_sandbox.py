@@ -1,6 +1,5 @@
 """sandbox.py: hostile programs get the right outcome and reward in bounded time, and the test
 process survives; the APPS (stdin/stdout, call-based) and HumanEval formats on good and bad code."""
-import os
 import time
 
 import pytest
@@ -105,7 +104,6 @@ def test_run_many_runs_concurrently_and_keeps_the_order():
     results = sandbox.run_many(jobs, sandbox.Limits(timeout=1.5, cpu_seconds=2), workers=2)
     assert [r.outcome for r in results] == ["passed"] * 3 + ["timeout"] + ["passed"] * 2
     assert time.time() - t0 < 1.5 + 6 * 1.0                          # the loop did not hold everything up
-    assert os.getpid() > 0                                            # still here
 
 
 def test_all_humaneval_canonical_solutions_pass_and_wrong_completions_fail():
