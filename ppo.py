@@ -330,7 +330,7 @@ def main(args):
     from tqdm.auto import tqdm
     truncated_total, done = (state["truncated"] if args.resume else 0), start
     bar = tqdm(range(start, args.steps), desc=f"ppo n={args.n}", disable=not accelerator.is_local_main_process)
-    sft.catch_ctrl_c()
+    ctrl_c, saved = sft.CtrlC(accelerator, "iteration"), start
     try:
         for step in bar:
             t0 = time.time()
@@ -441,10 +441,17 @@ def main(args):
             done = step + 1
             if done % args.save_every == 0:
                 save(done)
+                saved = done
+            if ctrl_c.requested() and done < args.steps:
+                if saved != done:
+                    save(done)
+                log(f"[ppo] interrupted after iteration {done}: checkpoint in {ckpt}; continue with --resume")
+                sys.exit(130)
     except KeyboardInterrupt:
-        save(done)
-        log(f"[ppo] interrupted after iteration {done}: checkpoint in {ckpt}; continue with --resume")
+        log("[ppo] quit without saving: " + (f"the checkpoint of iteration {saved} in {ckpt} is kept"
+                                              if saved else "no checkpoint had been saved yet"))
         sys.exit(130)
+    ctrl_c.release()
     if truncated_total:
         log(f"[ppo] warning: {truncated_total} prompts (this process) were longer than {args.max_prompt_len} "
             f"tokens and lost their beginning")

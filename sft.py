@@ -87,11 +87,42 @@ def tiny_gemma(tokenizer, hidden_size=128, num_layers=4, max_len=256):
 # Helpers shared by the three stages: accelerator, atomic checkpoints, batches, sampling
 # ---------------------------------------------------------------------------------------------
 
-def catch_ctrl_c():
-    """SIGINT raises KeyboardInterrupt (so the training loop saves a checkpoint) even when the
-    process was started with SIGINT ignored, as a shell does for a command run in the background
-    with `&`: otherwise `kill -INT` would be silently ignored there."""
-    signal.signal(signal.SIGINT, signal.default_int_handler)
+class CtrlC:
+    """Ctrl-C (SIGINT) asks the training loop to stop at the end of the current step, where the
+    weights, optimizer, schedule and RNG all agree with the step counter, so the checkpoint saved
+    there resumes to exactly the uninterrupted run. (A KeyboardInterrupt raised mid-step, after an
+    optimizer step, would save weights one step ahead of their counter.)
+    - `requested()` is collective: every rank calls it at the same point and they agree (any rank
+      interrupted -> all stop), so no rank is left waiting in a collective the others have left;
+    - `accelerate launch` forwards the terminal's SIGINT to its workers, which thus get it twice:
+      a repeat within `grace` seconds is the same request, a later one raises KeyboardInterrupt
+      to quit at once without saving (the last periodic checkpoint stays). The launcher kills its
+      workers 30 s after the signal: under it, a step longer than that ends before its checkpoint;
+    - installed explicitly, so it also works in a process started with SIGINT ignored (`cmd &`).
+    `release()` after the loop: Ctrl-C raises KeyboardInterrupt again."""
+
+    def __init__(self, accelerator, unit="step", grace=2.0):
+        self.accelerator, self.unit, self.grace, self.first = accelerator, unit, grace, None
+        signal.signal(signal.SIGINT, self._on_sigint)
+
+    def _on_sigint(self, signum, frame):
+        if self.first is None:
+            self.first = time.monotonic()
+            # os.write, not print: the handler may run while the main thread is inside a print
+            os.write(2, f"\n[ctrl-c] finishing this {self.unit}, then saving a checkpoint "
+                        f"(Ctrl-C again to quit now without saving)\n".encode())
+        elif time.monotonic() - self.first > self.grace:
+            raise KeyboardInterrupt
+
+    def requested(self):
+        """True on every rank once any rank was interrupted."""
+        flag = torch.tensor([float(self.first is not None)], device=self.accelerator.device)
+        if self.accelerator.num_processes > 1:
+            flag = self.accelerator.reduce(flag, "sum")
+        return flag.item() > 0
+
+    def release(self):
+        signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 def make_accelerator(bf16=False, grad_accum=1, **kwargs):
@@ -220,9 +251,10 @@ class Trainer:
         acc, args, name = self.accelerator, self.args, self.name
         world, rank = acc.num_processes, acc.process_index
         self.model.train()
-        done, t0, value = self.start, time.time(), float("nan")
+        done = saved = self.start
+        t0, value = time.time(), float("nan")
         bar = tqdm(range(self.start, self.steps), desc=name, disable=not acc.is_local_main_process)
-        catch_ctrl_c()
+        ctrl_c = CtrlC(acc)
         try:
             for step in bar:
                 for micro in range(args.grad_accum):
@@ -248,11 +280,18 @@ class Trainer:
                 done = step + 1
                 if done % args.save_every == 0:
                     self.save(self.ckpt_dir, done)
+                    saved = done
+                if ctrl_c.requested() and done < self.steps:
+                    if saved != done:
+                        self.save(self.ckpt_dir, done)
+                    acc.print(f"[{name}] interrupted after step {done}: checkpoint saved to {self.ckpt_dir}; "
+                              f"continue with --resume")
+                    sys.exit(130)
         except KeyboardInterrupt:
-            self.save(self.ckpt_dir, done)
-            acc.print(f"[{name}] interrupted after step {done}: checkpoint saved to {self.ckpt_dir}; "
-                      f"continue with --resume")
+            acc.print(f"[{name}] quit without saving: " + (f"the checkpoint of step {saved} in {self.ckpt_dir} is kept"
+                                                            if saved else "no checkpoint had been saved yet"))
             sys.exit(130)
+        ctrl_c.release()
         self.save(args.output_dir, self.steps, final=True)
         acc.print(f"[{name}] saved {args.output_dir}")
         return value

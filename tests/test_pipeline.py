@@ -71,10 +71,12 @@ def test_reward_model_trains_from_the_sft_checkpoint(sft_runs, tmp_path):
     assert model.config.num_labels == 1
 
 
+LAUNCH = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
+          "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no"]
+
+
 def test_sft_under_accelerate_launch_with_two_cpu_processes(tmp_path):
-    launch = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
-              "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no"]
-    proc = subprocess.run([*launch, "sft.py", *TINY, "--max_steps", "6", "--eval_every", "3",
+    proc = subprocess.run([*LAUNCH, "sft.py", *TINY, "--max_steps", "6", "--eval_every", "3",
                            "--output_dir", str(tmp_path / "ddp")], cwd=ROOT, capture_output=True, text=True,
                           timeout=240)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -93,3 +95,55 @@ def test_resume_without_a_checkpoint_is_a_clear_error(tmp_path):
     proc = subprocess.run([sys.executable, "sft.py", *TINY, "--output_dir", str(tmp_path / "x"), "--resume"],
                           cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert proc.returncode != 0 and "no checkpoint to resume" in proc.stderr
+
+
+def interrupt_launch(args, checkpoint, signal_to):
+    """Start `accelerate launch` with two processes, wait for the first checkpoint, send SIGINT to
+    `signal_to(launcher_pid) -> [pids]`; returns (returncode, stdout, stderr)."""
+    proc = subprocess.Popen([*LAUNCH, *args], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    deadline = time.time() + 180
+    while not os.path.exists(os.path.join(checkpoint, "trainer_state.pt")) and time.time() < deadline:
+        time.sleep(0.02)
+    for pid in signal_to(proc.pid):
+        os.kill(pid, signal.SIGINT)
+    try:
+        out, err = proc.communicate(timeout=120)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)                             # a rank left hanging in a collective
+        raise
+    return proc.returncode, out, err
+
+
+def worker(launcher_pid, rank):
+    import psutil
+    for child in psutil.Process(launcher_pid).children(recursive=True):
+        if child.environ().get("RANK") == str(rank):
+            return child.pid
+    raise AssertionError(f"no worker of rank {rank}")
+
+
+def test_ctrl_c_under_accelerate_launch_stops_both_ranks_at_one_step_and_resumes_exactly(tmp_path):
+    """A terminal's Ctrl-C reaches the launcher and both workers (the launcher forwards it too); a
+    SIGINT to rank 1 alone must also stop rank 0 at the same step, not leave it waiting for rank 1."""
+    args = [*TINY, "--max_steps", "80", "--eval_every", "1000", "--save_every", "5"]
+    whole, split, one = str(tmp_path / "whole"), str(tmp_path / "split"), str(tmp_path / "one")
+    proc = subprocess.run([*LAUNCH, "sft.py", *args, "--output_dir", whole], cwd=ROOT, capture_output=True,
+                          text=True, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+
+    group = lambda pid: [-pid]                                          # noqa: E731 (os.kill(-pgid): the group)
+    rc, out, err = interrupt_launch(["sft.py", *args, "--output_dir", split], split + ".checkpoint", group)
+    assert rc != 0 and "interrupted after step" in out, err[-3000:]
+    resumed = subprocess.run([*LAUNCH, "sft.py", *args, "--output_dir", split, "--resume"], cwd=ROOT,
+                             capture_output=True, text=True, timeout=240)
+    assert resumed.returncode == 0 and "resumed at step" in resumed.stdout, resumed.stderr[-3000:]
+    a, b = weights(whole), weights(split)
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+    rc, out, err = interrupt_launch(["sft.py", *args, "--output_dir", one], one + ".checkpoint",
+                                    lambda pid: [worker(pid, 1)])
+    assert "interrupted after step" in out, err[-3000:]                 # printed by rank 0
+    assert "exitcode: -9" not in err and "Signals.SIGKILL" not in err   # no rank had to be killed
+    step = torch.load(os.path.join(one + ".checkpoint", "trainer_state.pt"), weights_only=False)["step"]
+    assert f"interrupted after step {step}:" in out and 5 <= step < 80

@@ -81,3 +81,24 @@ def test_responses_are_cut_after_the_first_eos(tokenizer):
     cut, mask = sft.response_logits_mask(ids, eos, pad)
     assert mask.tolist() == [[1, 1, 1, 0, 0], [1, 1, 1, 1, 1]]
     assert cut[0].tolist() == [5, 6, eos, pad, pad]
+
+
+def test_ctrl_c_is_a_request_to_stop_and_a_later_second_one_quits_at_once():
+    import signal
+    import time
+    ctrl_c = sft.CtrlC(sft.make_accelerator(), grace=0.3)
+    try:
+        assert not ctrl_c.requested()
+        os.kill(os.getpid(), signal.SIGINT)                    # no KeyboardInterrupt: the step goes on
+        assert ctrl_c.requested()
+        os.kill(os.getpid(), signal.SIGINT)                    # a repeat within the grace (a launcher's forward)
+        assert ctrl_c.requested()
+        time.sleep(0.4)
+        with pytest.raises(KeyboardInterrupt):
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(1)                                      # the handler runs at the next bytecode
+    finally:
+        ctrl_c.release()
+    with pytest.raises(KeyboardInterrupt):                     # released: Ctrl-C raises again
+        os.kill(os.getpid(), signal.SIGINT)
+        time.sleep(1)
