@@ -328,9 +328,9 @@ def main(args):
         accelerator.wait_for_everyone()
 
     from tqdm.auto import tqdm
-    truncated_total, done = (state["truncated"] if args.resume else 0), start
+    truncated_total = state["truncated"] if args.resume else 0
     bar = tqdm(range(start, args.steps), desc=f"ppo n={args.n}", disable=not accelerator.is_local_main_process)
-    ctrl_c, saved = sft.CtrlC(accelerator, "iteration"), start
+    ctrl_c = sft.CtrlC(accelerator, "iteration", saved=start)
     try:
         for step in bar:
             t0 = time.time()
@@ -438,18 +438,11 @@ def main(args):
             if args.report_to != "none":
                 accelerator.log(metrics, step=step + 1)
             bar.set_postfix(score=f"{metrics[f'reward/{score_key}']:.2f}", kl=f"{metrics['kl']:.2f}")
-            done = step + 1
-            if done % args.save_every == 0:
-                save(done)
-                saved = done
-            if ctrl_c.requested() and done < args.steps:
-                if saved != done:
-                    save(done)
-                log(f"[ppo] interrupted after iteration {done}: checkpoint in {ckpt}; continue with --resume")
+            if ctrl_c.stop_after(step + 1, args.steps, args.save_every, save):
+                log(f"[ppo] interrupted after iteration {step + 1}: checkpoint in {ckpt}; continue with --resume")
                 sys.exit(130)
     except KeyboardInterrupt:
-        log("[ppo] quit without saving: " + (f"the checkpoint of iteration {saved} in {ckpt} is kept"
-                                              if saved else "no checkpoint had been saved yet"))
+        log(f"[ppo] quit without saving: {ctrl_c.kept(ckpt)}")
         sys.exit(130)
     ctrl_c.release()
     if truncated_total:

@@ -17,6 +17,7 @@ import signal
 import sys
 import time
 from dataclasses import asdict, dataclass, field
+from functools import partial
 
 import torch
 from transformers import PreTrainedTokenizerFast
@@ -99,10 +100,11 @@ class CtrlC:
       to quit at once without saving (the last periodic checkpoint stays). The launcher kills its
       workers 30 s after the signal: under it, a step longer than that ends before its checkpoint;
     - installed explicitly, so it also works in a process started with SIGINT ignored (`cmd &`).
-    `release()` after the loop: Ctrl-C raises KeyboardInterrupt again."""
+    Call `stop_after(done, ...)` at the end of every step, and `release()` after the loop: Ctrl-C
+    then raises KeyboardInterrupt again."""
 
-    def __init__(self, accelerator, unit="step", grace=2.0):
-        self.accelerator, self.unit, self.grace, self.first = accelerator, unit, grace, None
+    def __init__(self, accelerator, unit="step", saved=0, grace=2.0):
+        self.accelerator, self.unit, self.saved, self.grace, self.first = accelerator, unit, saved, grace, None
         signal.signal(signal.SIGINT, self._on_sigint)
 
     def _on_sigint(self, signum, frame):
@@ -120,6 +122,24 @@ class CtrlC:
         if self.accelerator.num_processes > 1:
             flag = self.accelerator.reduce(flag, "sum")
         return flag.item() > 0
+
+    def stop_after(self, done, last, save_every, save):
+        """At the end of step `done`, on every rank: the periodic `save(done)`, and if Ctrl-C was
+        pressed before the last step, a checkpoint here; True when the loop should stop."""
+        if done % save_every == 0:
+            save(done)
+            self.saved = done
+        if self.requested() and done < last:
+            if self.saved != done:
+                save(done)
+            return True
+        return False
+
+    def kept(self, where):
+        """What a second Ctrl-C leaves behind."""
+        if not self.saved:
+            return "no checkpoint had been saved yet"
+        return f"the checkpoint of {self.unit} {self.saved} in {where} is kept"
 
     def release(self):
         signal.signal(signal.SIGINT, signal.default_int_handler)
@@ -251,10 +271,9 @@ class Trainer:
         acc, args, name = self.accelerator, self.args, self.name
         world, rank = acc.num_processes, acc.process_index
         self.model.train()
-        done = saved = self.start
         t0, value = time.time(), float("nan")
         bar = tqdm(range(self.start, self.steps), desc=name, disable=not acc.is_local_main_process)
-        ctrl_c = CtrlC(acc)
+        ctrl_c = CtrlC(acc, saved=self.start)
         try:
             for step in bar:
                 for micro in range(args.grad_accum):
@@ -277,19 +296,12 @@ class Trainer:
                     self.model.train()
                     acc.print(f"[{name}] step {step + 1}/{self.steps}  train loss {loss.item():.3f}  {text}  "
                               f"({time.time() - t0:.0f}s)")
-                done = step + 1
-                if done % args.save_every == 0:
-                    self.save(self.ckpt_dir, done)
-                    saved = done
-                if ctrl_c.requested() and done < self.steps:
-                    if saved != done:
-                        self.save(self.ckpt_dir, done)
-                    acc.print(f"[{name}] interrupted after step {done}: checkpoint saved to {self.ckpt_dir}; "
+                if ctrl_c.stop_after(step + 1, self.steps, args.save_every, partial(self.save, self.ckpt_dir)):
+                    acc.print(f"[{name}] interrupted after step {step + 1}: checkpoint saved to {self.ckpt_dir}; "
                               f"continue with --resume")
                     sys.exit(130)
         except KeyboardInterrupt:
-            acc.print(f"[{name}] quit without saving: " + (f"the checkpoint of step {saved} in {self.ckpt_dir} is kept"
-                                                            if saved else "no checkpoint had been saved yet"))
+            acc.print(f"[{name}] quit without saving: {ctrl_c.kept(self.ckpt_dir)}")
             sys.exit(130)
         ctrl_c.release()
         self.save(args.output_dir, self.steps, final=True)

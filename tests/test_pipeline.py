@@ -97,20 +97,19 @@ def test_resume_without_a_checkpoint_is_a_clear_error(tmp_path):
     assert proc.returncode != 0 and "no checkpoint to resume" in proc.stderr
 
 
-def interrupt_launch(args, checkpoint, signal_to):
+def interrupt_launch(args, checkpoint, rank):
     """Start `accelerate launch` with two processes, wait for the first checkpoint, send SIGINT to
-    `signal_to(launcher_pid) -> [pids]`; returns (returncode, stdout, stderr)."""
+    the worker of `rank` alone; returns (returncode, stdout, stderr)."""
     proc = subprocess.Popen([*LAUNCH, *args], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             start_new_session=True)
     deadline = time.time() + 180
     while not os.path.exists(os.path.join(checkpoint, "trainer_state.pt")) and time.time() < deadline:
         time.sleep(0.02)
-    for pid in signal_to(proc.pid):
-        os.kill(pid, signal.SIGINT)
     try:
+        os.kill(worker(proc.pid, rank), signal.SIGINT)
         out, err = proc.communicate(timeout=120)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)                             # a rank left hanging in a collective
+    except (AssertionError, subprocess.TimeoutExpired):
+        os.killpg(proc.pid, signal.SIGKILL)                             # e.g. a rank left hanging in a collective
         raise
     return proc.returncode, out, err
 
@@ -123,27 +122,24 @@ def worker(launcher_pid, rank):
     raise AssertionError(f"no worker of rank {rank}")
 
 
-def test_ctrl_c_under_accelerate_launch_stops_both_ranks_at_one_step_and_resumes_exactly(tmp_path):
-    """A terminal's Ctrl-C reaches the launcher and both workers (the launcher forwards it too); a
-    SIGINT to rank 1 alone must also stop rank 0 at the same step, not leave it waiting for rank 1."""
-    args = [*TINY, "--max_steps", "80", "--eval_every", "1000", "--save_every", "5"]
-    whole, split, one = str(tmp_path / "whole"), str(tmp_path / "split"), str(tmp_path / "one")
+def test_ctrl_c_to_one_rank_under_accelerate_launch_stops_both_at_one_step_and_resumes_exactly(tmp_path):
+    """SIGINT to rank 1 alone must also stop rank 0 at the same step (not leave it waiting for rank 1
+    in a collective), and --resume then ends with the weights of an uninterrupted 2-process run. (A
+    terminal's Ctrl-C reaches every process and the launcher forwards it again: the repeat is covered
+    in test_sft.py.)"""
+    args = [*TINY, "--max_steps", "60", "--eval_every", "1000", "--save_every", "5"]
+    whole, split = str(tmp_path / "whole"), str(tmp_path / "split")
     proc = subprocess.run([*LAUNCH, "sft.py", *args, "--output_dir", whole], cwd=ROOT, capture_output=True,
                           text=True, timeout=240)
     assert proc.returncode == 0, proc.stderr[-3000:]
 
-    group = lambda pid: [-pid]                                          # noqa: E731 (os.kill(-pgid): the group)
-    rc, out, err = interrupt_launch(["sft.py", *args, "--output_dir", split], split + ".checkpoint", group)
-    assert rc != 0 and "interrupted after step" in out, err[-3000:]
+    rc, out, err = interrupt_launch(["sft.py", *args, "--output_dir", split], split + ".checkpoint", rank=1)
+    assert rc != 0 and "interrupted after step" in out, err[-3000:]      # printed by rank 0
+    assert "exitcode: -9" not in err and "Signals.SIGKILL" not in err   # no rank had to be killed
+    step = torch.load(os.path.join(split + ".checkpoint", "trainer_state.pt"), weights_only=False)["step"]
+    assert f"interrupted after step {step}:" in out and 5 <= step < 60
     resumed = subprocess.run([*LAUNCH, "sft.py", *args, "--output_dir", split, "--resume"], cwd=ROOT,
                              capture_output=True, text=True, timeout=240)
-    assert resumed.returncode == 0 and "resumed at step" in resumed.stdout, resumed.stderr[-3000:]
+    assert resumed.returncode == 0 and f"resumed at step {step}" in resumed.stdout, resumed.stderr[-3000:]
     a, b = weights(whole), weights(split)
     assert all(torch.equal(a[k], b[k]) for k in a)
-
-    rc, out, err = interrupt_launch(["sft.py", *args, "--output_dir", one], one + ".checkpoint",
-                                    lambda pid: [worker(pid, 1)])
-    assert "interrupted after step" in out, err[-3000:]                 # printed by rank 0
-    assert "exitcode: -9" not in err and "Signals.SIGKILL" not in err   # no rank had to be killed
-    step = torch.load(os.path.join(one + ".checkpoint", "trainer_state.pt"), weights_only=False)["step"]
-    assert f"interrupted after step {step}:" in out and 5 <= step < 80

@@ -86,11 +86,16 @@ def test_responses_are_cut_after_the_first_eos(tokenizer):
 def test_ctrl_c_is_a_request_to_stop_and_a_later_second_one_quits_at_once():
     import signal
     import time
-    ctrl_c = sft.CtrlC(sft.make_accelerator(), grace=0.3)
+    ctrl_c, saves = sft.CtrlC(sft.make_accelerator(), grace=0.3), []
     try:
-        assert not ctrl_c.requested()
+        assert not ctrl_c.requested() and "no checkpoint" in ctrl_c.kept("ckpt")
+        assert [ctrl_c.stop_after(d, 10, 3, saves.append) for d in (1, 2, 3, 4)] == [False] * 4
+        assert saves == [3] and "step 3 in ckpt" in ctrl_c.kept("ckpt")     # the periodic save only
         os.kill(os.getpid(), signal.SIGINT)                    # no KeyboardInterrupt: the step goes on
         assert ctrl_c.requested()
+        assert ctrl_c.stop_after(5, 10, 3, saves.append) and saves == [3, 5]    # stop, with a checkpoint here
+        assert ctrl_c.stop_after(6, 10, 3, saves.append) and saves == [3, 5, 6]  # periodic: not saved twice
+        assert not ctrl_c.stop_after(10, 10, 3, saves.append)  # the last step: the run ends normally
         os.kill(os.getpid(), signal.SIGINT)                    # a repeat within the grace (a launcher's forward)
         assert ctrl_c.requested()
         time.sleep(0.4)
