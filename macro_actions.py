@@ -27,6 +27,13 @@ def macro_ids(starts):
     return (starts.long().cumsum(-1) - 1).clamp(min=0)
 
 
+def macro_sum(x, starts):
+    """Sum of x over the macro action of each token, given back on every token of it ([B, T]).
+    The segment sum behind macro lengths, macro log-ratios and averaged macro rewards."""
+    ids = macro_ids(starts)
+    return torch.zeros_like(x).scatter_add(1, ids, x).gather(1, ids)
+
+
 def _positions(mask):
     """Position of each real token within its response: 0, 1, 2, ... ([B, T] long)."""
     return mask.long().cumsum(-1) - 1
@@ -99,7 +106,7 @@ def sigma_weights(starts, mask, kind="equal"):
     ids = macro_ids(starts)
     T = mask.shape[1]
     t = torch.arange(T, device=mask.device).expand_as(ids)
-    length = torch.zeros_like(m).scatter_add(1, ids, m).gather(1, ids)          # len of my macro
+    length = macro_sum(m, starts)                                                # len of my macro
     index = t - torch.where(starts, t, torch.zeros_like(t)).cummax(-1).values    # i within macro
     if kind == "equal":
         w = 1.0 / length.clamp(min=1)

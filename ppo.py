@@ -28,13 +28,14 @@ class PPOArgs:
     task: str = field(default="chitchat", metadata={"help": "chitchat, tldr, tldr_carper, hh, webgpt, code, apps, or a local json/jsonl/parquet file"})
     sft_path: str = field(default="", metadata={"help": "SFT model (policy init and frozen reference); default runs/<task>/sft, built on chitchat if missing"})
     rm_path: str = field(default="", metadata={"help": "reward model (also the critic's init); default runs/<task>/rm, built on chitchat if missing; unused for code tasks"})
+    critic_path: str = field(default="", metadata={"help": "critic init: default the RM (App. B.2; the SFT model for code tasks); any causal LM or RM folder, a fresh value head on an LM"})
     output_dir: str = field(default="", metadata={"help": "default runs/<task>/ppo_n<n>_<termination>"})
     sft_args: str = field(default="", metadata={"help": "extra sft.py flags used when the default SFT model is built, e.g. '--max_steps 600'"})
     rm_args: str = field(default="", metadata={"help": "extra reward_model.py flags used when the default RM is built"})
     n: int = field(default=5, metadata={"help": "macro action length for --termination fixed: 1 = vanilla PPO, 0 = the whole response"})
     termination: str = field(default="fixed", metadata={"help": "fixed | randomized | parsing | ppl | entropy (paper §3.2.1)"})
     sigma: str = field(default="equal", metadata={"help": "macro value weights: equal | unit | position | first (App. D.1)"})
-    reward_agg: str = field(default="sum", metadata={"help": "macro reward: sum (the paper's equation) | mean (the released code)"})
+    reward_agg: str = field(default="sum", metadata={"help": "macro reward: sum (the paper's equation) | mean (the released code: each macro action's KL penalty averaged, the RM score kept whole)"})
     ratio: str = field(default="token", metadata={"help": "token: per-token ratios with macro advantages (released code) | macro: pi(omega)/pi_old(omega)"})
     kl_estimator: str = field(default="k1", metadata={"help": "per-token KL: k1 = logp - logp_ref | k3 = (r - 1) - log r, r = p_ref/p"})
     beta: float = field(default=0.05, metadata={"help": "KL penalty coefficient"})
@@ -81,6 +82,20 @@ def masked_whiten(x, mask):
     mean = masked_mean(x, mask)
     var = masked_mean((x - mean) ** 2, mask)
     return (x - mean) * torch.rsqrt(var + 1e-8) * mask
+
+
+def token_rewards(kl_rewards, score, r_mask, starts, reward_agg="sum"):
+    """Per-token rewards whose sum over a macro action is its reward R_tau: the KL rewards with the
+    sequence score added at the last real token. `mean` reproduces the released code: each macro
+    action's KL rewards are averaged (divided by its length) and the score is never divided."""
+    if reward_agg == "mean":
+        kl_rewards = kl_rewards / ma.macro_sum(r_mask.to(kl_rewards.dtype), starts).clamp(min=1)
+    elif reward_agg != "sum":
+        raise ValueError(f"unknown --reward_agg {reward_agg!r}; choose sum or mean")
+    rewards = kl_rewards.clone()
+    last = (r_mask.long().sum(-1) - 1).clamp(min=0)
+    rewards[torch.arange(len(last)), last] += score
+    return rewards
 
 
 def response_logprobs(model, ids, mask, prompt_width, temperature):
@@ -132,8 +147,7 @@ def ppo_losses(args, logp, old_logp, values, old_values, advantages, returns, ma
     """6. Clipped policy loss (token or macro ratio) and clipped value loss, masked means."""
     log_ratio = (logp - old_logp) * mask
     if args.ratio == "macro":                        # log pi(omega)/pi_old(omega), on every token of omega
-        ids = ma.macro_ids(starts)
-        log_ratio = torch.zeros_like(log_ratio).scatter_add(1, ids, log_ratio).gather(1, ids) * mask
+        log_ratio = ma.macro_sum(log_ratio, starts) * mask
     ratio = log_ratio.exp()
     pg = torch.max(-advantages * ratio, -advantages * ratio.clamp(1 - args.clip, 1 + args.clip))
     v_clipped = old_values + (values - old_values).clamp(-args.value_clip, args.value_clip)
@@ -255,7 +269,7 @@ def main(args):
         sft.require_model_dir(os.path.join(ckpt, "policy"), "checkpoint to resume", "Run without --resume.")
     policy_src = os.path.join(ckpt, "policy") if args.resume else args.sft_path
     code = args.task in data.CODE_TASKS         # reward = running the program; critic from SFT (App. B.2)
-    critic_src = os.path.join(ckpt, "critic") if args.resume else args.sft_path if code else args.rm_path
+    critic_src = os.path.join(ckpt, "critic") if args.resume else args.critic_path or (args.sft_path if code else args.rm_path)
     tokenizer = sft.load_tokenizer(args.sft_path)
     policy = AutoModelForCausalLM.from_pretrained(policy_src, dtype=dtype)
     critic = Critic(rm.load_reward_model(critic_src, args.bf16)[0])
@@ -362,18 +376,17 @@ def main(args):
             # 3. Rewards: -beta * KL per token, the score added at the last real token
             log_r = old_logp - ref_logp
             kl = log_r if args.kl_estimator == "k1" else (torch.exp(-log_r) - 1) + log_r
-            rewards = -args.beta * kl * m
-            last = (r_mask.sum(-1) - 1).clamp(min=0)
-            rewards[torch.arange(len(last)), last] += score
-            if not torch.isfinite(rewards).all():
+            kl_rewards = -args.beta * kl * m
+            if not (torch.isfinite(kl_rewards).all() and torch.isfinite(score).all()):
                 raise FloatingPointError(f"non-finite reward at iteration {step}; last good checkpoint in {ckpt}")
             t_forward = time.time() - t0 - t_gen
             # 4. Macro actions
             t1 = time.time()
             starts, fallback = macro_starts(args, r_ids, r_mask, old_logp, entropy, tokenizer, generator)
             # 5. Macro-level GAE, broadcast to tokens
+            rewards = token_rewards(kl_rewards, score, r_mask, starts, args.reward_agg)
             advantages, returns = ma.macro_advantages(old_values, rewards, r_mask, starts, args.gamma, args.lam,
-                                                      args.sigma, args.reward_agg)
+                                                      args.sigma)
             t_macro = time.time() - t1
             raw_adv = advantages
             if args.whiten_advantages:
@@ -411,6 +424,8 @@ def main(args):
                      "kl": (kl * m).sum(-1).mean(), "entropy": masked_mean(entropy, m),
                      "value/explained_variance": 1 - masked_mean((returns - old_values) ** 2, m) / var_r.clamp(min=1e-8),
                      "adv/l2": (raw_adv ** 2 * m).sum(-1).sqrt().mean(), "q/l2": (returns ** 2 * m).sum(-1).sqrt().mean(),
+                     "adv/l2_macro": (raw_adv ** 2 * starts).sum(-1).sqrt().mean(),
+                     "q/l2_macro": (returns ** 2 * starts).sum(-1).sqrt().mean(),
                      "macro/mean_len": (r_mask.sum(-1) / n_macro).mean(), "macro/parse_fallback": torch.tensor(fallback),
                      "response/len": r_mask.sum(-1).float().mean(), "response/eos_rate": has_eos.float().mean(),
                      **{k: torch.stack([s[k] for s in stats]).mean() for k in stats[0]}}

@@ -88,13 +88,39 @@ def test_macro_ratio_is_the_product_of_the_token_ratios_of_the_macro_action():
     assert torch.allclose(stats["policy/ratio"], expected)
 
 
+def test_reward_agg_mean_averages_each_macro_actions_kl_and_never_divides_the_score():
+    """Hand-computed: macro actions of 3 and 2 tokens, KL rewards -0.3 -0.6 -0.9 | -0.2 -0.4, score 2.
+    sum:  R = -1.8, 1.4 (the paper);  mean: R = -0.6, -0.3 + 2 = 1.7 (the released code)."""
+    mask = torch.ones(1, 5)
+    starts = torch.tensor([[True, False, False, True, False]])
+    kl_rewards, score = torch.tensor([[-0.3, -0.6, -0.9, -0.2, -0.4]]), torch.tensor([2.0])
+    zeros = torch.zeros(1, 5)
+    for agg, (r1, r2) in {"sum": (-1.8, 1.4), "mean": (-0.6, 1.7)}.items():
+        rewards = ppo.token_rewards(kl_rewards, score, mask, starts, agg)
+        assert torch.allclose(ma.macro_sum(rewards, starts)[0, [0, 3]], torch.tensor([r1, r2]))
+        adv, _ = ma.macro_advantages(zeros, rewards, mask, starts, gamma=1.0, lam=1.0)   # V = 0: A = sum of later R
+        assert torch.allclose(adv[0], torch.tensor([r1 + r2] * 3 + [r2] * 2))
+    with pytest.raises(ValueError, match="reward_agg"):
+        ppo.token_rewards(kl_rewards, score, mask, starts, "max")
+
+
+def test_macro_level_norms_count_each_macro_action_once():
+    """adv/l2 counts a macro advantage once per token; adv/l2_macro once per macro action."""
+    mask = torch.ones(1, 4)
+    starts = torch.tensor([[True, False, False, True]])
+    adv = torch.tensor([[2.0, 2.0, 2.0, 1.0]])
+    assert (adv ** 2 * mask).sum(-1).sqrt().item() == pytest.approx(13 ** 0.5)
+    assert (adv ** 2 * starts).sum(-1).sqrt().item() == pytest.approx(5 ** 0.5)
+
+
 @pytest.mark.parametrize("flags", [
     {"n": 1}, {"n": 0}, {"termination": "randomized"}, {"termination": "ppl"}, {"termination": "parsing"},
     {"termination": "entropy", "entropy_threshold": 1.0}, {"sigma": "unit"}, {"sigma": "position"},
-    {"sigma": "first"}, {"reward_agg": "mean"}, {"ratio": "macro"}, {"kl_estimator": "k3"},
+    {"sigma": "first"}, {"reward_agg": "mean"}, {"ratio": "macro"}, {"critic_path": "SFT"}, {"kl_estimator": "k3"},
     {"top_k": 5, "top_p": 0.9, "missing_eos_penalty": -1.0, "whiten_advantages": False, "ppo_epochs": 2},
 ])
 def test_every_flag_runs_one_iteration(tiny_models, tmp_path, flags):
+    flags = {k: str(tiny_models / "sft") if v == "SFT" else v for k, v in flags.items()}
     args = ppo.PPOArgs(sft_path=str(tiny_models / "sft"), rm_path=str(tiny_models / "rm"), output_dir=str(tmp_path),
                        steps=1, rollout_batch_size=4, mini_batch_size=2, max_prompt_len=16, max_response_len=8,
                        n_eval_prompts=4, **flags)
@@ -104,6 +130,7 @@ def test_every_flag_runs_one_iteration(tiny_models, tmp_path, flags):
     assert os.path.exists(tmp_path / "policy" / "model.safetensors")
     if flags.get("n") == 1:
         assert rows[0]["macro/mean_len"] == 1.0
+        assert rows[0]["adv/l2_macro"] == pytest.approx(rows[0]["adv/l2"], rel=1e-4)
 
 
 @pytest.mark.parametrize("flags", [{"n": 10}, {"termination": "parsing"}])
