@@ -431,6 +431,13 @@ def humaneval_problems():
 # Tokenization: prompts left-padded (truncated from the left), responses right-padded with EOS
 # ---------------------------------------------------------------------------------------------
 
+def load_tokenizer(path):
+    from transformers import AutoTokenizer
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    check_tokenizer(tokenizer)
+    return tokenizer
+
+
 def check_tokenizer(tokenizer):
     if tokenizer.pad_token_id is None or tokenizer.pad_token_id == tokenizer.eos_token_id:
         raise ValueError("the tokenizer needs a pad token different from its EOS token (padding "
@@ -485,3 +492,32 @@ def collate(tokenizer, prompts, responses, max_prompt_len, max_response_len):
     return {"input_ids": input_ids, "attention_mask": attention_mask,
             "position_ids": position_ids(attention_mask), "labels": labels,
             "prompt_width": p_ids.shape[1], "n_truncated": truncated}
+
+
+# ---------------------------------------------------------------------------------------------
+# Rollout sampling: the policy's responses to a batch of prompts (PPO step 1, evaluation)
+# ---------------------------------------------------------------------------------------------
+
+def cut_after_eos(ids, eos_id, pad_id):
+    """Right-padded responses cut after their first EOS: (ids with pad after EOS, mask [B, R])."""
+    is_eos = ids == eos_id
+    after_eos = (is_eos.long().cumsum(-1) - is_eos.long()) > 0
+    mask = (~after_eos).long()
+    return ids.masked_fill(mask == 0, pad_id), mask
+
+
+@torch.no_grad()
+def sample(model, tokenizer, prompts, max_prompt_len, max_new_tokens, temperature=1.0, top_k=0,
+           top_p=1.0, greedy=False, synced_gpus=False):
+    """Sample responses; returns (prompt_ids, prompt_mask, response_ids, response_mask, n_truncated):
+    prompts left-padded (tokenized once here), responses right-padded and cut after the first EOS."""
+    p_ids, p_mask, truncated = encode_prompts(tokenizer, prompts, max_prompt_len)
+    device = next(model.parameters()).device
+    p_ids, p_mask = p_ids.to(device), p_mask.to(device)
+    out = model.generate(input_ids=p_ids, attention_mask=p_mask, max_new_tokens=max_new_tokens,
+                         do_sample=not greedy, temperature=temperature if not greedy else None,
+                         top_k=top_k if not greedy else None, top_p=top_p if not greedy else None,
+                         pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
+                         synced_gpus=synced_gpus)
+    r_ids, r_mask = cut_after_eos(out[:, p_ids.shape[1]:], tokenizer.eos_token_id, tokenizer.pad_token_id)
+    return p_ids, p_mask, r_ids, r_mask, truncated

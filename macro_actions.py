@@ -142,8 +142,9 @@ def macro_advantages(values, rewards, mask, starts, gamma=1.0, lam=0.95, sigma="
     ids = macro_ids(starts)
     B, T = values.shape
     zeros = torch.zeros_like(values)
-    v_macro = zeros.scatter_add(1, ids, sigma_weights(starts, mask, sigma).to(values.dtype)
-                                * values * m)                               # [B, T] slot per macro
+    # §3.3 / App. D.1: V(s_tau) = sum_i sigma_i V(s_i) over the macro's tokens; slot tau of [B, T]
+    v_macro = zeros.scatter_add(1, ids, sigma_weights(starts, mask, sigma).to(values.dtype) * values * m)
+    # §3.3: R_tau = the sum of the rewards of the macro action's tokens (the released code: the mean)
     r_macro = zeros.scatter_add(1, ids, rewards.to(values.dtype) * m)
     if reward_agg == "mean":
         r_macro = r_macro / zeros.scatter_add(1, ids, m).clamp(min=1)
@@ -154,11 +155,11 @@ def macro_advantages(values, rewards, mask, starts, gamma=1.0, lam=0.95, sigma="
     next_value = torch.zeros(B, dtype=values.dtype, device=values.device)
     next_adv = torch.zeros_like(next_value)
     for tau in reversed(range(M)):                       # backward over macro steps, not samples
-        delta = r_macro[:, tau] + gamma * next_value - v_macro[:, tau]
-        next_adv = (delta + gamma * lam * next_adv) * valid[:, tau]
+        delta = r_macro[:, tau] + gamma * next_value - v_macro[:, tau]          # Eq. 4: macro TD error
+        next_adv = (delta + gamma * lam * next_adv) * valid[:, tau]             # Eq. 5: GAE over macro steps
         next_value = v_macro[:, tau]
         adv[:, tau] = next_adv
-    returns = adv + v_macro
+    returns = adv + v_macro                              # Q_tau = A_tau + V_tau: the critic's target
     return adv.gather(1, ids) * m, returns.gather(1, ids) * m
 
 

@@ -2,25 +2,26 @@
 
     accelerate launch ppo.py --n 5       # builds (or reuses) runs/chitchat/{sft,rm}, then trains MA-PPO
 
-One iteration, as numbered below: 1. rollout, 2. score, 3. rewards, 4. macro actions,
-5. advantages, 6. PPO update, 7. log / evaluate / checkpoint.
+Read top to bottom: the arguments, the math of one iteration as small pure functions, the setup
+(models, data, optimizers), then `main()`, whose loop is the paper's Algorithm 1 as numbered steps:
+1. rollout, 2. score, 3. rewards, 4. macro actions, 5. advantages, 6. PPO update, 7. log.
+The plumbing (accelerators, Ctrl-C / SIGTERM, checkpoints) lives in harness.py, evaluation and the
+final report in evaluate.py, the macro-action math in macro_actions.py.
 """
-import contextlib
 import json
 import os
-import random
 import subprocess
 import sys
-import time
 from dataclasses import asdict, dataclass, field
 
 import torch
 
 import data
+import evaluate
+import harness
 import macro_actions as ma
 import reward_model as rm
 import sandbox
-import sft
 
 
 @dataclass
@@ -64,7 +65,7 @@ class PPOArgs:
     save_every: int = field(default=40, metadata={"help": "checkpoint every k iterations"})
     n_eval_prompts: int = field(default=256, metadata={"help": "held-out prompts per evaluation"})
     seed: int = field(default=1234, metadata={"help": "random seed"})
-    resume: bool = field(default=False, metadata={"help": "continue from <output_dir>/checkpoint"})
+    resume: bool = field(default=False, metadata={"help": "continue from <output_dir>/checkpoint (written every --save_every iterations, on Ctrl-C and on SIGTERM)"})
     report_to: str = field(default="none", metadata={"help": "accelerate trackers: none | tensorboard | wandb"})
     bf16: bool = field(default=False, metadata={"help": "bf16 mixed precision (GPUs)"})
     gradient_checkpointing: bool = field(default=False, metadata={"help": "recompute activations to save memory (GPUs)"})
@@ -72,6 +73,12 @@ class PPOArgs:
 
 # ---------------------------------------------------------------------------------------------
 # Small pure helpers
+# ---------------------------------------------------------------------------------------------
+
+
+
+# ---------------------------------------------------------------------------------------------
+# Small pure helpers (the math of one iteration)
 # ---------------------------------------------------------------------------------------------
 
 def masked_mean(x, mask):
@@ -85,9 +92,10 @@ def masked_whiten(x, mask):
 
 
 def token_rewards(kl_rewards, score, r_mask, starts, reward_agg="sum"):
-    """Per-token rewards whose sum over a macro action is its reward R_tau: the KL rewards with the
-    sequence score added at the last real token. `mean` reproduces the released code: each macro
-    action's KL rewards are averaged (divided by its length) and the score is never divided."""
+    """Per-token rewards whose sum over a macro action is its reward R_tau (§3.3: the sum of the
+    rewards of its tokens): the KL rewards with the sequence score added at the last real token.
+    `mean` reproduces the released code: each macro action's KL rewards are averaged (divided by its
+    length) and the score is never divided."""
     if reward_agg == "mean":
         kl_rewards = kl_rewards / ma.macro_sum(r_mask.to(kl_rewards.dtype), starts).clamp(min=1)
     elif reward_agg != "sum":
@@ -146,10 +154,12 @@ def macro_starts(args, r_ids, r_mask, logprobs, entropy, tokenizer, generator):
 def ppo_losses(args, logp, old_logp, values, old_values, advantages, returns, mask, starts):
     """6. Clipped policy loss (token or macro ratio) and clipped value loss, masked means."""
     log_ratio = (logp - old_logp) * mask
-    if args.ratio == "macro":                        # log pi(omega)/pi_old(omega), on every token of omega
+    if args.ratio == "macro":       # §3.3 MA-PPO: pi(omega)/pi_old(omega) = product of its token ratios
         log_ratio = ma.macro_sum(log_ratio, starts) * mask
     ratio = log_ratio.exp()
+    # §2 PPO clipped surrogate (Schulman et al. 2017, Eq. 7): max of the two negated terms = min of the objectives
     pg = torch.max(-advantages * ratio, -advantages * ratio.clamp(1 - args.clip, 1 + args.clip))
+    # clipped value loss around the rollout's values (value clip 0.2, App. B.2 / Table 5)
     v_clipped = old_values + (values - old_values).clamp(-args.value_clip, args.value_clip)
     vf = 0.5 * torch.max((values - returns) ** 2, (v_clipped - returns) ** 2)
     stats = {"policy/clipfrac": masked_mean(((ratio - 1).abs() > args.clip).float(), mask),
@@ -161,13 +171,47 @@ def ppo_losses(args, logp, old_logp, values, old_values, advantages, returns, ma
 # The default pipeline: build the SFT and reward models of the embedded task when missing
 # ---------------------------------------------------------------------------------------------
 
-def build_default(args, accelerator):
+
+def resolve(args):
+    """Derived settings, in one place: default paths, and what the task's reward is."""
+    args.sft_path = args.sft_path or f"runs/{args.task}/sft"
+    args.rm_path = args.rm_path or f"runs/{args.task}/rm"
+    args.output_dir = args.output_dir or f"runs/{args.task}/ppo_n{args.n}_{args.termination}"
+    code = args.task in data.CODE_TASKS       # reward = running the program; critic from SFT (App. B.2)
+    args.critic_path = args.critic_path or (args.sft_path if code else args.rm_path)
+    return args, code
+
+
+def iteration_metrics(t, code):
+    """7. The metrics of one iteration from its tensors `t` (masked: no padding in any average)."""
+    m, starts = t["m"], t["starts"]
+    n_macro = starts.sum(-1).clamp(min=1).float()
+    var_r = masked_mean((t["returns"] - masked_mean(t["returns"], m)) ** 2, m)
+    lengths = t["r_mask"].sum(-1)
+    return {f"reward/{'exec' if code else 'rm'}": t["score"].mean(),
+            **({"reward/pass_rate": t["passed"].mean()} if code else {}), "reward/total": t["rewards"].sum(-1).mean(),
+            "kl": (t["kl"] * m).sum(-1).mean(), "entropy": masked_mean(t["entropy"], m),
+            "value/explained_variance": 1 - masked_mean((t["returns"] - t["old_values"]) ** 2, m) / var_r.clamp(min=1e-8),
+            # Fig. 11: L2 norms per response, over tokens (a macro counted once per token) and over macro actions
+            "adv/l2": (t["raw_adv"] ** 2 * m).sum(-1).sqrt().mean(), "q/l2": (t["returns"] ** 2 * m).sum(-1).sqrt().mean(),
+            "adv/l2_macro": (t["raw_adv"] ** 2 * starts).sum(-1).sqrt().mean(),
+            "q/l2_macro": (t["returns"] ** 2 * starts).sum(-1).sqrt().mean(),
+            "macro/mean_len": (lengths / n_macro).mean(), "macro/parse_fallback": torch.tensor(t["fallback"]),
+            "response/len": lengths.float().mean(), "response/eos_rate": t["has_eos"].float().mean(),
+            **{k: torch.stack([s[k] for s in t["stats"]]).mean() for k in t["stats"][0]}}
+
+
+# ---------------------------------------------------------------------------------------------
+# Setup: the default models, the four models of PPO, optimizers
+# ---------------------------------------------------------------------------------------------
+
+def build_default(args, accelerator, code):
     """chitchat / code with no paths given: run sft.py (and reward_model.py, not for code: its reward
     is running the program) once on the main process, reuse them afterwards."""
     env = {k: v for k, v in os.environ.items()
            if not k.startswith(("ACCELERATE_", "RANK", "WORLD_SIZE", "LOCAL_", "MASTER_", "OMP_"))}
     stages = [(args.sft_path, "sft.py", ["--task", args.task, *args.sft_args.split()])]
-    if args.task not in data.CODE_TASKS:
+    if not code:
         stages.append((args.rm_path, "reward_model.py", ["--sft_path", args.sft_path, *args.rm_args.split()]))
     for path, script, extra in stages:
         if accelerator.is_main_process and not os.path.exists(os.path.join(path, "config.json")):
@@ -179,220 +223,137 @@ def build_default(args, accelerator):
         accelerator.wait_for_everyone()
 
 
-def execution_reward(problems, texts):
-    """Code tasks: each problem's prefix + response run against its tests in sandbox.py, concurrently.
-    Returns (the paper's execution reward [B], 1.0 where every test passed [B])."""
-    results = sandbox.run_many([(row["prefix"] + t, row["tests"]) for row, t in zip(problems, texts)])
-    return (torch.tensor([r.reward for r in results]), torch.tensor([float(r.outcome == "passed") for r in results]))
-
-
-@torch.no_grad()
-def evaluate_policy(policy, rm_model, tokenizer, prompts, args, seed, synced_gpus=False, problems=None):
-    """Held-out prompts -> (responses, RM scores, gold scores), or for code tasks (`problems` given)
-    (responses, execution rewards, passed); sampling as in training, under its own seed so that
-    evaluating never changes the training run's random numbers."""
-    with torch.random.fork_rng():
-        torch.manual_seed(seed)
-        *_, r_ids, _ = sft.sample(policy, tokenizer, prompts, args.max_prompt_len, args.max_response_len,
-                                  args.temperature, args.top_k, args.top_p, synced_gpus=synced_gpus)
-    texts = tokenizer.batch_decode(r_ids, skip_special_tokens=True)
-    if problems is not None:
-        return (texts, *execution_reward(problems, texts))
-    scores = rm.score(rm_model, tokenizer, prompts, texts, args.max_prompt_len, args.max_response_len)
-    gold = torch.tensor(data.gold_score(texts)) if args.task == "chitchat" else None
-    return texts, scores, gold
-
-
-def make_accelerators(args):
-    """(policy accelerator, critic accelerator): one and the same, except under DeepSpeed, where each
-    trained model needs its own engine. accelerate's multi-model recipe: one DeepSpeedPlugin per model
-    (both from the launch config) and a second Accelerator for the critic."""
-    kwargs = dict(log_with=None if args.report_to == "none" else args.report_to, project_dir=args.output_dir)
-    if os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() != "true":
-        accelerator = sft.make_accelerator(args.bf16, args.grad_accum, **kwargs)
-        return accelerator, accelerator
-    from accelerate import Accelerator
-    from accelerate.utils import DeepSpeedPlugin
-    plugins = {"policy": DeepSpeedPlugin(), "critic": DeepSpeedPlugin()}
-    for plugin in plugins.values():   # no dataloader is prepared, so DeepSpeed is told the micro-batch
-        plugin.deepspeed_config["train_micro_batch_size_per_gpu"] = args.mini_batch_size
-    accelerator = sft.make_accelerator(args.bf16, args.grad_accum, deepspeed_plugins=plugins, **kwargs)
-    return accelerator, Accelerator(gradient_accumulation_steps=args.grad_accum)
-
-
-@contextlib.contextmanager
-def whole_weights():
-    """Loading context for the frozen reference and reward models: under ZeRO-3, transformers would
-    partition them as they load (zero.Init), though no engine ever gathers them again. transformers
-    decides that from one module-level DeepSpeed config, set aside here while they load."""
-    from transformers.integrations import deepspeed as hf_deepspeed
-    saved = hf_deepspeed._hf_deepspeed_config_weak_ref
-    hf_deepspeed.unset_hf_deepspeed_config()
-    try:
-        yield
-    finally:
-        hf_deepspeed._hf_deepspeed_config_weak_ref = saved
-
-
-def accumulate(accelerator, policy, critic_accelerator, critic):
-    """Gradient accumulation context for both models (one accelerator counts the steps once)."""
-    if critic_accelerator is accelerator:
-        return accelerator.accumulate(policy, critic)
-    stack = contextlib.ExitStack()
-    stack.enter_context(accelerator.accumulate(policy))
-    stack.enter_context(critic_accelerator.accumulate(critic))
-    return stack
-
-
-def full_weights(accelerator, policy, critic_accelerator, critic):
-    """Whole state dicts of the trained models, gathered from ZeRO-3 / FSDP shards (a collective call:
-    every rank must make it); the critic's keys lose their wrapper's "model." prefix."""
-    critic_sd = critic_accelerator.get_state_dict(critic)
-    return {"policy": accelerator.get_state_dict(policy),
-            "critic": {k.removeprefix("model."): v for k, v in critic_sd.items()} if critic_sd else critic_sd}
-
-
-def main(args):
-    args.sft_path = args.sft_path or f"runs/{args.task}/sft"
-    args.rm_path = args.rm_path or f"runs/{args.task}/rm"
-    args.output_dir = args.output_dir or f"runs/{args.task}/ppo_n{args.n}_{args.termination}"
-    accelerator, critic_accelerator = make_accelerators(args)
-    log = accelerator.print
-    log(f"[ppo] config: {asdict(args)}")
-    build_default(args, accelerator)
+def load_models(args, code):
+    """(tokenizer, policy, critic, frozen reference, frozen reward model or None): the policy and the
+    reference from the SFT model, the critic from --critic_path (App. B.2); on --resume the trained
+    two from the checkpoint."""
     from transformers import AutoModelForCausalLM
     dtype = torch.bfloat16 if args.bf16 else torch.float32
-    torch.manual_seed(args.seed)
-    random.seed(args.seed)
-    ckpt = os.path.join(args.output_dir, "checkpoint")
     if args.resume:
-        sft.require_model_dir(os.path.join(ckpt, "policy"), "checkpoint to resume", "Run without --resume.")
-    policy_src = os.path.join(ckpt, "policy") if args.resume else args.sft_path
-    code = args.task in data.CODE_TASKS         # reward = running the program; critic from SFT (App. B.2)
-    critic_src = os.path.join(ckpt, "critic") if args.resume else args.critic_path or (args.sft_path if code else args.rm_path)
-    tokenizer = sft.load_tokenizer(args.sft_path)
-    policy = AutoModelForCausalLM.from_pretrained(policy_src, dtype=dtype)
-    critic = Critic(rm.load_reward_model(critic_src, args.bf16)[0])
-    with whole_weights():       # the frozen models are never handed to a ZeRO-3 engine
+        harness.require_model_dir(harness.checkpoint_part(args.output_dir, "policy"), "checkpoint to resume",
+                                  "Run without --resume.")
+    part = (lambda name, default: harness.checkpoint_part(args.output_dir, name) if args.resume else default)
+    tokenizer = data.load_tokenizer(args.sft_path)
+    policy = AutoModelForCausalLM.from_pretrained(part("policy", args.sft_path), dtype=dtype)
+    critic = Critic(rm.load_reward_model(part("critic", args.critic_path), args.bf16)[0])
+    with harness.whole_weights():       # the frozen models are never handed to a ZeRO-3 engine
         ref = AutoModelForCausalLM.from_pretrained(args.sft_path, dtype=dtype).eval().requires_grad_(False)
         reward = None if code else rm.load_reward_model(args.rm_path, args.bf16)[0].eval().requires_grad_(False)
     if args.gradient_checkpointing:
         policy.gradient_checkpointing_enable()
         critic.model.gradient_checkpointing_enable()
-    splits = data.load_task(args.task, only=("ppo", "test"))
-    problems, eval_problems = data.first_row_per_prompt(splits["ppo"]), data.first_row_per_prompt(splits["test"])
-    prompts = [r["prompt"] for r in problems]
-    eval_problems = eval_problems[:args.n_eval_prompts]
-    eval_prompts = [r["prompt"] for r in eval_problems]
-    eval_code = eval_problems if code else None           # evaluation runs their programs
-    score_key, second_key = ("exec", "pass@1") if code else ("rm", "gold")
-    world, rank = accelerator.num_processes, accelerator.process_index
-    log(f"[ppo] {len(prompts)} training prompts, {len(eval_prompts)} held-out prompts, {world} process(es)")
+    return tokenizer, policy, critic, ref, reward
 
-    def schedule(step):
-        return min(1.0, (step + 1) / max(1, args.warmup_steps))
-    policy_opt = torch.optim.AdamW(policy.parameters(), lr=args.policy_lr)
-    critic_opt = torch.optim.AdamW(critic.parameters(), lr=args.critic_lr)
-    policy_sched = torch.optim.lr_scheduler.LambdaLR(policy_opt, schedule)
-    critic_sched = torch.optim.lr_scheduler.LambdaLR(critic_opt, schedule)
-    policy, policy_opt = accelerator.prepare(policy, policy_opt)
-    if critic_accelerator is not accelerator:              # DeepSpeed: the critic's own engine
-        accelerator.state.select_deepspeed_plugin("critic")
-    critic, critic_opt = critic_accelerator.prepare(critic, critic_opt)
-    # ZeRO-3 / FSDP shard the trained models: forwards (generate included) are collective, so every
-    # rank runs them; generate() uses synced_gpus=True so ranks that finish early keep answering
-    sharded = world > 1 and accelerator.distributed_type.value in ("FSDP", "DEEPSPEED")
-    ref.to(accelerator.device)
+
+def optimizers(args, policy, critic):
+    """AdamW for the policy and for the critic, each with a linear warmup over --warmup_steps."""
+    opts = {"policy_opt": torch.optim.AdamW(policy.parameters(), lr=args.policy_lr),
+            "critic_opt": torch.optim.AdamW(critic.parameters(), lr=args.critic_lr)}
+    warmup = (lambda step: min(1.0, (step + 1) / max(1, args.warmup_steps)))
+    return opts, {"policy_sched": torch.optim.lr_scheduler.LambdaLR(opts["policy_opt"], warmup),
+                  "critic_sched": torch.optim.lr_scheduler.LambdaLR(opts["critic_opt"], warmup)}
+
+
+# ---------------------------------------------------------------------------------------------
+# Algorithm 1
+# ---------------------------------------------------------------------------------------------
+
+def main(args):
+    args, code = resolve(args)
+    acc, critic_acc = harness.make_accelerators(args.bf16, args.grad_accum, args.mini_batch_size, project_dir=args.output_dir,
+                                                log_with=None if args.report_to == "none" else args.report_to)
+    harness.start("ppo", args, acc)
+    log = acc.print
+    build_default(args, acc, code)
+    tokenizer, policy, critic, ref, reward = load_models(args, code)
+    splits = data.load_task(args.task, only=("ppo", "test"))
+    problems = data.first_row_per_prompt(splits["ppo"])              # code rows carry their tests
+    eval_rows = data.first_row_per_prompt(splits["test"])[:args.n_eval_prompts]
+    prompts = [r["prompt"] for r in problems]
+    world, rank = acc.num_processes, acc.process_index
+    log(f"[ppo] {len(prompts)} training prompts, {len(eval_rows)} held-out prompts, {world} process(es)")
+    opts, scheds = optimizers(args, policy, critic)
+    policy, opts["policy_opt"], critic, opts["critic_opt"] = harness.prepare_pair(
+        acc, critic_acc, policy, opts["policy_opt"], critic, opts["critic_opt"])
+    sharded = harness.is_sharded(acc)   # ZeRO-3 / FSDP: every rank runs every forward, generate included
+    ref.to(acc.device)
     if reward is not None:
-        reward.to(accelerator.device)
-    start = 0
+        reward.to(acc.device)
+    generator = torch.Generator().manual_seed(args.seed)       # minibatch order, randomized n-grams
+    start, truncated = 0, 0
     if args.resume:
-        state = torch.load(os.path.join(ckpt, "trainer_state.pt"), weights_only=False)
-        for obj, key in [(policy_opt, "policy_opt"), (critic_opt, "critic_opt"), (policy_sched, "policy_sched"),
-                         (critic_sched, "critic_sched")]:
-            if key in state:
-                obj.load_state_dict(state[key])
-            else:
-                log(f"[ppo] warning: the checkpoint holds no {key} state (saved under ZeRO/FSDP): it starts afresh")
-        sft.set_rng_state(state["rng"])
-        start = state["step"]
-        log(f"[ppo] resumed at iteration {start}")
-    generator = torch.Generator().manual_seed(args.seed)
-    if args.resume:
+        # optimizer states are per-rank shards under ZeRO/FSDP: they are saved (and restored) only when whole
+        state = harness.load_checkpoint(args.output_dir, opts, scheds, log)
+        start, truncated = state["step"], state["truncated"]
         generator.set_state(state["generator"])
+        log(f"[ppo] resumed at iteration {start}")
     if args.report_to != "none":
-        accelerator.init_trackers("ma-rlhf", config=asdict(args))
-    os.makedirs(args.output_dir, exist_ok=True)
+        acc.init_trackers("ma-rlhf", config=asdict(args))
     metrics_path = os.path.join(args.output_dir, "metrics.jsonl")
-    if args.resume and accelerator.is_main_process and os.path.exists(metrics_path):
-        kept = [line for line in open(metrics_path) if json.loads(line)["step"] <= start]
-        with open(metrics_path, "w") as f:                # drop iterations the checkpoint does not hold
+    if acc.is_main_process:
+        os.makedirs(args.output_dir, exist_ok=True)
+        resumed = args.resume and os.path.exists(metrics_path)
+        kept = [line for line in open(metrics_path) if json.loads(line)["step"] <= start] if resumed else []
+        with open(metrics_path, "w") as f:          # drop iterations the checkpoint does not hold
             f.writelines(kept)
 
-    def save(step, path=ckpt):
-        weights = full_weights(accelerator, policy, critic_accelerator, critic)    # collective: every rank
-        if accelerator.is_main_process:
-            # optimizer states are per-rank shards under ZeRO/FSDP: kept only when they are whole
-            optim = {} if sharded else {k: o.state_dict() for k, o in [("policy_opt", policy_opt), ("critic_opt", critic_opt)]}
-            sft.atomic_save(path, tokenizer=tokenizer, parts={
-                "policy": accelerator.unwrap_model(policy), "critic": critic_accelerator.unwrap_model(critic).model},
-                state_dicts=weights, state={
-                "step": step, "truncated": truncated_total, "rng": sft.rng_state(), "generator": generator.get_state(),
-                "args": asdict(args), "policy_sched": policy_sched.state_dict(), "critic_sched": critic_sched.state_dict(), **optim})
-        accelerator.wait_for_everyone()
+    def save(step):
+        weights = harness.full_weights({"policy": (acc, policy), "critic": (critic_acc, critic)})   # collective
+        if acc.is_main_process:
+            harness.save_checkpoint(args.output_dir, {"policy": acc.unwrap_model(policy),
+                                                      "critic": critic_acc.unwrap_model(critic).model}, tokenizer,
+                                    step, args, {} if sharded else opts, scheds, weights,
+                                    truncated=truncated, generator=generator.get_state())
+        acc.wait_for_everyone()
 
     from tqdm.auto import tqdm
-    truncated_total = state["truncated"] if args.resume else 0
-    bar = tqdm(range(start, args.steps), desc=f"ppo n={args.n}", disable=not accelerator.is_local_main_process)
-    ctrl_c = sft.CtrlC(accelerator, "iteration", saved=start)
-    try:
+    bar = tqdm(range(start, args.steps), desc=f"ppo n={args.n}", disable=not acc.is_local_main_process)
+    with harness.GracefulStop(acc, "ppo", "iteration", harness.checkpoint_dir(args.output_dir), start) as stop:
         for step in bar:
-            t0 = time.time()
-            # 1. Rollout: sample responses; logprobs under the sampling distribution
-            idx = sft.batch_indices(len(prompts), args.rollout_batch_size, step, args.seed, rank, world)
-            batch_prompts = [prompts[i] for i in idx]
-            truncated_total += data.encode_prompts(tokenizer, batch_prompts, args.max_prompt_len)[2]
+            clock = harness.Stopwatch()
+            # 1. Rollout: sample responses to this rank's prompts; logprobs under the sampling distribution
+            idx = harness.batch_indices(len(prompts), args.rollout_batch_size, step, args.seed, rank, world)
             policy.eval()
-            p_ids, p_mask, r_ids, r_mask = sft.sample(accelerator.unwrap_model(policy), tokenizer, batch_prompts,
-                                                      args.max_prompt_len, args.max_response_len,
-                                                      args.temperature, args.top_k, args.top_p, synced_gpus=sharded)
-            t_gen = time.time() - t0
+            p_ids, p_mask, r_ids, r_mask, n_cut = data.sample(
+                acc.unwrap_model(policy), tokenizer, [prompts[i] for i in idx], args.max_prompt_len,
+                args.max_response_len, args.temperature, args.top_k, args.top_p, synced_gpus=sharded)
+            truncated += n_cut
+            clock.lap("generate")
             P = p_ids.shape[1]
             ids, mask = torch.cat([p_ids, r_ids], 1), torch.cat([p_mask, r_mask], 1)
             m = r_mask.float()
-            # 2. Score: old logprobs, reference logprobs, values, RM score at the last real token
+            # 2. Score: old and reference logprobs, values V(s_t), the sequence score
             with torch.no_grad():
                 old_logp, entropy = response_logprobs(policy, ids, mask, P, args.temperature)
                 ref_logp, _ = response_logprobs(ref, ids, mask, P, args.temperature)
                 old_values = critic_values(critic, ids, mask, P) * m
-                if code:
+                if code:    # App. B.5: the compiler / test signal of running prefix + response
                     texts = tokenizer.batch_decode(r_ids, skip_special_tokens=True)
-                    score, passed = execution_reward([problems[i] for i in idx], texts)
-                    score = score.to(accelerator.device)
-                else:
-                    score = rm.last_token(rm.token_values(reward, ids, mask), mask)
+                    score, passed = map(torch.tensor, sandbox.execution_reward([problems[i] for i in idx], texts))
+                    score = score.to(acc.device)
+                else:       # the RM's head at the last real token
+                    score, passed = rm.last_token(rm.token_values(reward, ids, mask), mask), None
             has_eos = ((r_ids == tokenizer.eos_token_id) & r_mask.bool()).any(-1)
             score = score + args.missing_eos_penalty * (~has_eos).float()
-            # 3. Rewards: -beta * KL per token, the score added at the last real token
+            # 3. Rewards (§2): r_t = -beta * KL_t per token, the score added at the last token (in step 5)
             log_r = old_logp - ref_logp
-            kl = log_r if args.kl_estimator == "k1" else (torch.exp(-log_r) - 1) + log_r
+            kl = log_r if args.kl_estimator == "k1" else (torch.exp(-log_r) - 1) + log_r    # k1 or k3
             kl_rewards = -args.beta * kl * m
             if not (torch.isfinite(kl_rewards).all() and torch.isfinite(score).all()):
-                raise FloatingPointError(f"non-finite reward at iteration {step}; last good checkpoint in {ckpt}")
-            t_forward = time.time() - t0 - t_gen
-            # 4. Macro actions
-            t1 = time.time()
+                raise FloatingPointError(f"non-finite reward at iteration {step}; last good checkpoint in "
+                                         f"{harness.checkpoint_dir(args.output_dir)}")
+            clock.lap("forward")
+            # 4. Macro actions (§3.2.1): which response tokens begin one
             starts, fallback = macro_starts(args, r_ids, r_mask, old_logp, entropy, tokenizer, generator)
-            # 5. Macro-level GAE, broadcast to tokens
+            # 5. Advantages (§3.3, Eq. 4-5): macro rewards R_tau, sigma-weighted macro values, macro GAE
             rewards = token_rewards(kl_rewards, score, r_mask, starts, args.reward_agg)
             advantages, returns = ma.macro_advantages(old_values, rewards, r_mask, starts, args.gamma, args.lam,
                                                       args.sigma)
-            t_macro = time.time() - t1
             raw_adv = advantages
             if args.whiten_advantages:
                 advantages = masked_whiten(advantages, m)
-            # 6. PPO epochs over minibatches; separate policy and critic optimizers
-            t2 = time.time()
+            clock.lap("macro")
+            # 6. PPO update: epochs over minibatches, the policy and the critic each with its optimizer
             policy.train()
             critic.train()
             stats = []
@@ -400,137 +361,82 @@ def main(args):
                 order = torch.randperm(len(idx), generator=generator)
                 for k in range(0, len(idx), args.mini_batch_size):
                     mb = order[k:k + args.mini_batch_size]
-                    with accumulate(accelerator, policy, critic_accelerator, critic):
+                    with harness.accumulate(acc, policy, critic_acc, critic):
                         logp, _ = response_logprobs(policy, ids[mb], mask[mb], P, args.temperature)
                         values = critic_values(critic, ids[mb], mask[mb], P)
                         pg_loss, vf_loss, s = ppo_losses(args, logp, old_logp[mb], values, old_values[mb],
                                                          advantages[mb], returns[mb], m[mb], starts[mb])
                         if not (torch.isfinite(pg_loss) and torch.isfinite(vf_loss)):
-                            raise FloatingPointError(f"non-finite loss at iteration {step}; last good checkpoint in {ckpt}")
-                        accelerator.backward(pg_loss)            # the two graphs are disjoint:
-                        critic_accelerator.backward(vf_loss)     # one backward per model
-                        policy_opt.step()
-                        critic_opt.step()
-                        policy_opt.zero_grad()
-                        critic_opt.zero_grad()
+                            raise FloatingPointError(f"non-finite loss at iteration {step}; last good checkpoint "
+                                                     f"in {harness.checkpoint_dir(args.output_dir)}")
+                        acc.backward(pg_loss)          # the two graphs are disjoint: one backward per model
+                        critic_acc.backward(vf_loss)
+                        for opt in opts.values():
+                            opt.step()
+                        for opt in opts.values():
+                            opt.zero_grad()
                     stats.append({"loss/policy": pg_loss.detach(), "loss/value": vf_loss.detach(), **s})
-            policy_sched.step()
-            critic_sched.step()
-            t_update = time.time() - t2
-            # 7. Log (averaged over processes), evaluate, checkpoint
-            n_macro = starts.sum(-1).clamp(min=1).float()
-            var_r = masked_mean((returns - masked_mean(returns, m)) ** 2, m)
-            local = {f"reward/{score_key}": score.mean(), **({"reward/pass_rate": passed.mean()} if code else {}), "reward/total": (rewards.sum(-1)).mean(),
-                     "kl": (kl * m).sum(-1).mean(), "entropy": masked_mean(entropy, m),
-                     "value/explained_variance": 1 - masked_mean((returns - old_values) ** 2, m) / var_r.clamp(min=1e-8),
-                     "adv/l2": (raw_adv ** 2 * m).sum(-1).sqrt().mean(), "q/l2": (returns ** 2 * m).sum(-1).sqrt().mean(),
-                     "adv/l2_macro": (raw_adv ** 2 * starts).sum(-1).sqrt().mean(),
-                     "q/l2_macro": (returns ** 2 * starts).sum(-1).sqrt().mean(),
-                     "macro/mean_len": (r_mask.sum(-1) / n_macro).mean(), "macro/parse_fallback": torch.tensor(fallback),
-                     "response/len": r_mask.sum(-1).float().mean(), "response/eos_rate": has_eos.float().mean(),
-                     **{k: torch.stack([s[k] for s in stats]).mean() for k in stats[0]}}
+            for sched in scheds.values():
+                sched.step()
+            clock.lap("update")
+            # 7. Log (averaged over processes), evaluate on held-out prompts, checkpoint
+            local = iteration_metrics(dict(score=score, passed=passed, rewards=rewards, kl=kl, entropy=entropy, m=m,
+                                           returns=returns, old_values=old_values, raw_adv=raw_adv, starts=starts,
+                                           r_mask=r_mask, has_eos=has_eos, fallback=fallback, stats=stats), code)
             keys = sorted(local)
-            values_all = accelerator.reduce(torch.stack([local[k].float().to(accelerator.device) for k in keys]), "mean")
-            metrics = {k: round(v, 5) for k, v in zip(keys, values_all.tolist())}
-            metrics.update({"step": step + 1, "time/step": round(time.time() - t0, 3), "time/generate": round(t_gen, 3),
-                            "time/forward": round(t_forward, 3), "time/macro": round(t_macro, 4),
-                            "time/update": round(t_update, 3), "prompts/truncated": truncated_total,
-                            "tokens_per_s": round(float(r_mask.sum()) * world / (time.time() - t0), 1)})
+            reduced = acc.reduce(torch.stack([local[k].float().to(acc.device) for k in keys]), "mean")
+            metrics = {k: round(v, 5) for k, v in zip(keys, reduced.tolist())}
+            metrics.update({"step": step + 1, "time/step": round(clock.total(), 3), "prompts/truncated": truncated,
+                            **{f"time/{k}": round(v, 4 if k == "macro" else 3) for k, v in clock.laps.items()},
+                            "tokens_per_s": round(float(r_mask.sum()) * world / clock.total(), 1)})
             if (step + 1) % args.eval_every == 0 or step + 1 == args.steps:
-                if accelerator.is_main_process or sharded:       # sharded forwards need every rank
-                    _, ev_scores, ev_gold = evaluate_policy(accelerator.unwrap_model(policy).eval(), reward, tokenizer,
-                                                            eval_prompts, args, args.seed, sharded, eval_code)
-                if accelerator.is_main_process:
-                    metrics[f"eval/{score_key}"] = round(ev_scores.mean().item(), 4)
-                    if ev_gold is not None:
-                        metrics[f"eval/{second_key}"] = round(ev_gold.mean().item(), 4)
-                    log(f"[ppo] iteration {step + 1}: " + "  ".join(f"{k} {metrics[k]}" for k in (
-                        f"reward/{score_key}", "kl", f"eval/{score_key}", f"eval/{second_key}", "macro/mean_len") if k in metrics))
-                accelerator.wait_for_everyone()
-            if accelerator.is_main_process:
+                evaluate_now(args, acc, policy, reward, tokenizer, eval_rows, sharded, code, metrics)
+            if acc.is_main_process:
                 with open(metrics_path, "a") as f:
                     f.write(json.dumps(metrics) + "\n")
             if args.report_to != "none":
-                accelerator.log(metrics, step=step + 1)
-            bar.set_postfix(score=f"{metrics[f'reward/{score_key}']:.2f}", kl=f"{metrics['kl']:.2f}")
-            if ctrl_c.stop_after(step + 1, args.steps, args.save_every, save):
-                log(f"[ppo] interrupted after iteration {step + 1}: checkpoint in {ckpt}; continue with --resume")
-                sys.exit(130)
-    except KeyboardInterrupt:
-        log(f"[ppo] quit without saving: {ctrl_c.kept(ckpt)}")
-        sys.exit(130)
-    ctrl_c.release()
-    if truncated_total:
-        log(f"[ppo] warning: {truncated_total} prompts (this process) were longer than {args.max_prompt_len} "
-            f"tokens and lost their beginning")
-    if not sharded:
-        log(f"[ppo] ranks in sync: {ranks_in_sync(accelerator, policy) and ranks_in_sync(accelerator, critic)}")
-    weights = full_weights(accelerator, policy, critic_accelerator, critic)["policy"]
-    if accelerator.is_main_process:
-        final = os.path.join(args.output_dir, "policy")
-        sft.atomic_save(final, tokenizer=tokenizer, model=accelerator.unwrap_model(policy), state_dicts={"model": weights})
-        # the report reads the saved policy back: whole weights on one process, whatever the sharding
-        with whole_weights():
-            final_report(args, AutoModelForCausalLM.from_pretrained(final, dtype=dtype).to(accelerator.device).eval(),
-                         reward, tokenizer, eval_prompts, metrics_path, eval_code)
-    accelerator.wait_for_everyone()
-    if args.report_to != "none":
-        accelerator.end_training()
+                acc.log(metrics, step=step + 1)
+            bar.set_postfix(score=f"{metrics['reward/exec' if code else 'reward/rm']:.2f}", kl=f"{metrics['kl']:.2f}")
+            stop.end_of_step(step + 1, args.steps, args.save_every, save)
+    finish(args, acc, critic_acc, policy, critic, reward, tokenizer, eval_rows, metrics_path, sharded, truncated)
 
 
-@torch.no_grad()
-def ranks_in_sync(accelerator, model):
-    """True when every process holds the same parameters (a checksum gathered over ranks)."""
-    params = [p.detach().float().flatten() for p in accelerator.unwrap_model(model).parameters()]
-    flat = torch.cat(params)
-    checksum = torch.stack([flat.sum(), (flat * torch.arange(len(flat), device=flat.device) % 7).sum()])
-    every = accelerator.gather(checksum.unsqueeze(0))
-    return bool((every == every[0]).all())
+def evaluate_now(args, acc, policy, reward, tokenizer, eval_rows, sharded, code, metrics):
+    """7. Held-out score (and gold score / pass rate) of the current policy into `metrics`; a log line."""
+    if acc.is_main_process or sharded:               # sharded forwards need every rank
+        _, scores, second = evaluate.held_out(acc.unwrap_model(policy).eval(), reward, tokenizer, eval_rows,
+                                              args, args.seed, sharded)
+    if acc.is_main_process:
+        key, second_key = ("exec", "pass@1") if code else ("rm", "gold")
+        metrics[f"eval/{key}"] = round(scores.mean().item(), 4)
+        if second is not None:
+            metrics[f"eval/{second_key}"] = round(second.mean().item(), 4)
+        acc.print(f"[ppo] iteration {metrics['step']}: " + "  ".join(f"{k} {metrics[k]}" for k in (
+            f"reward/{key}", "kl", f"eval/{key}", f"eval/{second_key}", "macro/mean_len") if k in metrics))
+    acc.wait_for_everyone()
 
 
-def final_report(args, policy, reward, tokenizer, prompts, metrics_path, problems=None):
-    """SFT vs policy on the held-out prompts: mean RM score, mean gold score, gold win rate; for code
-    tasks mean execution reward and pass@1 (one sample per problem)."""
+def finish(args, acc, critic_acc, policy, critic, reward, tokenizer, eval_rows, metrics_path, sharded, truncated):
+    """After the last iteration: warnings, the rank-sync check, the final policy, the report."""
     from transformers import AutoModelForCausalLM
-    sft_model = AutoModelForCausalLM.from_pretrained(args.sft_path).eval()
-    _, s_score, s_second = evaluate_policy(sft_model, reward, tokenizer, prompts, args, args.seed + 1, problems=problems)
-    _, p_score, p_second = evaluate_policy(policy, reward, tokenizer, prompts, args, args.seed + 1, problems=problems)
-    score_name = "mean execution reward" if problems is not None else "mean RM score"
-    lines = ["", f"| held-out ({len(prompts)} prompts) | SFT | policy (n={args.n}, {args.termination}) |",
-             "|---|---|---|", f"| {score_name} | {s_score.mean():.3f} | {p_score.mean():.3f} |"]
-    if problems is not None:
-        lines += [f"| pass@1 (sampled, T={args.temperature}) | {s_second.mean():.1%} | {p_second.mean():.1%} |"]
-    elif s_second is not None:
-        win = ((p_second > s_second).float() + 0.5 * (p_second == s_second).float()).mean()
-        lines += [f"| mean gold score | {s_second.mean():.3f} | {p_second.mean():.3f} |",
-                  f"| gold win rate vs SFT (ties half) | | {win:.1%} |"]
-    png = plot_curves(metrics_path)
-    lines += ["", f"metrics: {metrics_path}", f"learning curve: {png}"]
-    print("\n".join(lines))
-    with open(os.path.join(args.output_dir, "summary.md"), "w") as f:
-        f.write("\n".join(lines) + "\n")
-
-
-def plot_curves(metrics_path):
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    rows = [json.loads(line) for line in open(metrics_path)]
-    key, second, name = ("exec", "pass@1", "execution reward") if "reward/exec" in rows[0] else ("rm", "gold", "RM score")
-    fig, ax = plt.subplots(1, 2, figsize=(9, 3.2))
-    ax[0].plot([r["step"] for r in rows], [r[f"reward/{key}"] for r in rows], label=f"train {name}")
-    ev = [r for r in rows if f"eval/{key}" in r]
-    ax[0].plot([r["step"] for r in ev], [r[f"eval/{key}"] for r in ev], "o-", label=f"held-out {name}")
-    if ev and f"eval/{second}" in ev[0]:
-        ax[1].plot([r["step"] for r in ev], [r[f"eval/{second}"] for r in ev], "o-", color="C2")
-    ax[1].set_title(f"held-out {second} score" if second == "gold" else "held-out pass@1")
-    ax[0].legend()
-    for a in ax:
-        a.set_xlabel("iteration")
-    png = os.path.join(os.path.dirname(metrics_path), "learning_curve.png")
-    fig.tight_layout()
-    fig.savefig(png, dpi=100)
-    return png
+    if truncated:
+        acc.print(f"[ppo] warning: {truncated} prompts (this process) were longer than {args.max_prompt_len} "
+                  f"tokens and lost their beginning")
+    if not sharded:
+        acc.print(f"[ppo] ranks in sync: {harness.ranks_in_sync(acc, policy) and harness.ranks_in_sync(acc, critic)}")
+    weights = harness.full_weights({"model": (acc, policy)})
+    if acc.is_main_process:
+        final = os.path.join(args.output_dir, "policy")
+        harness.atomic_save(final, acc.unwrap_model(policy), tokenizer, state_dicts=weights)
+        # the report reads the saved policy back: whole weights on one process, whatever the sharding
+        dtype = torch.bfloat16 if args.bf16 else torch.float32
+        with harness.whole_weights():
+            policy = AutoModelForCausalLM.from_pretrained(final, dtype=dtype).to(acc.device).eval()
+            sft_model = AutoModelForCausalLM.from_pretrained(args.sft_path).eval()
+        evaluate.final_report(args, policy, sft_model, reward, tokenizer, eval_rows, metrics_path)
+    acc.wait_for_everyone()
+    if args.report_to != "none":
+        acc.end_training()
 
 
 if __name__ == "__main__":

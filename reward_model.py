@@ -10,14 +10,13 @@ chitchat the agreement of the RM with the gold judge on pairs of SFT samples (th
 PPO will show it). `score()` and `token_values()` are what ppo.py and evaluate.py use.
 """
 import os
-import random
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
 
 import data
-import sft
+import harness
 
 
 @dataclass
@@ -41,7 +40,7 @@ class RMArgs:
     gradient_checkpointing: bool = field(default=False, metadata={"help": "recompute activations to save memory (GPUs)"})
     skip_bad_rows: bool = field(default=False, metadata={"help": "drop malformed dataset rows (and report how many) instead of stopping"})
     seed: int = field(default=1234, metadata={"help": "random seed (data split seed is fixed at 1234)"})
-    resume: bool = field(default=False, metadata={"help": "continue from <output_dir>.checkpoint"})
+    resume: bool = field(default=False, metadata={"help": "continue from <output_dir>/checkpoint"})
 
 
 # ---------------------------------------------------------------------------------------------
@@ -91,7 +90,7 @@ def load_reward_model(path, bf16=False):
     from transformers import AutoModelForSequenceClassification
     model = AutoModelForSequenceClassification.from_pretrained(
         path, num_labels=1, dtype=torch.bfloat16 if bf16 else torch.float32)
-    tokenizer = sft.load_tokenizer(path)
+    tokenizer = data.load_tokenizer(path)
     model.config.pad_token_id = tokenizer.pad_token_id
     return model, tokenizer
 
@@ -101,7 +100,7 @@ def gold_agreement(rm, policy, tokenizer, prompts, args):
     """Two SFT samples per held-out prompt; how often the RM prefers the one the gold judge
     prefers (pairs the gold judge scores equal are left out). Returns (agreement, n_pairs)."""
     twice = [p for p in prompts for _ in range(2)]
-    *_, r_ids, _ = sft.sample(policy, tokenizer, twice, args.max_prompt_len, args.max_response_len)
+    r_ids = data.sample(policy, tokenizer, twice, args.max_prompt_len, args.max_response_len)[2]
     texts = tokenizer.batch_decode(r_ids, skip_special_tokens=True)
     gold = torch.tensor(data.gold_score(texts)).view(-1, 2)
     rm_scores = score(rm, tokenizer, twice, texts, args.max_prompt_len, args.max_response_len).view(-1, 2)
@@ -111,15 +110,14 @@ def gold_agreement(rm, policy, tokenizer, prompts, args):
 
 
 def main(args):
-    accelerator = sft.make_accelerator(args.bf16, args.grad_accum)
-    torch.manual_seed(args.seed)
-    random.seed(args.seed)
+    accelerator = harness.make_accelerator(args.bf16, args.grad_accum)
+    harness.start("rm", args, accelerator)
     log = accelerator.print
-    log(f"[rm] config: {asdict(args)}")
-    state = sft.resume_state(args)
-    source = args.output_dir.rstrip("/") + ".checkpoint" if state else args.sft_path
-    if not state and (os.sep in source or source.startswith(".")):
-        sft.require_model_dir(source, "SFT model", "Train one first: python sft.py")
+    source = harness.checkpoint_part(args.output_dir, "model") if args.resume else args.sft_path
+    if args.resume:
+        harness.require_model_dir(source, "checkpoint to resume", "Run without --resume to start afresh.")
+    elif os.sep in source or source.startswith("."):
+        harness.require_model_dir(source, "SFT model", "Train one first: python sft.py")
     splits = data.load_task(args.task, skip_bad_rows=args.skip_bad_rows, only=("rm", "test"))
     train_rows, eval_rows = splits["rm"], splits["test"][:args.n_eval]
     log(f"[rm] {args.task}: {len(train_rows)} training pairs, {len(eval_rows)} held-out pairs")
@@ -127,7 +125,7 @@ def main(args):
     if args.gradient_checkpointing:
         model.gradient_checkpointing_enable()
     world, rank = accelerator.num_processes, accelerator.process_index
-    trainer = sft.Trainer("rm", accelerator, model, tokenizer, args, len(train_rows), state)
+    trainer = harness.Trainer("rm", accelerator, model, tokenizer, args, len(train_rows), args.resume)
 
     def pairs_of(rows):
         b = data.collate(tokenizer, [r["prompt"] for r in rows] * 2,

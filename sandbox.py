@@ -107,6 +107,13 @@ def run_many(jobs, limits=None, workers=None):
         return list(pool.map(lambda job: run(job[0], job[1], limits), jobs))
 
 
+def execution_reward(problems, responses, limits=None):
+    """The code track's reward: each problem row's `prefix` + response run against its `tests`,
+    concurrently. Returns (the paper's execution reward per response, 1.0 where every test passed)."""
+    results = run_many([(row["prefix"] + text, row["tests"]) for row, text in zip(problems, responses)], limits)
+    return [r.reward for r in results], [float(r.outcome == "passed") for r in results]
+
+
 def _set_limits(limits):
     """The child's own limits, set before it reads the program."""
     cpu = max(1, int(limits["cpu_seconds"]))

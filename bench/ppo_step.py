@@ -18,6 +18,7 @@ import tempfile
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 
+import harness  # noqa: E402
 import ppo  # noqa: E402
 import sft  # noqa: E402
 
@@ -28,9 +29,9 @@ def random_models(root):
     rows = data.load_task("chitchat", only=("sft",))["sft"][:5000]
     tokenizer = sft.train_tokenizer([r["prompt"] + r["chosen"] for r in rows], 2048)
     torch.manual_seed(0)
-    sft.atomic_save(os.path.join(root, "sft"), sft.tiny_gemma(tokenizer), tokenizer)
+    harness.atomic_save(os.path.join(root, "sft"), sft.tiny_gemma(tokenizer), tokenizer)
     reward = AutoModelForSequenceClassification.from_pretrained(os.path.join(root, "sft"), num_labels=1)
-    sft.atomic_save(os.path.join(root, "rm"), reward, tokenizer)
+    harness.atomic_save(os.path.join(root, "rm"), reward, tokenizer)
     return os.path.join(root, "sft"), os.path.join(root, "rm")
 
 

@@ -21,10 +21,11 @@ def tiny_models(tmp_path_factory, tokenizer):
     """A random 1-layer SFT model and a reward model from it, saved as ppo.py / evaluate.py load them."""
     import torch
     from transformers import AutoModelForSequenceClassification
+    import harness
     import sft
     root = tmp_path_factory.mktemp("tiny_models")
     torch.manual_seed(0)
-    sft.atomic_save(str(root / "sft"), sft.tiny_gemma(tokenizer, hidden_size=32, num_layers=1), tokenizer)
+    harness.atomic_save(str(root / "sft"), sft.tiny_gemma(tokenizer, hidden_size=32, num_layers=1), tokenizer)
     reward = AutoModelForSequenceClassification.from_pretrained(root / "sft", num_labels=1)
-    sft.atomic_save(str(root / "rm"), reward, tokenizer)
+    harness.atomic_save(str(root / "rm"), reward, tokenizer)
     return root

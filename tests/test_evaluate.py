@@ -1,8 +1,8 @@
-"""evaluate.py and bench/learning_efficiency.py: the arithmetic by hand, the LLM judge against a real
+"""evaluate.py: the arithmetic by hand, the LLM judge against a real
 HTTP server on 127.0.0.1, and each command from the command line on tiny models."""
-import argparse
 import http.server
 import json
+import math
 import os
 import subprocess
 import sys
@@ -15,8 +15,6 @@ import torch
 import evaluate
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(ROOT, "bench"))
-import learning_efficiency as study  # noqa: E402
 
 
 def test_win_rate_counts_ties_half_and_leaves_unanswered_items_out():
@@ -80,10 +78,15 @@ def test_judge_answers_are_parsed_robustly(reply, verdict):
 
 class JudgeServer:
     """A real OpenAI-compatible endpoint on 127.0.0.1. It prefers the response shown first,
-    fails with 500 on the first request for item text containing "flaky", and stalls on "slow"."""
+    fails with 500 on the first request for item text containing "flaky", and stalls on "slow".
+    `behaviour`: "first" (the above), "ramble" (replies without a verdict), "no_json_mode" (400 for
+    a request with response_format, like servers without JSON mode), "logprobs" (top_logprobs put
+    the most probability on the response shown *second*, while the text says "A": a verdict taken
+    from the text would be wrong)."""
 
     def __init__(self):
-        self.requests, seen = [], set()
+        self.requests, self.bodies, seen = [], [], set()
+        self.behaviour = "first"
         outer = self
 
         class Handler(http.server.BaseHTTPRequestHandler):
@@ -94,6 +97,12 @@ class JudgeServer:
                 body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
                 content = body["messages"][0]["content"]
                 outer.requests.append((self.headers.get("Authorization"), content))
+                outer.bodies.append(body)
+                if outer.behaviour == "no_json_mode" and "response_format" in body:
+                    self.send_response(400)
+                    self.end_headers()
+                    self.wfile.write(b'{"error": "response_format is not supported"}')
+                    return
                 if "flaky" in content and content not in seen:
                     seen.add(content)
                     self.send_response(500)
@@ -101,7 +110,15 @@ class JudgeServer:
                     return
                 if "slow" in content:
                     time.sleep(1.0)
-                reply = json.dumps({"choices": [{"message": {"role": "assistant", "content": "Preferred: A"}}]})
+                choice = {"message": {"role": "assistant", "content": "Preferred: A"}}
+                if outer.behaviour == "ramble":
+                    choice["message"]["content"] = "Well, both responses have merits. " * 20
+                if outer.behaviour == "logprobs":
+                    choice = {"message": {"role": "assistant", "content": "A"}, "logprobs": {"content": [{
+                        "token": "A", "logprob": -1.9, "top_logprobs": [
+                            {"token": " B", "logprob": -0.4}, {"token": "b", "logprob": -3.0},
+                            {"token": "A", "logprob": -1.9}, {"token": "The", "logprob": -2.2}]}]}}
+                reply = json.dumps({"choices": [choice]})
                 self.send_response(200)
                 self.send_header("Content-Type", "application/json")
                 self.end_headers()
@@ -157,27 +174,55 @@ def test_unknown_template_is_a_clear_error():
         evaluate.LLMJudge("http://127.0.0.1:1", "m", "poetry")
 
 
-def test_steps_to_parity_by_hand():
-    ppo = ([10, 20, 30, 40], [0.0, 0.5, 0.8, 1.0])
-    fast = ([10, 20, 30, 40], [0.2, 1.0, 1.1, 1.2])
-    assert study.steps_to_parity(ppo, fast, window=1) == (40, 20, 2.0)
-    assert study.steps_to_parity(ppo, ([10, 20, 30, 40], [0.1] * 4), window=1) == (40, None, None)
-    assert study.smoothed([0.0, 3.0, 6.0], 2) == [0.0, 1.5, 4.5]
-
-
-def test_study_configurations_always_start_with_ppo():
-    args = argparse.Namespace(ns="5,10", terminations="fixed,ppl", sigmas="equal",
-                              reward_aggs="sum", ablation=True, beta=0.05)
-    names = [c[0] for c in study.configs(args)]
-    assert names[0] == "n1" and "n5_ppl_equal_sum" in names and "n10_fixed_equal_sum" in names
-    assert names[-2:] == ["n10_mean", "n1_beta_div10"]
-    assert study.configs(args)[-1][2] == ["--n", "1", "--beta", str(0.05 / 10)]
-
-
-def cli(*args):
+def cli(*args, code=0):
     proc = subprocess.run([sys.executable, "evaluate.py", *args], cwd=ROOT, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
-    return proc.stdout
+    assert proc.returncode == code, proc.stdout[-2000:] + proc.stderr[-2000:]
+    return proc.stdout + proc.stderr
+
+
+def test_json_mode_is_asked_for_and_dropped_when_the_server_refuses_it(server):
+    server.behaviour = "no_json_mode"
+    judge = evaluate.LLMJudge(server.url, "m", "hh", seed=0, backoff=0.01)
+    assert judge(["p"] * 4, [f"a{i}" for i in range(4)], [f"b{i}" for i in range(4)]).count(None) == 0
+    with_format = [b for b in server.bodies if "response_format" in b]
+    assert len(with_format) == 1 and with_format[0]["response_format"] == {"type": "json_object"}   # asked once
+    assert len(server.bodies) == 5 and all(b["max_tokens"] == evaluate.MAX_TOKENS for b in server.bodies)
+    letter = evaluate.LLMJudge(server.url, "m", "tldr", seed=0)               # a letter template: no JSON mode
+    letter(["p"], ["a"], ["b"])
+    assert "response_format" not in server.bodies[-1]
+
+
+def test_logprob_mode_takes_the_most_probable_letter_not_the_text(server):
+    server.behaviour = "logprobs"
+    judge = evaluate.LLMJudge(server.url, "m", "hh", seed=3, mode="logprobs")
+    n = 8
+    verdicts = judge(["p"] * n, [f"a{i}" for i in range(n)], [f"b{i}" for i in range(n)])
+    # the server's probabilities favour the response shown second: B unswapped, A where swapped
+    assert verdicts == ["A" if judge.swapped(i) else "B" for i in range(n)]
+    body = server.bodies[0]
+    assert body["logprobs"] is True and body["top_logprobs"] >= 5 and body["max_tokens"] == 1
+    assert "Answer with one letter only" in body["messages"][0]["content"]
+    assert evaluate.letter_probabilities([{"token": " a", "logprob": math.log(0.2)}, {"token": "A", "logprob": math.log(0.3)},
+                                          {"token": "x", "logprob": 0.0}]) == pytest.approx({"A": 0.5})
+    assert evaluate.letter_probabilities([{"token": "Sure", "logprob": -0.1}]) is None
+
+
+def test_no_usable_judge_answers_is_a_clear_error_and_valid_json(tiny_models, tmp_path, server):
+    server.behaviour = "ramble"
+    common = ["--sft_path", str(tiny_models / "sft"), "--rm_path", str(tiny_models / "rm"), "--n_prompts", "6",
+              "--max_prompt_len", "16", "--max_response_len", "6", "--output_dir", str(tmp_path),
+              "--judge_url", server.url]
+    out = cli("winrate", "--policy", "sft", "--judge", "llm", *common, code=1)
+    assert "usable verdict for 0 of 6 items" in out and "both responses have merits" in out    # raw replies shown
+    result = json.loads(open(tmp_path / "winrate.json").read(), parse_constant=lambda c: pytest.fail(c))
+    assert result["win_rate"] is None and "usable verdict" in result["error"]
+    out = cli("agreement", "--policy", "sft", "--judges", "llm,gold", *common, code=1)
+    assert "usable verdict for 0 of 6" in out
+    json.loads(open(tmp_path / "agreement.json").read(), parse_constant=lambda c: pytest.fail(c))
+    server.behaviour = "logprobs"                                  # the same run, answered in logprob mode
+    cli("agreement", "--policy", "sft", "--judges", "llm,gold", "--judge_mode", "logprobs", *common)
+    matrix = json.load(open(tmp_path / "agreement.json"))["matrix"]
+    assert matrix["llm"]["llm"] == 1.0 and 0.0 <= matrix["llm"]["gold"] <= 1.0
 
 
 def test_every_command_runs_from_the_command_line(tiny_models, tmp_path, server):

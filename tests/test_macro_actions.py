@@ -1,13 +1,10 @@
 """macro_actions.py, as a specification: DESIGN.md §3 and paper §3.2, App. D.1."""
-import string
-import tokenize
-import io
 
 import pytest
 import torch
 
 import macro_actions as ma
-from reference import (fixed_ngram_loop, macro_gae_loop, macro_lengths, pad_right, perplexity_loop,
+from reference import (fixed_ngram_loop, macro_gae_loop, macro_lengths, perplexity_loop,
                        sigma_loop, token_gae)
 
 LENGTHS = [7, 1, 12, 0, 5]          # rows of different lengths, one empty

@@ -37,7 +37,7 @@ def sft_runs(tmp_path_factory):
     proc = subprocess.Popen([sys.executable, "sft.py", *TINY, *steps, "--output_dir", split], cwd=ROOT,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     deadline = time.time() + 120
-    while not os.path.exists(os.path.join(split + ".checkpoint", "trainer_state.pt")) and time.time() < deadline:
+    while not os.path.exists(os.path.join(split, "checkpoint", "trainer_state.pt")) and time.time() < deadline:
         time.sleep(0.02)
     proc.send_signal(signal.SIGINT)
     interrupted, err = proc.communicate(timeout=120)
@@ -133,10 +133,10 @@ def test_ctrl_c_to_one_rank_under_accelerate_launch_stops_both_at_one_step_and_r
                           text=True, timeout=240)
     assert proc.returncode == 0, proc.stderr[-3000:]
 
-    rc, out, err = interrupt_launch(["sft.py", *args, "--output_dir", split], split + ".checkpoint", rank=1)
+    rc, out, err = interrupt_launch(["sft.py", *args, "--output_dir", split], os.path.join(split, "checkpoint"), rank=1)
     assert rc != 0 and "interrupted after step" in out, err[-3000:]      # printed by rank 0
     assert "exitcode: -9" not in err and "Signals.SIGKILL" not in err   # no rank had to be killed
-    step = torch.load(os.path.join(split + ".checkpoint", "trainer_state.pt"), weights_only=False)["step"]
+    step = torch.load(os.path.join(split, "checkpoint", "trainer_state.pt"), weights_only=False)["step"]
     assert f"interrupted after step {step}:" in out and 5 <= step < 60
     resumed = subprocess.run([*LAUNCH, "sft.py", *args, "--output_dir", split, "--resume"], cwd=ROOT,
                              capture_output=True, text=True, timeout=240)

@@ -10,6 +10,7 @@ import torch
 import data
 import macro_actions as ma
 import ppo
+import sandbox
 import sft
 from reference import token_gae
 
@@ -30,7 +31,7 @@ def test_rollout_logprobs_equal_training_forward_so_the_first_ratio_is_one(polic
     out = policy.generate(input_ids=p_ids, attention_mask=p_mask, max_new_tokens=10, do_sample=True,
                           temperature=0.7, top_k=None, top_p=None, output_scores=True, return_dict_in_generate=True,
                           pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
-    r_ids, r_mask = sft.response_logits_mask(out.sequences[:, p_ids.shape[1]:], tokenizer.eos_token_id,
+    r_ids, r_mask = data.cut_after_eos(out.sequences[:, p_ids.shape[1]:], tokenizer.eos_token_id,
                                              tokenizer.pad_token_id)
     gen_logp = torch.stack(out.scores, 1).log_softmax(-1).gather(-1, r_ids.unsqueeze(-1)).squeeze(-1)
     ids, mask = torch.cat([p_ids, r_ids], 1), torch.cat([p_mask, r_mask], 1)
@@ -152,8 +153,8 @@ def test_execution_reward_runs_prefix_plus_response():
     problems = [{"prefix": "def inc(x):\n", "tests": {"fn_name": "inc", "inputs": [[1]], "outputs": [2]}},
                 {"prefix": "", "tests": {"inputs": ["3\n"], "outputs": ["6\n"]}},
                 {"prefix": "def inc(x):\n", "tests": {"fn_name": "inc", "inputs": [[1]], "outputs": [2]}}]
-    reward, passed = ppo.execution_reward(problems, ["    return x + 1\n", "print(int(input()) * 2)", "    return (\n"])
-    assert reward.tolist() == [1.0, 1.0, -1.0] and passed.tolist() == [1.0, 1.0, 0.0]
+    reward, passed = sandbox.execution_reward(problems, ["    return x + 1\n", "print(int(input()) * 2)", "    return (\n"])
+    assert reward == [1.0, 1.0, -1.0] and passed == [1.0, 1.0, 0.0]
 
 
 def run_ppo(tiny_models, out, *extra, launch=()):
@@ -226,7 +227,8 @@ def test_default_pipeline_builds_sft_and_rm_then_trains(tmp_path):
     assert os.path.exists(tmp_path / "ppo" / "learning_curve.png")
 
 
-def test_ctrl_c_saves_a_checkpoint_that_resumes(tiny_models, tmp_path):
+@pytest.mark.parametrize("signame,code", [("SIGINT", 130), ("SIGTERM", 143)])
+def test_ctrl_c_or_sigterm_saves_a_checkpoint_that_resumes(tiny_models, tmp_path, signame, code):
     import signal
     import time
     out = tmp_path / "run"
@@ -240,12 +242,46 @@ def test_ctrl_c_saves_a_checkpoint_that_resumes(tiny_models, tmp_path):
     deadline = time.time() + 120
     while time.time() < deadline and not (metrics.exists() and len(metrics.read_text().splitlines()) >= 2):
         time.sleep(0.05)
-    proc.send_signal(signal.SIGINT)
+    proc.send_signal(getattr(signal, signame))
     stdout, stderr = proc.communicate(timeout=120)
-    assert proc.returncode == 130, stderr[-2000:]
+    assert proc.returncode == code, stderr[-2000:]
     done = torch.load(out / "checkpoint" / "trainer_state.pt", weights_only=False)["step"]
     assert f"interrupted after iteration {done}" in stdout and done >= 2
     resumed, rows = run_ppo(tiny_models, out, "--steps", str(done + 2), "--resume")
     assert f"resumed at iteration {done}" in resumed
     _, whole = run_ppo(tiny_models, tmp_path / "whole", "--steps", str(done + 2))
     assert [comparable(r) for r in rows] == [comparable(r) for r in whole]     # the numbers, not only the steps
+
+
+def test_sigterm_to_a_two_process_launch_checkpoints_and_resumes_to_the_same_numbers(tiny_models, tmp_path):
+    """What SLURM / Kubernetes do before preempting: SIGTERM to the launcher, which passes it on to its
+    workers; both stop at the end of the same iteration with one checkpoint, and --resume continues
+    with the numbers of an uninterrupted 2-process run."""
+    import signal
+    import time
+    launch = (sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
+              "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no")
+    flags = ["--sft_path", str(tiny_models / "sft"), "--rm_path", str(tiny_models / "rm"), "--rollout_batch_size", "4",
+             "--mini_batch_size", "2", "--max_prompt_len", "16", "--max_response_len", "8", "--n_eval_prompts", "4",
+             "--eval_every", "1000", "--save_every", "1000"]
+    out = tmp_path / "run"
+    proc = subprocess.Popen([*launch, "ppo.py", *flags, "--output_dir", str(out), "--steps", "1000"],
+                            cwd=os.path.dirname(os.path.dirname(__file__)), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    metrics = out / "metrics.jsonl"
+    deadline = time.time() + 180
+    while time.time() < deadline and not (metrics.exists() and len(metrics.read_text().splitlines()) >= 2):
+        time.sleep(0.05)
+    try:
+        proc.send_signal(signal.SIGTERM)                               # the launcher only
+        stdout, stderr = proc.communicate(timeout=120)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        raise
+    done = torch.load(out / "checkpoint" / "trainer_state.pt", weights_only=False)["step"]
+    assert f"interrupted after iteration {done}" in stdout and done >= 2, stderr[-3000:]
+    assert "Signals.SIGKILL" not in stderr                              # no worker had to be killed
+    resumed, rows = run_ppo(tiny_models, out, "--steps", str(done + 2), "--resume", launch=launch)
+    assert f"resumed at iteration {done}" in resumed and "ranks in sync: True" in resumed
+    _, whole = run_ppo(tiny_models, tmp_path / "whole", "--steps", str(done + 2), launch=launch)
+    assert [comparable(r) for r in rows] == [comparable(r) for r in whole]

@@ -10,12 +10,16 @@ ADD = {"fn_name": "add", "inputs": [[1, 2], [3, 4], [0, 0]], "outputs": [[3], [7
 SUM_IO = {"inputs": ["1 2\n", "5 5\n"], "outputs": ["3\n", "10\n"]}
 CHECK = {"entry_point": "inc", "test": "def check(candidate):\n    assert candidate(1) == 2\n    assert candidate(-1) == 0\n"}
 QUICK = sandbox.Limits(timeout=2.0, cpu_seconds=2)
+# Outcomes must not depend on the machine's speed or load: programs that should end by themselves (an
+# error, a limit) get a wall clock far beyond what they need, and only the timeout cases a short one.
+# The growing list reaches its 256 MiB address space limit long before 30 s on any machine.
+PATIENT = sandbox.Limits(timeout=30.0, cpu_seconds=20, memory_mb=256)
 
 
 def run(program, tests=SUM_IO, limits=QUICK):
     t0 = time.time()
     result = sandbox.run(program, tests, limits)
-    assert time.time() - t0 < limits.timeout + 3                       # bounded, whatever the program does
+    assert time.time() - t0 < limits.timeout + 30                      # bounded, whatever the program does
     return result
 
 
@@ -59,7 +63,7 @@ def test_apps_and_humaneval_formats(program, tests, outcome, counts, reward):
 ])
 def test_hostile_programs_get_the_right_outcome_and_the_test_process_survives(name, program, outcome, detail):
     tests = CHECK if "sys.exit" in name else SUM_IO
-    r = run(program, tests)
+    r = run(program, tests, QUICK if outcome == "timeout" else PATIENT)
     assert r.outcome == outcome, (name, r)
     assert detail in r.detail
     assert r.reward == {"compile_error": -1.0, "timeout": -0.6, "runtime_error": -0.6}[outcome]

@@ -1,0 +1,80 @@
+"""The numbers do not move: ppo.py of a reference git revision and of the working tree, run with the
+same tiny models, seed and flags, must write the same metrics.jsonl values (timings aside).
+
+    python bench/same_numbers.py                     # against HEAD
+    python bench/same_numbers.py --rev 1a30cd8 --steps 4 --flags "--n 5 --termination ppl"
+
+Use it for any change that should not change training (refactors, renames, moving code). It builds a
+random tiny SFT model and RM once (tests/conftest.py's recipe), checks out --rev into a temporary git
+worktree, runs both ppo.py's as subprocesses and prints every value that differs; exit 1 if any does.
+"""
+import argparse
+import json
+import os
+import shlex
+import subprocess
+import sys
+import tempfile
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TIMINGS = ("time/", "tokens_per_s")
+
+
+def tiny_models(root):
+    sys.path.insert(0, os.path.join(ROOT, "tests"))
+    sys.path.insert(0, ROOT)
+    import torch
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
+    from conftest import SAMPLE_TEXT
+    import sft
+    tokenizer = sft.train_tokenizer(SAMPLE_TEXT * 20, vocab_size=400)
+    torch.manual_seed(0)
+    model = sft.tiny_gemma(tokenizer, hidden_size=32, num_layers=2)
+    for path, m in [("sft", model), ("rm", None)]:
+        m = m or AutoModelForSequenceClassification.from_pretrained(os.path.join(root, "sft"), num_labels=1)
+        m.save_pretrained(os.path.join(root, path))
+        tokenizer.save_pretrained(os.path.join(root, path))
+    del AutoModelForCausalLM
+    return os.path.join(root, "sft"), os.path.join(root, "rm")
+
+
+def run(code_dir, out, sft_path, rm_path, args):
+    cmd = [sys.executable, "ppo.py", "--sft_path", sft_path, "--rm_path", rm_path, "--output_dir", out,
+           "--steps", str(args.steps), "--eval_every", "2", "--rollout_batch_size", "8", "--mini_batch_size", "4",
+           "--max_prompt_len", "24", "--max_response_len", "12", "--n_eval_prompts", "8", *shlex.split(args.flags)]
+    proc = subprocess.run(cmd, cwd=code_dir, capture_output=True, text=True)
+    if proc.returncode:
+        sys.exit(f"error: ppo.py failed in {code_dir}:\n{proc.stderr[-3000:]}")
+    return [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl"))]
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rev", default="HEAD", help="reference git revision")
+    parser.add_argument("--steps", type=int, default=4, help="PPO iterations compared")
+    parser.add_argument("--flags", default="--n 5", help="extra ppo.py flags for both runs")
+    args = parser.parse_args()
+    tmp = tempfile.mkdtemp(prefix="same_numbers_")
+    sft_path, rm_path = tiny_models(os.path.join(tmp, "models"))
+    ref_dir = os.path.join(tmp, "ref")
+    subprocess.run(["git", "worktree", "add", "--detach", ref_dir, args.rev], cwd=ROOT, check=True, capture_output=True)
+    try:
+        before = run(ref_dir, os.path.join(tmp, "before"), sft_path, rm_path, args)
+        after = run(ROOT, os.path.join(tmp, "after"), sft_path, rm_path, args)
+    finally:
+        subprocess.run(["git", "worktree", "remove", "--force", ref_dir], cwd=ROOT, capture_output=True)
+    differ = []
+    for b, a in zip(before, after):
+        for key in sorted(set(b) | set(a)):
+            if not key.startswith(TIMINGS) and b.get(key) != a.get(key):
+                differ.append(f"iteration {b['step']}: {key} {b.get(key)} -> {a.get(key)}")
+    if len(before) != len(after):
+        differ.append(f"{len(before)} iterations before, {len(after)} after")
+    compared = sum(1 for row in before for k in row if not k.startswith(TIMINGS))
+    print("\n".join(differ) or f"same numbers: {compared} values over {len(before)} iterations "
+                                 f"({args.rev} vs working tree, flags {args.flags!r})")
+    sys.exit(1 if differ else 0)
+
+
+if __name__ == "__main__":
+    main()

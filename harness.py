@@ -1,0 +1,383 @@
+"""The plumbing of the three stages. Nothing in this file is in the paper: it is what any PyTorch
+trainer needs to run on a laptop CPU or on many GPUs and to survive being stopped.
+
+- accelerators: one `Accelerator` (CPU processes synchronised over gloo when there is no GPU), or
+  under DeepSpeed one engine per trained model (ppo.py trains two); frozen models loaded whole;
+- stopping: Ctrl-C (SIGINT) and SIGTERM (what SLURM and Kubernetes send before preempting a job)
+  end the run at the end of the current step, with a checkpoint; all ranks agree on it;
+- checkpoints: one layout for every stage, written atomically, resumed to the same numbers;
+- batch order and random state, so that a resumed run sees what an uninterrupted one would;
+- `Trainer`: the loop that SFT and reward modelling share.
+
+Checkpoint layout, the same for every stage:
+
+    <output_dir>/checkpoint/
+        <part>/             one save_pretrained folder (weights + tokenizer) per trained model:
+                            `model` for sft.py and reward_model.py, `policy` and `critic` for ppo.py
+        trainer_state.pt    step, optimizer / schedule states, RNG states, the run's arguments
+"""
+import contextlib
+import math
+import os
+import random
+import shutil
+import signal
+import sys
+import time
+from dataclasses import asdict
+
+import torch
+
+CHECKPOINT = "checkpoint"
+
+
+# ---------------------------------------------------------------------------------------------
+# Accelerators
+# ---------------------------------------------------------------------------------------------
+
+def deepspeed_launch():
+    return os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true"
+
+
+def make_accelerator(bf16=False, grad_accum=1, **kwargs):
+    """Accelerator(cpu=True) without a GPU: `accelerate launch --multi_gpu --num_processes 2` on a
+    CPU then runs two synchronised gloo processes instead of two independent ones. (Not under a
+    DeepSpeed launch: cpu=True would silently turn DeepSpeed off.)"""
+    from accelerate import Accelerator
+    return Accelerator(cpu=not torch.cuda.is_available() and not deepspeed_launch(),
+                       gradient_accumulation_steps=grad_accum, mixed_precision="bf16" if bf16 else "no", **kwargs)
+
+
+def make_accelerators(bf16, grad_accum, micro_batch_size, **kwargs):
+    """(policy accelerator, critic accelerator) for two trained models: one and the same, except under
+    DeepSpeed, where each trained model needs its own engine. accelerate's multi-model recipe: one
+    DeepSpeedPlugin per model (both from the launch config), a second Accelerator for the critic."""
+    if not deepspeed_launch():
+        accelerator = make_accelerator(bf16, grad_accum, **kwargs)
+        return accelerator, accelerator
+    from accelerate import Accelerator
+    from accelerate.utils import DeepSpeedPlugin
+    plugins = {"policy": DeepSpeedPlugin(), "critic": DeepSpeedPlugin()}
+    for plugin in plugins.values():   # no dataloader is prepared, so DeepSpeed is told the micro-batch
+        plugin.deepspeed_config["train_micro_batch_size_per_gpu"] = micro_batch_size
+    accelerator = make_accelerator(bf16, grad_accum, deepspeed_plugins=plugins, **kwargs)
+    return accelerator, Accelerator(gradient_accumulation_steps=grad_accum)
+
+
+def prepare_pair(accelerator, critic_accelerator, policy, policy_opt, critic, critic_opt):
+    """accelerator.prepare for the policy and the critic (under DeepSpeed, each with its own engine)."""
+    policy, policy_opt = accelerator.prepare(policy, policy_opt)
+    if critic_accelerator is not accelerator:
+        accelerator.state.select_deepspeed_plugin("critic")
+    critic, critic_opt = critic_accelerator.prepare(critic, critic_opt)
+    return policy, policy_opt, critic, critic_opt
+
+
+def is_sharded(accelerator):
+    """ZeRO-3 / FSDP shard the trained models: their forwards (generate included) are collective."""
+    return accelerator.num_processes > 1 and accelerator.distributed_type.value in ("FSDP", "DEEPSPEED")
+
+
+@contextlib.contextmanager
+def whole_weights():
+    """Loading context for frozen models: under ZeRO-3, transformers would partition them as they load
+    (zero.Init), though no engine ever gathers them again. transformers decides that from one
+    module-level DeepSpeed config, set aside here while they load."""
+    from transformers.integrations import deepspeed as hf_deepspeed
+    saved = hf_deepspeed._hf_deepspeed_config_weak_ref
+    hf_deepspeed.unset_hf_deepspeed_config()
+    try:
+        yield
+    finally:
+        hf_deepspeed._hf_deepspeed_config_weak_ref = saved
+
+
+def accumulate(accelerator, policy, critic_accelerator, critic):
+    """Gradient accumulation context for both models (one accelerator counts the steps once)."""
+    if critic_accelerator is accelerator:
+        return accelerator.accumulate(policy, critic)
+    stack = contextlib.ExitStack()
+    stack.enter_context(accelerator.accumulate(policy))
+    stack.enter_context(critic_accelerator.accumulate(critic))
+    return stack
+
+
+def full_weights(models):
+    """{name: (accelerator, model)} -> {name: whole state dict}, gathered from ZeRO-3 / FSDP shards (a
+    collective call: every rank must make it). A wrapper module's "model." prefix is dropped."""
+    out = {}
+    for name, (accelerator, model) in models.items():
+        sd = accelerator.get_state_dict(model)
+        wrapped = not hasattr(accelerator.unwrap_model(model), "save_pretrained")
+        out[name] = {k.removeprefix("model."): v for k, v in sd.items()} if sd and wrapped else sd
+    return out
+
+
+@torch.no_grad()
+def ranks_in_sync(accelerator, model):
+    """True when every process holds the same parameters (a checksum gathered over ranks)."""
+    flat = torch.cat([p.detach().float().flatten() for p in accelerator.unwrap_model(model).parameters()])
+    checksum = torch.stack([flat.sum(), (flat * torch.arange(len(flat), device=flat.device) % 7).sum()])
+    every = accelerator.gather(checksum.unsqueeze(0))
+    return bool((every == every[0]).all())
+
+
+def start(name, args, accelerator):
+    """Every stage's preamble: the seed, then the resolved configuration printed once."""
+    torch.manual_seed(args.seed)
+    random.seed(args.seed)
+    accelerator.print(f"[{name}] config: {asdict(args)}")
+
+
+class Stopwatch:
+    """Seconds spent per phase of an iteration: `lap(name)` closes the phase that just ended."""
+
+    def __init__(self):
+        self.t0 = self.last = time.time()
+        self.laps = {}
+
+    def lap(self, name):
+        now = time.time()
+        self.laps[name] = now - self.last
+        self.last = now
+
+    def total(self):
+        return time.time() - self.t0
+
+
+# ---------------------------------------------------------------------------------------------
+# Stopping: Ctrl-C and SIGTERM end the run at the end of a step, with a checkpoint
+# ---------------------------------------------------------------------------------------------
+
+class GracefulStop:
+    """SIGINT (Ctrl-C) or SIGTERM asks the loop to stop at the end of the current step, where the
+    weights, optimizer, schedule and RNG all agree with the step counter, so the checkpoint saved
+    there resumes to exactly the uninterrupted run. (An exception raised mid-step, after an optimizer
+    step, would save weights one step ahead of their counter.)
+    - `requested()` is collective: every rank calls it at the same point and they agree (any rank
+      signalled -> all stop), so no rank is left waiting in a collective the others have left;
+    - `accelerate launch` forwards the terminal's SIGINT (and its own SIGTERM) to its workers, which
+      thus get it twice: a repeat within `grace` seconds is the same request; a later one raises
+      KeyboardInterrupt to quit at once without saving (the last periodic checkpoint stays). The
+      launcher kills its workers 30 s after the signal: a longer step ends before its checkpoint;
+    - handlers are installed explicitly, so they work in a process started with SIGINT ignored (`&`).
+    Use it as a context manager around the loop and call `end_of_step(...)` after every step."""
+
+    SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+    def __init__(self, accelerator, name, unit="step", ckpt_dir="", saved=0, grace=2.0):
+        self.accelerator, self.name, self.unit, self.ckpt_dir = accelerator, name, unit, ckpt_dir
+        self.saved, self.grace, self.first, self.signum = saved, grace, None, None
+        for s in self.SIGNALS:
+            signal.signal(s, self._on_signal)
+
+    def _on_signal(self, signum, frame):
+        if self.first is None:
+            self.first, self.signum = time.monotonic(), signum
+            # os.write, not print: the handler may run while the main thread is inside a print
+            os.write(2, f"\n[{signal.Signals(signum).name}] finishing this {self.unit}, then saving a checkpoint "
+                        f"(signal again to quit now without saving)\n".encode())
+        elif time.monotonic() - self.first > self.grace:
+            raise KeyboardInterrupt
+
+    def requested(self):
+        """True on every rank once any rank was signalled."""
+        flag = torch.tensor([float(self.first is not None)], device=self.accelerator.device)
+        if self.accelerator.num_processes > 1:
+            flag = self.accelerator.reduce(flag, "sum")
+        return flag.item() > 0
+
+    def stop_after(self, done, last, save_every, save):
+        """At the end of step `done`, on every rank: the periodic `save(done)`, and if a stop was asked
+        for before the last step, a checkpoint here; True when the loop should stop."""
+        if done % save_every == 0:
+            save(done)
+            self.saved = done
+        if self.requested() and done < last:
+            if self.saved != done:
+                save(done)
+            return True
+        return False
+
+    def end_of_step(self, done, last, save_every, save):
+        """stop_after, and when stopping: say where the checkpoint is and exit (130, or 143 for SIGTERM)."""
+        if self.stop_after(done, last, save_every, save):
+            self.accelerator.print(f"[{self.name}] interrupted after {self.unit} {done}: checkpoint saved to "
+                                   f"{self.ckpt_dir}; continue with --resume")
+            sys.exit(128 + (self.signum or signal.SIGINT))
+
+    def kept(self):
+        """What a second signal leaves behind."""
+        if not self.saved:
+            return "no checkpoint had been saved yet"
+        return f"the checkpoint of {self.unit} {self.saved} in {self.ckpt_dir} is kept"
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, kind, value, traceback):
+        for s in self.SIGNALS:
+            signal.signal(s, signal.default_int_handler if s == signal.SIGINT else signal.SIG_DFL)
+        if kind is KeyboardInterrupt:
+            self.accelerator.print(f"[{self.name}] quit without saving: {self.kept()}")
+            sys.exit(130)
+        return False
+
+
+# ---------------------------------------------------------------------------------------------
+# Checkpoints: one layout, atomic writes, one save / resume pair
+# ---------------------------------------------------------------------------------------------
+
+def atomic_save(path, model=None, tokenizer=None, state=None, parts=None, state_dicts=None, keep=()):
+    """Write a save_pretrained folder to a temporary sibling, then swap it in with a rename: an
+    interruption never leaves a half-written folder where the last good one was.
+    `parts` {name: model} go to sub-folders, each with the tokenizer; `state_dicts` {name or "model":
+    weights} replaces a model's own weights (the gathered whole weights of a ZeRO-3 / FSDP sharded
+    model); the sub-folders named in `keep` (a checkpoint inside a final model folder) move over."""
+    path = os.path.abspath(path)
+    tmp, old = path + ".tmp", path + ".old"
+    shutil.rmtree(tmp, ignore_errors=True)
+    os.makedirs(tmp)
+    state_dicts = state_dicts or {}
+    if model is not None:
+        model.save_pretrained(tmp, state_dict=state_dicts.get("model"))
+    for name, part in (parts or {}).items():
+        part.save_pretrained(os.path.join(tmp, name), state_dict=state_dicts.get(name))
+        if tokenizer is not None:
+            tokenizer.save_pretrained(os.path.join(tmp, name))
+    if tokenizer is not None and not parts:
+        tokenizer.save_pretrained(tmp)
+    if state is not None:
+        torch.save(state, os.path.join(tmp, "trainer_state.pt"))
+    for name in keep:
+        if os.path.exists(os.path.join(path, name)):
+            os.rename(os.path.join(path, name), os.path.join(tmp, name))
+    shutil.rmtree(old, ignore_errors=True)
+    if os.path.exists(path):
+        os.rename(path, old)
+    os.rename(tmp, path)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def checkpoint_dir(output_dir):
+    return os.path.join(output_dir, CHECKPOINT)
+
+
+def checkpoint_part(output_dir, part):
+    return os.path.join(output_dir, CHECKPOINT, part)
+
+
+def save_checkpoint(output_dir, parts, tokenizer, step, args, optimizers=None, schedulers=None,
+                    state_dicts=None, **extra):
+    """The one checkpoint writer (main process only): the parts, and the trainer state of `step`."""
+    state = {"step": step, "rng": rng_state(), "args": asdict(args), **extra,
+             **{k: o.state_dict() for k, o in (optimizers or {}).items()},
+             **{k: s.state_dict() for k, s in (schedulers or {}).items()}}
+    atomic_save(checkpoint_dir(output_dir), tokenizer=tokenizer, parts=parts, state=state, state_dicts=state_dicts)
+
+
+def load_checkpoint(output_dir, optimizers=None, schedulers=None, log=print):
+    """The one checkpoint reader: restores optimizers, schedules and RNG from `<output_dir>/checkpoint`
+    and returns the trainer state (its "step" is where to continue). A clear error when it is missing."""
+    path = checkpoint_dir(output_dir)
+    if not os.path.exists(os.path.join(path, "trainer_state.pt")):
+        sys.exit(f"error: no checkpoint to resume at {path!r}. Run without --resume to start afresh.")
+    state = torch.load(os.path.join(path, "trainer_state.pt"), weights_only=False)
+    for key, obj in {**(optimizers or {}), **(schedulers or {})}.items():
+        if key in state:
+            obj.load_state_dict(state[key])
+        else:
+            log(f"warning: the checkpoint holds no {key} state (saved under ZeRO/FSDP): it starts afresh")
+    set_rng_state(state["rng"])
+    return state
+
+
+def require_model_dir(path, what, hint):
+    if not os.path.exists(os.path.join(path, "config.json")):
+        sys.exit(f"error: no {what} at {path!r} (no config.json there). {hint}")
+
+
+def rng_state():
+    return {"torch": torch.get_rng_state(), "python": random.getstate()}
+
+
+def set_rng_state(state):
+    torch.set_rng_state(state["torch"])
+    random.setstate(state["python"])
+
+
+def batch_indices(n_rows, batch_size, step, seed, rank=0, world=1):
+    """Row indices of this process's batch at micro-step `step`: a seeded permutation per epoch, so a
+    resumed run sees exactly the batches an uninterrupted one would have."""
+    per_epoch = max(1, n_rows // (batch_size * world))
+    epoch, k = divmod(step, per_epoch)
+    order = torch.randperm(n_rows, generator=torch.Generator().manual_seed(seed + epoch))
+    start = (k * world + rank) * batch_size
+    return order[start:start + batch_size].tolist()
+
+
+# ---------------------------------------------------------------------------------------------
+# The loop SFT and reward modelling share
+# ---------------------------------------------------------------------------------------------
+
+class Trainer:
+    """The optimizer and cosine schedule, resuming, micro-batches with accumulation, held-out
+    evaluation, atomic checkpoints every `save_every` steps and on Ctrl-C / SIGTERM, and a stop on a
+    non-finite loss. `loss_fn(rows) -> loss`, `evaluate() -> (value, text)`."""
+
+    def __init__(self, name, accelerator, model, tokenizer, args, n_rows, resume=False):
+        from transformers import get_cosine_schedule_with_warmup
+        self.name, self.accelerator, self.tokenizer, self.args, self.n_rows = name, accelerator, tokenizer, args, n_rows
+        world = accelerator.num_processes
+        self.steps = args.max_steps or math.ceil(args.epochs * n_rows / (args.batch_size * world * args.grad_accum))
+        optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=getattr(args, "weight_decay", 0.0))
+        self.scheduler = get_cosine_schedule_with_warmup(optimizer, int(args.warmup_ratio * self.steps), self.steps)
+        self.model, self.optimizer = accelerator.prepare(model, optimizer)
+        self.start = 0
+        if resume:
+            self.start = load_checkpoint(args.output_dir, {"optimizer": self.optimizer},
+                                         {"scheduler": self.scheduler}, accelerator.print)["step"]
+            accelerator.print(f"[{name}] resumed at step {self.start}")
+
+    def save(self, step):
+        if self.accelerator.is_main_process:
+            save_checkpoint(self.args.output_dir, {"model": self.accelerator.unwrap_model(self.model)}, self.tokenizer,
+                            step, self.args, {"optimizer": self.optimizer}, {"scheduler": self.scheduler})
+        self.accelerator.wait_for_everyone()
+
+    def fit(self, rows, loss_fn, evaluate):
+        """Train to the last step, then save the final model; returns the last evaluation value."""
+        from tqdm.auto import tqdm
+        acc, args, name = self.accelerator, self.args, self.name
+        world, rank = acc.num_processes, acc.process_index
+        self.model.train()
+        t0, value = time.time(), float("nan")
+        bar = tqdm(range(self.start, self.steps), desc=name, disable=not acc.is_local_main_process)
+        with GracefulStop(acc, name, "step", checkpoint_dir(args.output_dir), saved=self.start) as stop:
+            for step in bar:
+                for micro in range(args.grad_accum):
+                    idx = batch_indices(self.n_rows, args.batch_size, step * args.grad_accum + micro, args.seed,
+                                        rank, world)
+                    with acc.accumulate(self.model):
+                        loss = loss_fn([rows[i] for i in idx])
+                        if not torch.isfinite(loss):
+                            raise FloatingPointError(f"non-finite {name} loss at step {step}; last good "
+                                                     f"checkpoint kept at {checkpoint_dir(args.output_dir)}")
+                        acc.backward(loss)
+                        self.optimizer.step()
+                        self.optimizer.zero_grad()
+                self.scheduler.step()
+                bar.set_postfix(loss=f"{loss.item():.3f}", lr=f"{self.scheduler.get_last_lr()[0]:.1e}")
+                if (step + 1) % args.eval_every == 0 or step + 1 == self.steps:
+                    self.model.eval()
+                    with torch.no_grad():
+                        value, text = evaluate()
+                    self.model.train()
+                    acc.print(f"[{name}] step {step + 1}/{self.steps}  train loss {loss.item():.3f}  {text}  "
+                              f"({time.time() - t0:.0f}s)")
+                stop.end_of_step(step + 1, self.steps, args.save_every, self.save)
+        if acc.is_main_process:
+            atomic_save(args.output_dir, acc.unwrap_model(self.model), self.tokenizer, keep=(CHECKPOINT,))
+        acc.wait_for_everyone()
+        acc.print(f"[{name}] saved {args.output_dir}")
+        return value

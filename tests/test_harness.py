@@ -1,0 +1,121 @@
+"""harness.py: batches resume exactly, checkpoints are atomic and have one layout, Ctrl-C and SIGTERM
+ask the loop to stop at the end of a step."""
+import os
+import signal
+import time
+
+import pytest
+import torch
+
+import data
+import harness
+import sft
+
+
+@pytest.fixture(scope="module")
+def model(tokenizer):
+    torch.manual_seed(0)
+    return sft.tiny_gemma(tokenizer, hidden_size=32, num_layers=1).eval()
+
+
+def test_batches_split_across_ranks_and_repeat_on_resume():
+    n, bs = 103, 8
+    a = harness.batch_indices(n, bs, step=5, seed=1, rank=0, world=2)
+    b = harness.batch_indices(n, bs, step=5, seed=1, rank=1, world=2)
+    assert len(a) == len(b) == bs and not set(a) & set(b)
+    assert a == harness.batch_indices(n, bs, step=5, seed=1, rank=0, world=2)
+    epoch = [i for s in range(n // bs) for i in harness.batch_indices(n, bs, s, seed=1)]
+    assert len(set(epoch)) == len(epoch)                               # no repeats within an epoch
+
+
+def test_atomic_save_keeps_the_last_good_checkpoint_when_saving_fails(tmp_path, model, tokenizer):
+    path = tmp_path / "ckpt"
+    harness.atomic_save(str(path), model, tokenizer, {"step": 1})
+    before = sorted(os.listdir(path))
+
+    class Broken:
+        def save_pretrained(self, where, state_dict=None):
+            open(os.path.join(where, "partial.bin"), "w").write("half")
+            raise OSError("disk full")
+
+    with pytest.raises(OSError):
+        harness.atomic_save(str(path), Broken(), tokenizer, {"step": 2})
+    assert sorted(os.listdir(path)) == before
+    assert torch.load(path / "trainer_state.pt")["step"] == 1
+
+
+def test_one_checkpoint_layout_saves_and_restores_every_part_and_the_random_state(tmp_path, model, tokenizer):
+    from transformers import AutoModelForCausalLM
+    out = tmp_path / "run"
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model(input_ids=torch.tensor([[5, 6, 7]])).logits.sum().backward()
+    opt.step()
+    args = sft.SFTArgs(output_dir=str(out))
+    torch.manual_seed(7)
+    harness.save_checkpoint(str(out), {"policy": model, "critic": model}, tokenizer, 12, args, {"opt": opt})
+    expected = torch.rand(3)                                           # drawn after the save
+    for part in ("policy", "critic"):                                  # each part loads on its own
+        folder = harness.checkpoint_part(str(out), part)
+        assert AutoModelForCausalLM.from_pretrained(folder) is not None and data.load_tokenizer(folder) is not None
+    fresh = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    torch.manual_seed(0)
+    state = harness.load_checkpoint(str(out), {"opt": fresh})
+    assert state["step"] == 12 and state["args"]["output_dir"] == str(out)
+    assert torch.equal(torch.rand(3), expected)                        # the RNG continues where it was saved
+    assert fresh.state_dict()["state"][0]["step"] == opt.state_dict()["state"][0]["step"]
+
+
+def test_resuming_without_a_checkpoint_is_a_clear_error(tmp_path):
+    with pytest.raises(SystemExit, match="no checkpoint to resume"):
+        harness.load_checkpoint(str(tmp_path / "nothing"))
+
+
+def test_a_final_save_keeps_the_checkpoint_inside_the_model_folder(tmp_path, model, tokenizer):
+    out = str(tmp_path / "sft")
+    harness.save_checkpoint(out, {"model": model}, tokenizer, 3, sft.SFTArgs(output_dir=out))
+    harness.atomic_save(out, model, tokenizer, keep=(harness.CHECKPOINT,))
+    assert os.path.exists(os.path.join(out, "config.json"))
+    assert os.path.exists(os.path.join(out, "checkpoint", "trainer_state.pt"))
+
+
+def test_responses_are_cut_after_the_first_eos(tokenizer):
+    eos, pad = tokenizer.eos_token_id, tokenizer.pad_token_id
+    ids = torch.tensor([[5, 6, eos, 7, eos], [5, 6, 7, 8, 9]])
+    cut, mask = data.cut_after_eos(ids, eos, pad)
+    assert mask.tolist() == [[1, 1, 1, 0, 0], [1, 1, 1, 1, 1]]
+    assert cut[0].tolist() == [5, 6, eos, pad, pad]
+
+
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
+def test_a_signal_is_a_request_to_stop_and_a_later_second_one_quits_at_once(signum):
+    saves = []
+    with pytest.raises(SystemExit) as quit_now:
+        with harness.GracefulStop(harness.make_accelerator(), "t", ckpt_dir="ckpt", grace=0.3) as stop:
+            assert not stop.requested() and "no checkpoint" in stop.kept()
+            assert [stop.stop_after(d, 10, 3, saves.append) for d in (1, 2, 3, 4)] == [False] * 4
+            assert saves == [3] and "step 3 in ckpt" in stop.kept()          # the periodic save only
+            os.kill(os.getpid(), signum)                           # no exception: the step goes on
+            assert stop.requested()
+            assert stop.stop_after(5, 10, 3, saves.append) and saves == [3, 5]    # stop, with a checkpoint here
+            assert stop.stop_after(6, 10, 3, saves.append) and saves == [3, 5, 6]  # periodic: not saved twice
+            assert not stop.stop_after(10, 10, 3, saves.append)    # the last step: the run ends normally
+            os.kill(os.getpid(), signum)                           # a repeat within the grace (a launcher's forward)
+            assert stop.requested()
+            time.sleep(0.4)
+            os.kill(os.getpid(), signum)
+            time.sleep(1)                                          # the handler runs at the next bytecode
+            raise AssertionError("a late second signal must quit at once")
+    assert quit_now.value.code == 130                               # quit without saving
+    assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL      # handlers released on the way out
+    with pytest.raises(KeyboardInterrupt):                          # released: Ctrl-C raises again
+        os.kill(os.getpid(), signal.SIGINT)
+        time.sleep(1)
+
+
+def test_end_of_step_exits_with_the_signal_s_code_after_saving():
+    saves = []
+    with pytest.raises(SystemExit) as stopped:
+        with harness.GracefulStop(harness.make_accelerator(), "t", "iteration", "ckpt") as stop:
+            os.kill(os.getpid(), signal.SIGTERM)
+            stop.end_of_step(4, 10, 100, saves.append)
+    assert stopped.value.code == 128 + signal.SIGTERM and saves == [4]
