@@ -69,6 +69,7 @@ class PPOArgs:
     report_to: str = field(default="none", metadata={"help": "accelerate trackers: none | tensorboard | wandb"})
     bf16: bool = field(default=False, metadata={"help": "bf16 mixed precision (GPUs)"})
     gradient_checkpointing: bool = field(default=False, metadata={"help": "recompute activations to save memory (GPUs)"})
+    gather_for_generation: bool = field(default=True, metadata={"help": "ZeRO-3 / FSDP: gather the policy's whole weights once for each generate() (fast; the whole policy on every GPU while generating); --gather_for_generation false: sharded generation (least memory, slow)"})
 
 
 # ---------------------------------------------------------------------------------------------
@@ -314,9 +315,10 @@ def main(args):
             # 1. Rollout: sample responses to this rank's prompts; logprobs under the sampling distribution
             idx = harness.batch_indices(len(prompts), args.rollout_batch_size, step, args.seed, rank, world)
             policy.eval()
-            p_ids, p_mask, r_ids, r_mask, n_cut = data.sample(
-                acc.unwrap_model(policy), tokenizer, [prompts[i] for i in idx], args.max_prompt_len,
-                args.max_response_len, args.temperature, args.top_k, args.top_p, synced_gpus=sharded)
+            with harness.generation_weights(acc, policy, args.gather_for_generation) as (model, synced):
+                p_ids, p_mask, r_ids, r_mask, n_cut = data.sample(
+                    model, tokenizer, [prompts[i] for i in idx], args.max_prompt_len, args.max_response_len,
+                    args.temperature, args.top_k, args.top_p, synced_gpus=synced)
             truncated += n_cut
             clock.lap("generate")
             P = p_ids.shape[1]
@@ -388,7 +390,9 @@ def main(args):
             metrics = {k: round(v, 5) for k, v in zip(keys, reduced.tolist())}
             metrics.update({"step": step + 1, "time/step": round(clock.total(), 3), "prompts/truncated": truncated,
                             **{f"time/{k}": round(v, 4 if k == "macro" else 3) for k, v in clock.laps.items()},
-                            "tokens_per_s": round(float(r_mask.sum()) * world / clock.total(), 1)})
+                            "tokens_per_s": round(float(r_mask.sum()) * world / clock.total(), 1),
+                            **({"memory/peak_gb": round(torch.cuda.max_memory_allocated() / 2 ** 30, 2)}
+                               if torch.cuda.is_available() else {})})
             if (step + 1) % args.eval_every == 0 or step + 1 == args.steps:
                 evaluate_now(args, acc, policy, reward, tokenizer, eval_rows, sharded, code, metrics)
             if acc.is_main_process:
@@ -403,9 +407,9 @@ def main(args):
 
 def evaluate_now(args, acc, policy, reward, tokenizer, eval_rows, sharded, code, metrics):
     """7. Held-out score (and gold score / pass rate) of the current policy into `metrics`; a log line."""
-    if acc.is_main_process or sharded:               # sharded forwards need every rank
-        _, scores, second = evaluate.held_out(acc.unwrap_model(policy).eval(), reward, tokenizer, eval_rows,
-                                              args, args.seed, sharded)
+    if acc.is_main_process or sharded:               # sharded weights: every rank takes part
+        with harness.generation_weights(acc, policy, args.gather_for_generation) as (model, synced):
+            _, scores, second = evaluate.held_out(model.eval(), reward, tokenizer, eval_rows, args, args.seed, synced)
     if acc.is_main_process:
         key, second_key = ("exec", "pass@1") if code else ("rm", "gold")
         metrics[f"eval/{key}"] = round(scores.mean().item(), 4)
