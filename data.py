@@ -433,6 +433,32 @@ def humaneval_problems():
 # Tokenization: prompts left-padded (truncated from the left), responses right-padded with EOS
 # ---------------------------------------------------------------------------------------------
 
+def chat_prompt(tokenizer, prompt):
+    """A prompt rendered with the tokenizer's own chat template, the assistant's turn opened: an HH
+    dialogue ("\n\nHuman: ... \n\nAssistant: ... \n\nAssistant:") becomes its user / assistant messages,
+    any other prompt (TL;DR, APPS) one user message. A leading BOS is left to encode_prompts."""
+    parts = re.split(r"\n\n(Human|Assistant):[ ]?", prompt)
+    if len(parts) > 2 and not parts[0].strip():
+        messages = [{"role": "user" if who == "Human" else "assistant", "content": text.strip()}
+                    for who, text in zip(parts[1::2], parts[2::2]) if text.strip()]
+    else:
+        messages = [{"role": "user", "content": prompt.strip()}]
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    bos = tokenizer.bos_token
+    return text[len(bos):] if bos and text.startswith(bos) else text
+
+
+def with_chat_template(rows, tokenizer, enabled=True):
+    """--chat_template: the rows with their prompts rendered by the tokenizer's chat template (for
+    instruct models; the paper's base models read the raw HH / TL;DR formats, the default)."""
+    if not enabled:
+        return rows
+    if not getattr(tokenizer, "chat_template", None):
+        raise SystemExit("error: --chat_template: this tokenizer has no chat template (a base model's); "
+                         "leave the flag off to use the raw prompt formats")
+    return [{**row, "prompt": chat_prompt(tokenizer, row["prompt"])} for row in rows]
+
+
 def load_tokenizer(path):
     from transformers import AutoTokenizer
     tokenizer = AutoTokenizer.from_pretrained(path)
@@ -443,7 +469,8 @@ def load_tokenizer(path):
 def check_tokenizer(tokenizer):
     if tokenizer.pad_token_id is None or tokenizer.pad_token_id == tokenizer.eos_token_id:
         raise ValueError("the tokenizer needs a pad token different from its EOS token (padding "
-                         "would otherwise erase the end of every response); add a '<pad>' token")
+                         "would otherwise erase the end of every response); sft.py adds one when it fine-tunes "
+                         "a model: start the later stages from the SFT model's folder")
 
 
 def encode_prompts(tokenizer, prompts, max_len):

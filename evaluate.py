@@ -59,6 +59,7 @@ class EvalArgs:
     n_prompts: int = field(default=256, metadata={"help": "held-out prompts evaluated"})
     max_prompt_len: int = field(default=48, metadata={"help": "prompt tokens kept"})
     max_response_len: int = field(default=32, metadata={"help": "generated tokens at most"})
+    chat_template: bool = field(default=False, metadata={"help": "render prompts with the tokenizer's own chat template (instruct models); off: the raw HH / TL;DR formats of the paper's base models. Use the same choice in every stage"})
     temperature: float = field(default=0.8, metadata={"help": "sampling temperature"})
     ns: str = field(default="1,4,8,16", metadata={"help": "best_of_n: values of N"})
     temperatures: str = field(default="0.4,0.8,1.2", metadata={"help": "best_of_n: sampling temperatures"})
@@ -386,7 +387,8 @@ class Context:
         if not self.code:
             harness.require_model_dir(args.rm_path, "reward model", "Train it with reward_model.py (or run ppo.py once).")
             self.rm = rm.load_reward_model(args.rm_path)[0].eval()
-        self.rows = data.first_row_per_prompt(data.load_task(args.task, only=("test",))["test"])[:args.n_prompts]
+        self.rows = data.with_chat_template(data.first_row_per_prompt(
+            data.load_task(args.task, only=("test",))["test"])[:args.n_prompts], self.tokenizer, args.chat_template)
         self.prompts = [r["prompt"] for r in self.rows]
 
     def model(self, path):

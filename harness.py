@@ -182,6 +182,41 @@ class Stopwatch:
 
 
 # ---------------------------------------------------------------------------------------------
+# LoRA (peft): the memory lever for real models
+# ---------------------------------------------------------------------------------------------
+
+def with_lora(model, r, alpha, target_modules, task_type):
+    """`model` with LoRA adapters (rank r, scale alpha / r) on `target_modules` ("all-linear" or names
+    separated by commas); only the adapters train (and, for a reward model / critic, the score head)."""
+    from peft import LoraConfig, get_peft_model
+    targets = target_modules if target_modules == "all-linear" else target_modules.split(",")
+    return get_peft_model(model, LoraConfig(r=r, lora_alpha=alpha, lora_dropout=0.0, target_modules=targets,
+                                            task_type=task_type))
+
+
+def load_lora(base, adapters):
+    """A LoRA checkpoint part (adapters only) put back on its base model, trainable."""
+    from peft import PeftModel
+    return PeftModel.from_pretrained(base, adapters, is_trainable=True)
+
+
+def is_lora(model):
+    return hasattr(model, "disable_adapter") and hasattr(model, "merge_and_unload")
+
+
+def merged(model):
+    """The model to save at the end: LoRA adapters merged into the weights (a plain model any
+    from_pretrained loads), or the model itself."""
+    return model.merge_and_unload() if is_lora(model) else model
+
+
+def require_part(path, what, hint):
+    """A checkpoint part: a model folder (config.json) or LoRA adapters (adapter_config.json)."""
+    if not os.path.exists(os.path.join(path, "adapter_config.json")):
+        require_model_dir(path, what, hint)
+
+
+# ---------------------------------------------------------------------------------------------
 # Stopping: Ctrl-C and SIGTERM end the run at the end of a step, with a checkpoint
 # ---------------------------------------------------------------------------------------------
 
@@ -366,7 +401,8 @@ class Trainer:
         self.name, self.accelerator, self.tokenizer, self.args, self.n_rows = name, accelerator, tokenizer, args, n_rows
         world = accelerator.num_processes
         self.steps = args.max_steps or math.ceil(args.epochs * n_rows / (args.batch_size * world * args.grad_accum))
-        optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=getattr(args, "weight_decay", 0.0))
+        trained = [p for p in model.parameters() if p.requires_grad]          # all of them, or LoRA's
+        optimizer = torch.optim.AdamW(trained, lr=args.lr, weight_decay=getattr(args, "weight_decay", 0.0))
         self.scheduler = get_cosine_schedule_with_warmup(optimizer, int(args.warmup_ratio * self.steps), self.steps)
         self.model, self.optimizer = accelerator.prepare(model, optimizer)
         self.start = 0
@@ -413,7 +449,7 @@ class Trainer:
                               f"({time.time() - t0:.0f}s)")
                 stop.end_of_step(step + 1, self.steps, args.save_every, self.save)
         if acc.is_main_process:
-            atomic_save(args.output_dir, acc.unwrap_model(self.model), self.tokenizer, keep=(CHECKPOINT,))
+            atomic_save(args.output_dir, merged(acc.unwrap_model(self.model)), self.tokenizer, keep=(CHECKPOINT,))
         acc.wait_for_everyone()
         acc.print(f"[{name}] saved {args.output_dir}")
         return value

@@ -44,6 +44,10 @@ class PPOArgs:
     value_clip: float = field(default=0.2, metadata={"help": "value clip range"})
     gamma: float = field(default=1.0, metadata={"help": "discount"})
     lam: float = field(default=0.95, metadata={"help": "GAE lambda"})
+    lora_r: int = field(default=0, metadata={"help": "LoRA rank (peft); 0 = train every weight. policy and critic adapters; the reference is the policy with its adapters off"})
+    lora_alpha: int = field(default=16, metadata={"help": "LoRA scale alpha (the update is scaled by alpha / r)"})
+    lora_target_modules: str = field(default="all-linear", metadata={"help": "LoRA: all-linear, or module names separated by commas (e.g. q_proj,v_proj)"})
+    chat_template: bool = field(default=False, metadata={"help": "render prompts with the tokenizer's own chat template (instruct models); off: the raw HH / TL;DR formats of the paper's base models. Use the same choice in every stage"})
     temperature: float = field(default=0.8, metadata={"help": "sampling temperature (logprobs are taken under the same distribution)"})
     top_k: int = field(default=0, metadata={"help": "top-k sampling, 0 = off"})
     top_p: float = field(default=1.0, metadata={"help": "nucleus sampling, 1 = off"})
@@ -127,7 +131,17 @@ class Critic(torch.nn.Module):
         self.model = model
 
     def forward(self, ids, mask):
-        return rm.token_values(self.model, ids, mask)
+        model = self.model.get_base_model() if harness.is_lora(self.model) else self.model   # LoRA layers inside
+        return rm.token_values(model, ids, mask)
+
+
+def reference_logprobs(ref, accelerator, policy, ids, mask, prompt_width, temperature):
+    """log pi_ref of the response tokens: the frozen SFT model's, or under LoRA (ref None) the policy's
+    with its adapters switched off, which is the SFT model."""
+    if ref is not None:
+        return response_logprobs(ref, ids, mask, prompt_width, temperature)[0]
+    with accelerator.unwrap_model(policy).disable_adapter():
+        return response_logprobs(policy, ids, mask, prompt_width, temperature)[0]
 
 
 def critic_values(critic, ids, mask, prompt_width):
@@ -231,14 +245,22 @@ def load_models(args, code):
     from transformers import AutoModelForCausalLM
     dtype = torch.bfloat16 if args.bf16 else torch.float32
     if args.resume:
-        harness.require_model_dir(harness.checkpoint_part(args.output_dir, "policy"), "checkpoint to resume",
-                                  "Run without --resume.")
+        harness.require_part(harness.checkpoint_part(args.output_dir, "policy"), "checkpoint to resume",
+                             "Run without --resume.")
     part = (lambda name, default: harness.checkpoint_part(args.output_dir, name) if args.resume else default)
     tokenizer = data.load_tokenizer(args.sft_path)
-    policy = AutoModelForCausalLM.from_pretrained(part("policy", args.sft_path), dtype=dtype)
-    critic = Critic(rm.load_reward_model(part("critic", args.critic_path), args.bf16)[0])
+    if args.lora_r:     # adapters on the SFT model and the critic's init; no third copy for the reference
+        policy = AutoModelForCausalLM.from_pretrained(args.sft_path, dtype=dtype)
+        critic = rm.load_reward_model(args.critic_path, args.bf16)[0]
+        lora = (args.lora_r, args.lora_alpha, args.lora_target_modules)
+        policy = harness.load_lora(policy, part("policy", "")) if args.resume else harness.with_lora(policy, *lora, "CAUSAL_LM")
+        critic = Critic(harness.load_lora(critic, part("critic", "")) if args.resume else
+                        harness.with_lora(critic, *lora, "SEQ_CLS"))      # SEQ_CLS: the score head trains too
+    else:
+        policy = AutoModelForCausalLM.from_pretrained(part("policy", args.sft_path), dtype=dtype)
+        critic = Critic(rm.load_reward_model(part("critic", args.critic_path), args.bf16)[0])
     with harness.whole_weights():       # the frozen models are never handed to a ZeRO-3 engine
-        ref = AutoModelForCausalLM.from_pretrained(args.sft_path, dtype=dtype).eval().requires_grad_(False)
+        ref = None if args.lora_r else AutoModelForCausalLM.from_pretrained(args.sft_path, dtype=dtype).eval().requires_grad_(False)
         reward = None if code else rm.load_reward_model(args.rm_path, args.bf16)[0].eval().requires_grad_(False)
     if args.gradient_checkpointing:
         policy.gradient_checkpointing_enable()
@@ -248,8 +270,9 @@ def load_models(args, code):
 
 def optimizers(args, policy, critic):
     """AdamW for the policy and for the critic, each with a linear warmup over --warmup_steps."""
-    opts = {"policy_opt": torch.optim.AdamW(policy.parameters(), lr=args.policy_lr),
-            "critic_opt": torch.optim.AdamW(critic.parameters(), lr=args.critic_lr)}
+    trained = (lambda model: [p for p in model.parameters() if p.requires_grad])     # all of them, or LoRA's
+    opts = {"policy_opt": torch.optim.AdamW(trained(policy), lr=args.policy_lr),
+            "critic_opt": torch.optim.AdamW(trained(critic), lr=args.critic_lr)}
     warmup = (lambda step: min(1.0, (step + 1) / max(1, args.warmup_steps)))
     return opts, {"policy_sched": torch.optim.lr_scheduler.LambdaLR(opts["policy_opt"], warmup),
                   "critic_sched": torch.optim.lr_scheduler.LambdaLR(opts["critic_opt"], warmup)}
@@ -268,8 +291,9 @@ def main(args):
     build_default(args, acc, code)
     tokenizer, policy, critic, ref, reward = load_models(args, code)
     splits = data.load_task(args.task, only=("ppo", "test"))
-    problems = data.first_row_per_prompt(splits["ppo"])              # code rows carry their tests
-    eval_rows = data.first_row_per_prompt(splits["test"])[:args.n_eval_prompts]
+    problems = data.with_chat_template(data.first_row_per_prompt(splits["ppo"]), tokenizer, args.chat_template)
+    eval_rows = data.with_chat_template(data.first_row_per_prompt(splits["test"])[:args.n_eval_prompts], tokenizer,
+                                        args.chat_template)                # code rows carry their tests
     prompts = [r["prompt"] for r in problems]
     world, rank = acc.num_processes, acc.process_index
     log(f"[ppo] {len(prompts)} training prompts, {len(eval_rows)} held-out prompts, {world} process(es)")
@@ -277,9 +301,9 @@ def main(args):
     policy, opts["policy_opt"], critic, opts["critic_opt"] = harness.prepare_pair(
         acc, critic_acc, policy, opts["policy_opt"], critic, opts["critic_opt"])
     sharded = harness.is_sharded(acc)   # ZeRO-3 / FSDP: every rank runs every forward, generate included
-    ref.to(acc.device)
-    if reward is not None:
-        reward.to(acc.device)
+    for frozen in (ref, reward):
+        if frozen is not None:
+            frozen.to(acc.device)
     generator = torch.Generator().manual_seed(args.seed)       # minibatch order, randomized n-grams
     start, truncated = 0, 0
     if args.resume:
@@ -299,7 +323,7 @@ def main(args):
             f.writelines(kept)
 
     def save(step):
-        weights = harness.full_weights({"policy": (acc, policy), "critic": (critic_acc, critic)})   # collective
+        weights = harness.full_weights({"policy": (acc, policy), "critic": (critic_acc, critic)}) if sharded else None
         if acc.is_main_process:
             harness.save_checkpoint(args.output_dir, {"policy": acc.unwrap_model(policy),
                                                       "critic": critic_acc.unwrap_model(critic).model}, tokenizer,
@@ -327,7 +351,7 @@ def main(args):
             # 2. Score: old and reference logprobs, values V(s_t), the sequence score
             with torch.no_grad():
                 old_logp, entropy = response_logprobs(policy, ids, mask, P, args.temperature)
-                ref_logp, _ = response_logprobs(ref, ids, mask, P, args.temperature)
+                ref_logp = reference_logprobs(ref, acc, policy, ids, mask, P, args.temperature)
                 old_values = critic_values(critic, ids, mask, P) * m
                 if code:    # App. B.5: the compiler / test signal of running prefix + response
                     texts = tokenizer.batch_decode(r_ids, skip_special_tokens=True)
@@ -428,10 +452,10 @@ def finish(args, acc, critic_acc, policy, critic, reward, tokenizer, eval_rows, 
                   f"tokens and lost their beginning")
     if not sharded:
         acc.print(f"[ppo] ranks in sync: {harness.ranks_in_sync(acc, policy) and harness.ranks_in_sync(acc, critic)}")
-    weights = harness.full_weights({"model": (acc, policy)})
+    weights = harness.full_weights({"model": (acc, policy)}) if sharded else None    # collective when sharded
     if acc.is_main_process:
-        final = os.path.join(args.output_dir, "policy")
-        harness.atomic_save(final, acc.unwrap_model(policy), tokenizer, state_dicts=weights)
+        final = os.path.join(args.output_dir, "policy")      # LoRA adapters merged: a plain model
+        harness.atomic_save(final, harness.merged(acc.unwrap_model(policy)), tokenizer, state_dicts=weights)
         # the report reads the saved policy back: whole weights on one process, whatever the sharding
         dtype = torch.bfloat16 if args.bf16 else torch.float32
         with harness.whole_weights():

@@ -38,6 +38,7 @@ class RMArgs:
     n_gold_prompts: int = field(default=256, metadata={"help": "chitchat: held-out prompts whose two SFT samples test RM-gold agreement (0 = skip)"})
     bf16: bool = field(default=False, metadata={"help": "bf16 mixed precision (GPUs)"})
     gradient_checkpointing: bool = field(default=False, metadata={"help": "recompute activations to save memory (GPUs)"})
+    chat_template: bool = field(default=False, metadata={"help": "render prompts with the tokenizer's own chat template (instruct models); off: the raw HH / TL;DR formats of the paper's base models. Use the same choice in every stage"})
     skip_bad_rows: bool = field(default=False, metadata={"help": "drop malformed dataset rows (and report how many) instead of stopping"})
     seed: int = field(default=1234, metadata={"help": "random seed (data split seed is fixed at 1234)"})
     resume: bool = field(default=False, metadata={"help": "continue from <output_dir>/checkpoint"})
@@ -122,6 +123,7 @@ def main(args):
     train_rows, eval_rows = splits["rm"], splits["test"][:args.n_eval]
     log(f"[rm] {args.task}: {len(train_rows)} training pairs, {len(eval_rows)} held-out pairs")
     model, tokenizer = load_reward_model(source, args.bf16)
+    train_rows, eval_rows = (data.with_chat_template(r, tokenizer, args.chat_template) for r in (train_rows, eval_rows))
     if args.gradient_checkpointing:
         model.gradient_checkpointing_enable()
     world, rank = accelerator.num_processes, accelerator.process_index
@@ -149,7 +151,8 @@ def main(args):
         from transformers import AutoModelForCausalLM
         policy = AutoModelForCausalLM.from_pretrained(args.sft_path).eval()
         agreement, n = gold_agreement(accelerator.unwrap_model(trainer.model).eval(), policy, tokenizer,
-                                      data.prompts_of(splits["test"])[:args.n_gold_prompts], args)
+                                      data.prompts_of(data.with_chat_template(splits["test"], tokenizer, args.chat_template))
+                                      [:args.n_gold_prompts], args)
         log(f"[rm] RM-gold agreement on {n} pairs of SFT samples: {agreement:.3f}")
     return accuracy
 

@@ -25,7 +25,7 @@ SPECIAL_TOKENS = {"pad_token": "<pad>", "eos_token": "<eos>", "bos_token": "<bos
 @dataclass
 class SFTArgs:
     task: str = field(default="chitchat", metadata={"help": "chitchat, tldr, tldr_carper, hh, webgpt, code, apps, or a local json/jsonl/parquet file"})
-    model: str = field(default="tiny", metadata={"help": "'tiny' builds a small Gemma + BPE tokenizer offline; otherwise an HF model id or local path"})
+    model: str = field(default="tiny", metadata={"help": "'tiny' builds a small Gemma + BPE tokenizer offline; otherwise an HF model id, a local folder, or a local .gguf file (dequantized; needs the gguf package)"})
     output_dir: str = field(default="runs/chitchat/sft", metadata={"help": "where the final model + tokenizer are saved"})
     max_prompt_len: int = field(default=48, metadata={"help": "prompt tokens kept (truncated from the left)"})
     max_response_len: int = field(default=32, metadata={"help": "response tokens kept, EOS included"})
@@ -44,6 +44,10 @@ class SFTArgs:
     num_layers: int = field(default=4, metadata={"help": "tiny model: transformer layers"})
     bf16: bool = field(default=False, metadata={"help": "bf16 mixed precision (GPUs)"})
     gradient_checkpointing: bool = field(default=False, metadata={"help": "recompute activations to save memory (GPUs)"})
+    lora_r: int = field(default=0, metadata={"help": "LoRA rank (peft); 0 = train every weight. Needs a pretrained --model"})
+    lora_alpha: int = field(default=16, metadata={"help": "LoRA scale alpha (the update is scaled by alpha / r)"})
+    lora_target_modules: str = field(default="all-linear", metadata={"help": "LoRA: all-linear, or module names separated by commas (e.g. q_proj,v_proj)"})
+    chat_template: bool = field(default=False, metadata={"help": "render prompts with the tokenizer's own chat template (instruct models); off: the raw HH / TL;DR formats of the paper's base models. Use the same choice in every stage"})
     skip_bad_rows: bool = field(default=False, metadata={"help": "drop malformed dataset rows (and report how many) instead of stopping"})
     seed: int = field(default=1234, metadata={"help": "random seed (data split seed is fixed at 1234)"})
     resume: bool = field(default=False, metadata={"help": "continue from <output_dir>/checkpoint"})
@@ -80,6 +84,50 @@ def tiny_gemma(tokenizer, hidden_size=128, num_layers=4, max_len=256):
 
 
 # ---------------------------------------------------------------------------------------------
+# Real models: any causal LM from the hub, a folder or a GGUF file
+# ---------------------------------------------------------------------------------------------
+
+def load_pretrained(source, bf16=False):
+    """(tokenizer, model) of a hub id, a save_pretrained folder, or a .gguf file, which transformers
+    dequantizes through the `gguf` package (a 4-bit 135M model becomes a float model)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    dtype = torch.bfloat16 if bf16 else torch.float32
+    kwargs = {}
+    if source.endswith(".gguf"):
+        if not os.path.isfile(source):
+            raise SystemExit(f"error: no GGUF file at {source!r}")
+        source, kwargs["gguf_file"] = os.path.split(os.path.abspath(source))
+    tokenizer = AutoTokenizer.from_pretrained(source, **kwargs)
+    if not kwargs:
+        return tokenizer, AutoModelForCausalLM.from_pretrained(source, dtype=dtype)
+    from transformers import GgufConfig
+    model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype, quantization_config=GgufConfig(dequantize=True),
+                                                 **kwargs)
+    if getattr(model, "hf_quantizer", None) is not None:     # float weights now: trainable and savable
+        model.hf_quantizer.remove_quantization_config(model)
+    return tokenizer, model
+
+
+def add_pad_token(tokenizer, model, log=print):
+    """Llama, Qwen, SmolLM2 and Mistral tokenizers have no pad token, or pad = EOS: padding would then
+    erase the EOS of every response. A distinct `<pad>` is added and the embeddings resized; both are
+    saved with the SFT model, so that the later stages just load them. Pad is never a target (its
+    positions are masked out of attention and loss); EOS keeps its own row and stays learnable."""
+    if tokenizer.eos_token_id is None:
+        raise SystemExit("error: the tokenizer has no EOS token; set one (tokenizer.eos_token) before training")
+    if tokenizer.pad_token_id is not None and tokenizer.pad_token_id != tokenizer.eos_token_id:
+        return
+    old = tokenizer.pad_token
+    tokenizer.add_special_tokens({"pad_token": "<pad>"})
+    model.resize_token_embeddings(len(tokenizer))
+    model.config.pad_token_id = tokenizer.pad_token_id
+    if getattr(model, "generation_config", None) is not None:
+        model.generation_config.pad_token_id = tokenizer.pad_token_id
+    log(f"[sft] the tokenizer's pad token was {old!r} (EOS is {tokenizer.eos_token!r}): added '<pad>' "
+        f"(id {tokenizer.pad_token_id}), embeddings resized to {len(tokenizer)}")
+
+
+# ---------------------------------------------------------------------------------------------
 # Stage 1
 # ---------------------------------------------------------------------------------------------
 
@@ -106,7 +154,9 @@ def main(args):
     log = accelerator.print
     source = harness.checkpoint_part(args.output_dir, "model") if args.resume else args.model
     if args.resume:
-        harness.require_model_dir(source, "checkpoint to resume", "Run without --resume to start afresh.")
+        harness.require_part(source, "checkpoint to resume", "Run without --resume to start afresh.")
+    if args.lora_r and args.model == "tiny":
+        raise SystemExit("error: --lora_r adapts a pretrained --model; the tiny model trains from scratch")
     splits = data.load_task(args.task, skip_bad_rows=args.skip_bad_rows, only=("sft", "test"))
     train_rows, eval_rows = split_holdout(splits["sft"])
     eval_rows = eval_rows[:args.n_eval]
@@ -121,14 +171,21 @@ def main(args):
         tokenizer = data.load_tokenizer(tok_dir)
         model = tiny_gemma(tokenizer, args.hidden_size, args.num_layers,
                            max_len=2 * (args.max_prompt_len + args.max_response_len))
-    else:
-        from transformers import AutoModelForCausalLM
-        tokenizer = data.load_tokenizer(source)
-        model = AutoModelForCausalLM.from_pretrained(source, dtype=torch.bfloat16 if args.bf16 else torch.float32)
+    else:          # with LoRA the checkpoint holds adapters: they go back on the pretrained model
+        tokenizer, model = load_pretrained(args.model if args.lora_r else source, args.bf16)
+        add_pad_token(tokenizer, model, log)
+        data.check_tokenizer(tokenizer)
+        if args.lora_r:
+            model = (harness.load_lora(model, source) if args.resume else
+                     harness.with_lora(model, args.lora_r, args.lora_alpha, args.lora_target_modules, "CAUSAL_LM"))
     if args.gradient_checkpointing:
         model.gradient_checkpointing_enable()
+        if args.lora_r:
+            model.enable_input_require_grads()      # frozen embeddings: checkpointed layers still need grads
+    train_rows, eval_rows = (data.with_chat_template(r, tokenizer, args.chat_template) for r in (train_rows, eval_rows))
     world, rank = accelerator.num_processes, accelerator.process_index
-    log(f"[sft] model {source}: {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters, "
+    log(f"[sft] model {source}: {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters "
+        f"({sum(p.numel() for p in model.parameters() if p.requires_grad) / 1e6:.2f}M trained), "
         f"{world} process(es) on {accelerator.device}")
     trainer = harness.Trainer("sft", accelerator, model, tokenizer, args, len(train_rows), args.resume)
 
@@ -148,8 +205,8 @@ def main(args):
 
     trainer.fit(train_rows, lambda rows: sft_loss(trainer.model, batch_of(rows))[0], evaluate)
     if accelerator.is_main_process:
-        unwrapped = accelerator.unwrap_model(trainer.model).eval()
-        prompts = data.prompts_of(splits["test"])[:4]
+        unwrapped = accelerator.unwrap_model(trainer.model).eval()     # (merged, if LoRA)
+        prompts = data.prompts_of(data.with_chat_template(splits["test"][:8], tokenizer, args.chat_template))[:4]
         r_ids = data.sample(unwrapped, tokenizer, prompts, args.max_prompt_len, args.max_response_len, temperature=0.8)[2]
         for p, r in zip(prompts, tokenizer.batch_decode(r_ids, skip_special_tokens=True)):
             log(f"[sft] sample: ...{p[-80:]!r} -> {r!r}")
