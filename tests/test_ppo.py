@@ -179,10 +179,11 @@ def test_resume_continues_with_the_numbers_of_an_uninterrupted_run(tiny_models, 
     assert [comparable(r) for r in rest] == [comparable(r) for r in whole]          # the same file, appended
 
 
-def test_two_cpu_processes_stay_in_sync(tiny_models, tmp_path):
+@pytest.mark.parametrize("extra", [(), ("--lora_r", "4")])
+def test_two_cpu_processes_stay_in_sync(tiny_models, tmp_path, extra):
     launch = (sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
               "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no")
-    out, rows = run_ppo(tiny_models, tmp_path / "ddp", "--steps", "3", launch=launch)
+    out, rows = run_ppo(tiny_models, tmp_path / "ddp", "--steps", "3", *extra, launch=launch)
     assert "2 process(es)" in out and "ranks in sync: True" in out
     assert len(rows) == 3                                            # one metrics line per iteration
 
