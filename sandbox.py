@@ -217,7 +217,7 @@ def _spawn(role, job, fds, limits):
     import subprocess
     import tempfile
     prefix, drop, _ = isolation()
-    folder = tempfile.mkdtemp(prefix="sandbox_")
+    folder = tempfile.mkdtemp(prefix=f"sandbox_{os.getpid()}_")        # whose it is, for leak checks
     out_path, err_path = os.path.join(folder, ".stdout"), os.path.join(folder, ".stderr")
     argv = [sys.executable, "-I", "-S", os.path.abspath(__file__), role, "ns" if prefix else "plain",
             str(limits.uid if drop else -1), *map(str, fds)]

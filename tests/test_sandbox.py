@@ -259,10 +259,12 @@ def test_without_namespaces_the_first_run_warns_once_and_still_runs():
 
 @pytest.fixture(scope="module", autouse=True)
 def nothing_is_left_behind():
-    """After every test of this file: no temporary folder of the sandbox, no process of a program."""
+    """After every test of this file: no temporary folder of the sandbox, no process of a program. Only this
+    process's folders and this checkout's sandbox.py count (a study may run sandboxes beside the tests)."""
     import glob
     import tempfile
-    pattern = os.path.join(tempfile.gettempdir(), "sandbox_*")
+    pattern = os.path.join(tempfile.gettempdir(), f"sandbox_{os.getpid()}_*")
+    script = os.path.abspath(sandbox.__file__).encode()
     before = set(glob.glob(pattern))
     yield
     time.sleep(0.5)
@@ -273,6 +275,6 @@ def nothing_is_left_behind():
             cmdline = open(f"/proc/{pid}/cmdline", "rb").read()
         except OSError:
             continue
-        if b"sandbox.py\0--" in cmdline and pid != str(os.getpid()):
+        if script + b"\0--" in cmdline and pid != str(os.getpid()):
             mine.append(pid)
     assert not mine, f"processes of the sandbox left running: {mine}"
