@@ -183,9 +183,8 @@ def ppo_losses(args, logp, old_logp, values, old_values, advantages, returns, ma
 
 
 # ---------------------------------------------------------------------------------------------
-# The default pipeline: build the SFT and reward models of the embedded task when missing
+# Derived settings and the metrics of one iteration
 # ---------------------------------------------------------------------------------------------
-
 
 def resolve(args):
     """Derived settings, in one place: default paths, and what the task's reward is."""
@@ -217,7 +216,7 @@ def iteration_metrics(t, code):
 
 
 # ---------------------------------------------------------------------------------------------
-# Setup: the default models, the four models of PPO, optimizers
+# Setup: the default models (built when missing), the four models of PPO, optimizers
 # ---------------------------------------------------------------------------------------------
 
 def build_default(args, accelerator, code):
