@@ -6,6 +6,10 @@
     python bench/learning_efficiency.py all               # every hypothesis, in the order below
     python bench/learning_efficiency.py report            # tables from the committed results only
     python bench/learning_efficiency.py baseline --quick  # the same in miniature (2 seeds x 12 iterations)
+    python bench/learning_efficiency.py sigma --jobs 2    # two runs at a time, one thread each
+
+`--jobs 2` on 2 cores finishes about 1.6x more runs per hour than one run on two threads (the tiny
+models keep a second thread mostly idle); a run's numbers do not depend on its thread count.
 
 Hypotheses (issue 11): mean (the released code's macro reward vs PPO with beta/n), sigma (H1 credit
 leak), lambda (H2 effective lambda), critic (H3 RM-initialised critic), lr (H4 learning rate),
@@ -26,6 +30,7 @@ from the committed records. The report reads only those records:
   pooled over seeds, ties half, with a 95% bootstrap interval over seeds.
 """
 import argparse
+import concurrent.futures
 import json
 import math
 import os
@@ -159,6 +164,10 @@ def final_scores(args, run_dir, task):
     return {"rm": [round(x, 4) for x in ctx.rm_scores(texts)], "gold": [round(x, 4) for x in ctx.gold(texts)]}
 
 
+def task_of(flags):
+    return flags[flags.index("--task") + 1] if "--task" in flags else "chitchat"
+
+
 def train(args, name, flags, seed):
     """One ppo.py run, or its committed record; returns the record."""
     path = record_path(args, name, seed)
@@ -166,7 +175,7 @@ def train(args, name, flags, seed):
         return json.load(open(path))
     if args.report_only:
         return None
-    task = flags[flags.index("--task") + 1] if "--task" in flags else "chitchat"
+    task = task_of(flags)
     sft_path, rm_path = args.models[task]
     flags = [f.format(sft=sft_path) for f in flags]
     run_dir = os.path.join(args.runs_dir, name, f"seed{seed}")
@@ -198,6 +207,33 @@ def train(args, name, flags, seed):
     print(f"[study] {name} seed {seed}: {record['seconds']} s, " + ", ".join(
         f"{k} {last[k]:.3f}" for k in ("eval/rm", "eval/gold", "eval/exec") if k in last), flush=True)
     return record
+
+
+def _one_job_threads(threads):
+    """Worker initializer: every ppo.py this worker starts (and its own evaluation) uses `threads` threads."""
+    os.environ["OMP_NUM_THREADS"] = str(threads)
+    import torch
+    torch.set_num_threads(threads)
+
+
+def train_all(args, todo):
+    """Run the (name, flags, seed) configurations that have no record yet, `args.jobs` at a time."""
+    todo = [t for t in todo if not os.path.exists(record_path(args, t[0], t[2]))]
+    if args.report_only or not todo:
+        return
+    if args.jobs == 1:
+        for name, flags, seed in todo:
+            train(args, name, flags, seed)
+        return
+    for task, (sft_path, _) in args.models.items():     # the first run of a task builds its SFT/RM: alone
+        first = next((t for t in todo if task_of(t[1]) == task), None)
+        if first and not os.path.exists(os.path.join(ROOT, sft_path, "config.json")):
+            train(args, *first)
+            todo.remove(first)
+    threads = max(1, (os.cpu_count() or 1) // args.jobs)
+    with concurrent.futures.ProcessPoolExecutor(args.jobs, initializer=_one_job_threads, initargs=(threads,)) as pool:
+        for future in concurrent.futures.as_completed([pool.submit(train, args, *t) for t in todo]):
+            future.result()                      # a failed run stops the study (its checkpoint is kept)
 
 
 # ---------------------------------------------------------------- report
@@ -281,6 +317,7 @@ def main(argv=None):
     parser.add_argument("--sft_path", default="runs/chitchat/sft", help="SFT model (built by ppo.py if missing)")
     parser.add_argument("--rm_path", default="runs/chitchat/rm", help="reward model (built by ppo.py if missing)")
     parser.add_argument("--seed_eval", type=int, default=4321, help="sampling seed of the final per-prompt scores")
+    parser.add_argument("--jobs", type=int, default=1, help="runs at a time (each gets cores / jobs threads)")
     parser.add_argument("--quick", action="store_true", help="2 seeds x 12 iterations, small evaluations")
     parser.add_argument("--results_dir", default="", help="committed records and tables (default docs/study)")
     parser.add_argument("--runs_dir", default="", help="run folders (default runs/study)")
@@ -303,6 +340,8 @@ def main(argv=None):
     args.models = {"chitchat": (args.sft_path, args.rm_path), "code": ("runs/code/sft", "runs/code/rm")}
     seeds = [int(s) for s in args.seeds.split(",")]
     print(f"[study] {vars(args)}", flush=True)
+    todo = [(name, flags, seed) for h in names for name, _, flags in HYPOTHESES[h][1] for seed in seeds]
+    train_all(args, list(dict.fromkeys((n, tuple(f), s) for n, f, s in todo)))
     lines, result = [], {}
     for hypothesis in names:
         records = {name: [train(args, name, flags, seed) for seed in seeds] for name, _, flags in HYPOTHESES[hypothesis][1]}
