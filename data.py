@@ -43,6 +43,36 @@ def gold_score(texts):
     return [polarity_scores(t)["compound"] for t in texts]
 
 
+def cache_dir():
+    """Where derived data is kept between runs: $MA_RLHF_CACHE, else runs/cache beside this file."""
+    return os.environ.get("MA_RLHF_CACHE") or os.path.join(os.path.dirname(os.path.abspath(__file__)), "runs", "cache")
+
+
+def cached_gold_score(texts):
+    """gold_score, kept on disk under a hash of the texts and the judge's version. Labelling the embedded
+    task's rm and test splits scores ~80k texts (seconds), and every stage reads them; the cache is keyed by
+    content, so it cannot go stale. Unwritable or corrupt cache files are ignored (scored again)."""
+    from importlib.metadata import version
+    key = hashlib.sha256("\0".join([version("nltk-vader-sentiment"), *texts]).encode()).hexdigest()[:24]
+    path = os.path.join(cache_dir(), f"gold-{key}.json")
+    try:
+        with open(path) as f:
+            scores = json.load(f)
+        if isinstance(scores, list) and len(scores) == len(texts):
+            return scores
+    except (OSError, ValueError):
+        pass
+    scores = gold_score(texts)
+    try:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        with open(f"{path}.{os.getpid()}.tmp", "w") as f:        # atomic: ranks may build it at once
+            json.dump(scores, f)
+        os.replace(f"{path}.{os.getpid()}.tmp", path)
+    except OSError:
+        pass
+    return scores
+
+
 # ---------------------------------------------------------------------------------------------
 # chitchat: the embedded default
 # ---------------------------------------------------------------------------------------------
@@ -98,7 +128,7 @@ def _chitchat_pairs(examples, split, seed):
     distractors = [examples[rng.randrange(len(examples))] for _ in examples]
     out = []
     if split in ("rm", "test"):
-        golds = gold_score([e["response"] for e in examples] + [d["response"] for d in distractors])
+        golds = cached_gold_score([e["response"] for e in examples] + [d["response"] for d in distractors])
         g_real, g_dist = golds[:len(examples)], golds[len(examples):]
     for k, (e, d) in enumerate(zip(examples, distractors)):
         if d["group"] == e["group"]:

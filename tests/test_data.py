@@ -32,9 +32,25 @@ def test_chitchat_splits_are_disjoint_by_conversation_and_sized_20_40_40(chitcha
     assert 0.03 < n["test"] / (train + n["test"]) < 0.07
 
 
-def test_chitchat_is_deterministic(chitchat):
-    again = data.load_chitchat()
-    assert all(again[k] == chitchat[k] for k in chitchat)
+def test_chitchat_is_deterministic_and_its_cache_gives_the_same_rows(chitchat, tmp_path, monkeypatch):
+    monkeypatch.setenv("MA_RLHF_CACHE", str(tmp_path))
+    fresh = data.load_chitchat()                                   # an empty cache: labelled by the judge again
+    assert len(list(tmp_path.glob("gold-*.json"))) == 2            # the rm and test splits' labels
+    cached = data.load_chitchat()
+    assert all(fresh[k] == chitchat[k] and cached[k] == chitchat[k] for k in chitchat)
+
+
+def test_the_gold_cache_is_read_and_a_corrupt_one_is_scored_again(tmp_path, monkeypatch):
+    monkeypatch.setenv("MA_RLHF_CACHE", str(tmp_path))
+    texts = ["what a lovely day", "this is awful", "ok"]
+    expected = data.gold_score(texts)
+    assert data.cached_gold_score(texts) == expected
+    path = next(tmp_path.glob("gold-*.json"))
+    path.write_text(json.dumps([0.5, 0.5, 0.5]))
+    assert data.cached_gold_score(texts) == [0.5, 0.5, 0.5]        # read from disk, not scored again
+    assert data.cached_gold_score(texts[:2]) == expected[:2]       # other texts, another key
+    path.write_text("[0.5, 0.")                                    # truncated
+    assert data.cached_gold_score(texts) == expected
 
 
 def test_chitchat_rm_and_test_pairs_are_labelled_by_the_gold_judge(chitchat):

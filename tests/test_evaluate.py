@@ -180,6 +180,19 @@ def cli(*args, code=0):
     return proc.stdout + proc.stderr
 
 
+def main(capsys, *args, code=0):
+    """evaluate.main on a command line, in this process: the argv parsing and exit code of a run from the
+    shell, without starting another interpreter (each test still runs one command through cli())."""
+    try:
+        evaluate.main(list(args))
+        rc = 0
+    except SystemExit as exit:
+        rc = exit.code
+    captured = capsys.readouterr()
+    assert rc == code, captured.out[-2000:] + captured.err[-2000:]
+    return captured.out + captured.err
+
+
 def test_json_mode_is_asked_for_and_dropped_when_the_server_refuses_it(server):
     server.behaviour = "no_json_mode"
     judge = evaluate.LLMJudge(server.url, "m", "hh", seed=0, backoff=0.01)
@@ -207,7 +220,7 @@ def test_logprob_mode_takes_the_most_probable_letter_not_the_text(server):
     assert evaluate.letter_probabilities([{"token": "Sure", "logprob": -0.1}]) is None
 
 
-def test_no_usable_judge_answers_is_a_clear_error_and_valid_json(tiny_models, tmp_path, server):
+def test_no_usable_judge_answers_is_a_clear_error_and_valid_json(tiny_models, tmp_path, server, capsys):
     server.behaviour = "ramble"
     common = ["--sft_path", str(tiny_models / "sft"), "--rm_path", str(tiny_models / "rm"), "--n_prompts", "6",
               "--max_prompt_len", "16", "--max_response_len", "6", "--output_dir", str(tmp_path),
@@ -216,36 +229,36 @@ def test_no_usable_judge_answers_is_a_clear_error_and_valid_json(tiny_models, tm
     assert "usable verdict for 0 of 6 items" in out and "both responses have merits" in out    # raw replies shown
     result = json.loads(open(tmp_path / "winrate.json").read(), parse_constant=lambda c: pytest.fail(c))
     assert result["win_rate"] is None and "usable verdict" in result["error"]
-    out = cli("agreement", "--policy", "sft", "--judges", "llm,gold", *common, code=1)
+    out = main(capsys, "agreement", "--policy", "sft", "--judges", "llm,gold", *common, code=1)
     assert "usable verdict for 0 of 6" in out
     json.loads(open(tmp_path / "agreement.json").read(), parse_constant=lambda c: pytest.fail(c))
     server.behaviour = "logprobs"                                  # the same run, answered in logprob mode
-    cli("agreement", "--policy", "sft", "--judges", "llm,gold", "--judge_mode", "logprobs", *common)
+    main(capsys, "agreement", "--policy", "sft", "--judges", "llm,gold", "--judge_mode", "logprobs", *common)
     matrix = json.load(open(tmp_path / "agreement.json"))["matrix"]
     assert matrix["llm"]["llm"] == 1.0 and 0.0 <= matrix["llm"]["gold"] <= 1.0
 
 
-def test_every_command_runs_from_the_command_line(tiny_models, tmp_path, server):
+def test_every_command_runs_from_the_command_line(tiny_models, tmp_path, server, capsys):
     common = ["--sft_path", str(tiny_models / "sft"), "--rm_path", str(tiny_models / "rm"), "--n_prompts", "8",
               "--max_prompt_len", "16", "--max_response_len", "6", "--output_dir", str(tmp_path)]
     cli("score", "--policies", "sft", str(tiny_models / "sft"), *common)
     score = json.load(open(tmp_path / "score.json"))
     assert score["sft"]["n"] == 8 and score["sft"] == score[str(tiny_models / "sft")]   # same seed, same model
     assert os.path.getsize(tmp_path / "score.png") > 0
-    cli("winrate", "--policy", "sft", "--baseline", "chosen", "--judge", "gold", *common)
+    main(capsys, "winrate", "--policy", "sft", "--baseline", "chosen", "--judge", "gold", *common)
     assert json.load(open(tmp_path / "winrate.json"))["n"] == 8
-    cli("winrate", "--policy", "sft", "--judge", "llm", "--judge_url", server.url, *common)
+    main(capsys, "winrate", "--policy", "sft", "--judge", "llm", "--judge_url", server.url, *common)
     assert len(server.requests) == 8
-    cli("agreement", "--policy", "sft", "--baseline", "chosen", "--judges", "rm,gold", *common)
+    main(capsys, "agreement", "--policy", "sft", "--baseline", "chosen", "--judges", "rm,gold", *common)
     m = json.load(open(tmp_path / "agreement.json"))["matrix"]
     assert m["rm"]["rm"] == 1.0 and 0.0 <= m["rm"]["gold"] <= 1.0
-    cli("best_of_n", "--policy", "sft", "--ns", "1,2,4", "--temperatures", "0.5,1.0", *common)
+    main(capsys, "best_of_n", "--policy", "sft", "--ns", "1,2,4", "--temperatures", "0.5,1.0", *common)
     bon = json.load(open(tmp_path / "best_of_n.json"))
     for t in ("0.5", "1.0"):
         assert bon[t]["1"] <= bon[t]["2"] <= bon[t]["4"]
     rows = tmp_path / "results.jsonl"
     rows.write_text('{"policy": "sft", "difficulty": "intro", "n": 5, "correct": 2}\n')
-    assert "40.0%" in cli("passk", "--results", str(rows), "--ks", "1", "--output_dir", str(tmp_path))
+    assert "40.0%" in main(capsys, "passk", "--results", str(rows), "--ks", "1", "--output_dir", str(tmp_path))
 
 
 def test_curves_command_and_a_clear_error_for_missing_runs(tmp_path):
@@ -256,9 +269,8 @@ def test_curves_command_and_a_clear_error_for_missing_runs(tmp_path):
             json.dumps({"step": s, "eval/rm": s + offset, "adv/l2": 1.0}) + "\n" for s in (1, 2)))
     out = cli("curves", "--runs", f"ppo={tmp_path}/runs/seed*", "--metrics", "eval/rm,adv/l2", "--output_dir", str(tmp_path))
     assert "2.500 ± 0.707" in out and os.path.getsize(tmp_path / "curves.png") > 0
-    proc = subprocess.run([sys.executable, "evaluate.py", "curves", "--runs", f"x={tmp_path}/nothing*"], cwd=ROOT,
-                          capture_output=True, text=True)
-    assert proc.returncode != 0 and "no run folder with a metrics.jsonl" in proc.stderr
+    with pytest.raises(SystemExit, match="no run folder with a metrics.jsonl"):
+        evaluate.main(["curves", "--runs", f"x={tmp_path}/nothing*"])
 
 
 def test_passk_samples_code_policies_through_the_sandbox(tiny_models, tmp_path):
@@ -270,6 +282,5 @@ def test_passk_samples_code_policies_through_the_sandbox(tiny_models, tmp_path):
     table = json.load(open(tmp_path / "passk.json"))
     expected = sum(evaluate.pass_at_k(3, r["correct"], 1) for r in rows) / 6
     assert table["sft"]["all"]["pass@1"] == pytest.approx(expected) and "pass@3" in out
-    proc = subprocess.run([sys.executable, "evaluate.py", "passk", "--task", "code", "--sft_path", str(tiny_models / "sft"),
-                           "--samples", "2", "--ks", "1,5"], cwd=ROOT, capture_output=True, text=True)
-    assert proc.returncode != 0 and "smaller than the largest k" in proc.stderr
+    with pytest.raises(SystemExit, match="smaller than the largest k"):
+        evaluate.main(["passk", "--task", "code", "--sft_path", str(tiny_models / "sft"), "--samples", "2", "--ks", "1,5"])
