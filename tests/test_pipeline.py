@@ -10,6 +10,8 @@ import time
 import pytest
 import torch
 
+from stages import run_stage
+
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 TINY = ["--hidden_size", "32", "--num_layers", "1", "--vocab_size", "300", "--batch_size", "4",
         "--max_prompt_len", "24", "--max_response_len", "12", "--n_eval", "16", "--seed", "3"]
@@ -28,11 +30,12 @@ def weights(path):
 
 @pytest.fixture(scope="module")
 def sft_runs(tmp_path_factory):
-    """An uninterrupted SFT run, and one stopped with SIGINT then resumed."""
+    """An uninterrupted SFT run (from the command line, in this process), and one stopped with SIGINT (its
+    own process) then resumed."""
     tmp = tmp_path_factory.mktemp("pipeline")
     steps = ["--max_steps", "150", "--eval_every", "50", "--save_every", "5"]
     whole = str(tmp / "whole")
-    out = run("sft.py", *TINY, *steps, "--output_dir", whole)
+    out = run_stage("sft.py", *TINY, *steps, "--output_dir", whole)
     split = str(tmp / "split")
     proc = subprocess.Popen([sys.executable, "sft.py", *TINY, *steps, "--output_dir", split], cwd=ROOT,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -42,7 +45,7 @@ def sft_runs(tmp_path_factory):
     proc.send_signal(signal.SIGINT)
     interrupted, err = proc.communicate(timeout=120)
     assert proc.returncode == 130, f"the run was not interrupted (rc {proc.returncode}): {err[-2000:]}"
-    resumed = run("sft.py", *TINY, *steps, "--output_dir", split, "--resume")
+    resumed = run_stage("sft.py", *TINY, *steps, "--output_dir", split, "--resume")
     return whole, split, out, interrupted, resumed
 
 
@@ -62,7 +65,7 @@ def test_ctrl_c_then_resume_gives_the_uninterrupted_weights(sft_runs):
 
 def test_reward_model_trains_from_the_sft_checkpoint(sft_runs, tmp_path):
     whole = sft_runs[0]
-    out = run("reward_model.py", "--sft_path", whole, "--output_dir", str(tmp_path / "rm"), "--batch_size", "4",
+    out = run_stage("reward_model.py", "--sft_path", whole, "--output_dir", str(tmp_path / "rm"), "--batch_size", "4",
               "--max_prompt_len", "24", "--max_response_len", "12", "--max_steps", "6", "--eval_every", "3",
               "--n_eval", "16", "--n_gold_prompts", "8")
     assert "held-out pairwise accuracy" in out and "RM-gold agreement" in out
@@ -75,26 +78,34 @@ LAUNCH = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--
           "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no"]
 
 
-def test_sft_under_accelerate_launch_with_two_cpu_processes(tmp_path):
-    proc = subprocess.run([*LAUNCH, "sft.py", *TINY, "--max_steps", "6", "--eval_every", "3",
-                           "--output_dir", str(tmp_path / "ddp")], cwd=ROOT, capture_output=True, text=True,
-                          timeout=240)
+LAUNCHED = [*TINY, "--max_steps", "60", "--save_every", "5"]
+
+
+@pytest.fixture(scope="module")
+def sft_launched(tmp_path_factory):
+    """An uninterrupted 2-process SFT run of 60 steps, held-out loss at 30 and 60: (output_dir, stdout)."""
+    out = str(tmp_path_factory.mktemp("launched") / "whole")
+    proc = subprocess.run([*LAUNCH, "sft.py", *LAUNCHED, "--eval_every", "30", "--output_dir", out], cwd=ROOT,
+                          capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "2 process(es)" in proc.stdout
-    assert proc.stdout.count("held-out loss") == 2                     # printed by the main process only
-    assert os.path.exists(tmp_path / "ddp" / "model.safetensors")
+    return out, proc.stdout
+
+
+def test_sft_under_accelerate_launch_with_two_cpu_processes(sft_launched):
+    out, stdout = sft_launched
+    assert "2 process(es)" in stdout
+    assert stdout.count("held-out loss") == 2                          # printed by the main process only
+    assert os.path.exists(os.path.join(out, "model.safetensors"))
 
 
 def test_missing_sft_checkpoint_is_a_clear_error(tmp_path):
-    proc = subprocess.run([sys.executable, "reward_model.py", "--sft_path", str(tmp_path / "nowhere")],
-                          cwd=ROOT, capture_output=True, text=True, timeout=120)
-    assert proc.returncode != 0 and "no SFT model at" in proc.stderr and "python sft.py" in proc.stderr
+    with pytest.raises(SystemExit, match="no SFT model at .*python sft.py"):
+        run_stage("reward_model.py", "--sft_path", tmp_path / "nowhere")
 
 
 def test_resume_without_a_checkpoint_is_a_clear_error(tmp_path):
-    proc = subprocess.run([sys.executable, "sft.py", *TINY, "--output_dir", str(tmp_path / "x"), "--resume"],
-                          cwd=ROOT, capture_output=True, text=True, timeout=120)
-    assert proc.returncode != 0 and "no checkpoint to resume" in proc.stderr
+    with pytest.raises(SystemExit, match="no checkpoint to resume"):
+        run_stage("sft.py", *TINY, "--output_dir", tmp_path / "x", "--resume")
 
 
 def interrupt_launch(args, checkpoint, rank):
@@ -122,16 +133,13 @@ def worker(launcher_pid, rank):
     raise AssertionError(f"no worker of rank {rank}")
 
 
-def test_ctrl_c_to_one_rank_under_accelerate_launch_stops_both_at_one_step_and_resumes_exactly(tmp_path):
+def test_ctrl_c_to_one_rank_under_accelerate_launch_stops_both_at_one_step_and_resumes_exactly(tmp_path, sft_launched):
     """SIGINT to rank 1 alone must also stop rank 0 at the same step (not leave it waiting for rank 1
     in a collective), and --resume then ends with the weights of an uninterrupted 2-process run. (A
     terminal's Ctrl-C reaches every process and the launcher forwards it again: the repeat is covered
     in test_sft.py.)"""
-    args = [*TINY, "--max_steps", "60", "--eval_every", "1000", "--save_every", "5"]
-    whole, split = str(tmp_path / "whole"), str(tmp_path / "split")
-    proc = subprocess.run([*LAUNCH, "sft.py", *args, "--output_dir", whole], cwd=ROOT, capture_output=True,
-                          text=True, timeout=240)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    args = [*LAUNCHED, "--eval_every", "1000"]                         # (evaluation does not move the weights)
+    whole, split = sft_launched[0], str(tmp_path / "split")
 
     rc, out, err = interrupt_launch(["sft.py", *args, "--output_dir", split], os.path.join(split, "checkpoint"), rank=1)
     assert rc != 0 and "interrupted after step" in out, err[-3000:]      # printed by rank 0

@@ -13,6 +13,7 @@ import ppo
 import sandbox
 import sft
 from reference import token_gae
+from stages import run_stage
 
 PROMPTS = ["\n\nHuman: how are you\n\nAssistant:", "hi", "\n\nHuman: tell me about the quick brown fox please\n\nAssistant:",
            "\n\nHuman: The quick brown fox (a clever one) jumped over the lazy dog, then what?\n\nAssistant:"]
@@ -157,10 +158,13 @@ def test_execution_reward_runs_prefix_plus_response():
     assert reward == [1.0, 1.0, -1.0] and passed == [1.0, 1.0, 0.0]
 
 
-def run_ppo(tiny_models, out, *extra, launch=()):
+def run_ppo(tiny_models, out, *extra, launch=(), here=False):
+    """ppo.py on the tiny models: its own process (under `launch` if given), or in this one (`here`)."""
     cmd = [*launch, "ppo.py", "--sft_path", str(tiny_models / "sft"), "--rm_path", str(tiny_models / "rm"),
            "--output_dir", str(out), "--rollout_batch_size", "4", "--mini_batch_size", "2", "--max_prompt_len", "16",
            "--max_response_len", "8", "--n_eval_prompts", "4", "--eval_every", "2", *extra]
+    if here:
+        return run_stage(*cmd), [json.loads(line) for line in open(out / "metrics.jsonl")]
     proc = subprocess.run(cmd if launch else [sys.executable, *cmd], cwd=os.path.dirname(os.path.dirname(__file__)),
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
@@ -171,21 +175,33 @@ def comparable(row):
     return {k: v for k, v in row.items() if not k.startswith(("time/", "tokens_per_s", "eval/"))}
 
 
-def test_resume_continues_with_the_numbers_of_an_uninterrupted_run(tiny_models, tmp_path):
-    _, whole = run_ppo(tiny_models, tmp_path / "whole", "--steps", "5", "--save_every", "3")
-    _, first = run_ppo(tiny_models, tmp_path / "split", "--steps", "3", "--save_every", "3")
-    out, rest = run_ppo(tiny_models, tmp_path / "split", "--steps", "5", "--save_every", "3", "--resume")
+def test_resume_continues_with_the_numbers_of_an_uninterrupted_run(tiny_models, tmp_path, uninterrupted):
+    run_ppo(tiny_models, tmp_path / "split", "--steps", "3", "--save_every", "3", here=True)
+    out, rest = run_ppo(tiny_models, tmp_path / "split", "--steps", "5", "--save_every", "3", "--resume", here=True)
     assert "resumed at iteration 3" in out
-    assert [comparable(r) for r in rest] == [comparable(r) for r in whole]          # the same file, appended
+    assert [comparable(r) for r in rest] == [comparable(r) for r in uninterrupted[:5]]   # the same file, appended
 
 
-@pytest.mark.parametrize("extra", [(), ("--lora_r", "4")])
-def test_two_cpu_processes_stay_in_sync(tiny_models, tmp_path, extra):
-    launch = (sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
-              "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no")
-    out, rows = run_ppo(tiny_models, tmp_path / "ddp", "--steps", "3", *extra, launch=launch)
+LAUNCH = (sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
+          "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no")
+
+
+@pytest.fixture(scope="module")
+def launched(tiny_models, tmp_path_factory):
+    """An uninterrupted 2-process run of 6 iterations: (stdout, metrics rows)."""
+    return run_ppo(tiny_models, tmp_path_factory.mktemp("launched"), "--steps", "6", launch=LAUNCH)
+
+
+def test_two_cpu_processes_stay_in_sync(launched):
+    out, rows = launched
     assert "2 process(es)" in out and "ranks in sync: True" in out
-    assert len(rows) == 3                                            # one metrics line per iteration
+    assert len(rows) == 6                                            # one metrics line per iteration
+
+
+def test_two_cpu_processes_with_lora_stay_in_sync(tiny_models, tmp_path):
+    out, rows = run_ppo(tiny_models, tmp_path / "ddp", "--steps", "3", "--lora_r", "4", launch=LAUNCH)
+    assert "2 process(es)" in out and "ranks in sync: True" in out
+    assert len(rows) == 3
 
 
 @pytest.mark.parametrize("stage", ["2", "3"])
@@ -279,20 +295,19 @@ def test_sigterm_saves_a_checkpoint_that_resumes(tiny_models, tmp_path, uninterr
     done = torch.load(out / "checkpoint" / "trainer_state.pt", weights_only=False)["step"]
     assert f"interrupted after iteration {done}" in stdout and done >= 2
     assert done + 2 <= len(uninterrupted)
-    resumed, rows = run_ppo(tiny_models, out, "--steps", str(done + 2), "--resume")
+    resumed, rows = run_ppo(tiny_models, out, "--steps", str(done + 2), "--resume", here=True)
     assert f"resumed at iteration {done}" in resumed
     whole = uninterrupted[:done + 2]              # (the schedule does not depend on --steps; evaluation aside)
     assert [comparable(r) for r in rows] == [comparable(r) for r in whole]     # the numbers, not only the steps
 
 
-def test_sigterm_to_a_two_process_launch_checkpoints_and_resumes_to_the_same_numbers(tiny_models, tmp_path):
+def test_sigterm_to_a_two_process_launch_checkpoints_and_resumes_to_the_same_numbers(tiny_models, tmp_path, launched):
     """What SLURM / Kubernetes do before preempting: SIGTERM to the launcher, which passes it on to its
     workers; both stop at the end of the same iteration with one checkpoint, and --resume continues
     with the numbers of an uninterrupted 2-process run."""
     import signal
     import time
-    launch = (sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
-              "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no")
+    launch = LAUNCH
     flags = ["--sft_path", str(tiny_models / "sft"), "--rm_path", str(tiny_models / "rm"), "--rollout_batch_size", "4",
              "--mini_batch_size", "2", "--max_prompt_len", "16", "--max_response_len", "8", "--n_eval_prompts", "4",
              "--eval_every", "1000", "--save_every", "1000"]
@@ -313,7 +328,8 @@ def test_sigterm_to_a_two_process_launch_checkpoints_and_resumes_to_the_same_num
     done = torch.load(out / "checkpoint" / "trainer_state.pt", weights_only=False)["step"]
     assert f"interrupted after iteration {done}" in stdout and done >= 2, stderr[-3000:]
     assert "Signals.SIGKILL" not in stderr                              # no worker had to be killed
+    assert done + 2 <= len(launched[1])
     resumed, rows = run_ppo(tiny_models, out, "--steps", str(done + 2), "--resume", launch=launch)
     assert f"resumed at iteration {done}" in resumed and "ranks in sync: True" in resumed
-    _, whole = run_ppo(tiny_models, tmp_path / "whole", "--steps", str(done + 2), launch=launch)
+    whole = launched[1][:done + 2]                # an uninterrupted 2-process run (evaluation aside, same numbers)
     assert [comparable(r) for r in rows] == [comparable(r) for r in whole]

@@ -8,6 +8,8 @@ import sys
 import pytest
 import torch
 
+from stages import run_stage
+
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 SMALL = ["--max_prompt_len", "24", "--max_response_len", "12"]
 
@@ -46,12 +48,12 @@ def tiny_llama(folder):
 def test_a_llama_without_a_pad_token_goes_through_every_stage(tmp_path):
     from transformers import AutoModelForCausalLM, AutoTokenizer
     vocab = tiny_llama(tmp_path / "llama")
-    out = run("sft.py", "--model", str(tmp_path / "llama"), "--output_dir", str(tmp_path / "sft"), *SMALL,
+    out = run_stage("sft.py", "--model", str(tmp_path / "llama"), "--output_dir", str(tmp_path / "sft"), *SMALL,
               "--batch_size", "4", "--max_steps", "4", "--eval_every", "2", "--n_eval", "8")
     assert "added '<pad>'" in out
-    run("reward_model.py", "--sft_path", str(tmp_path / "sft"), "--output_dir", str(tmp_path / "rm"), *SMALL,
-        "--batch_size", "4", "--max_steps", "2", "--eval_every", "2", "--n_eval", "8", "--n_gold_prompts", "4")
-    run("ppo.py", "--sft_path", str(tmp_path / "sft"), "--rm_path", str(tmp_path / "rm"), "--output_dir",
+    run_stage("reward_model.py", "--sft_path", str(tmp_path / "sft"), "--output_dir", str(tmp_path / "rm"),
+              *SMALL, "--batch_size", "4", "--max_steps", "2", "--eval_every", "2", "--n_eval", "8", "--n_gold_prompts", "4")
+    run_stage("ppo.py", "--sft_path", str(tmp_path / "sft"), "--rm_path", str(tmp_path / "rm"), "--output_dir",
         str(tmp_path / "ppo"), "--n", "5", "--steps", "1", "--rollout_batch_size", "4", "--mini_batch_size", "2",
         "--n_eval_prompts", "4", *SMALL)
     tokenizer = AutoTokenizer.from_pretrained(tmp_path / "ppo" / "policy")
@@ -125,7 +127,7 @@ def test_chat_template_renders_hh_dialogues_as_messages(tokenizer):
         data.with_chat_template(rows, tokenizer)                 # the tiny tokenizer has none
 
 
-def test_every_stage_runs_with_the_chat_template(tmp_path, tiny_models):
+def test_every_stage_runs_with_the_chat_template(tmp_path, tiny_models, capsys):
     import shutil
     from transformers import AutoTokenizer
     for name in ("sft", "rm"):
@@ -133,12 +135,14 @@ def test_every_stage_runs_with_the_chat_template(tmp_path, tiny_models):
         tok = AutoTokenizer.from_pretrained(tmp_path / name)
         tok.chat_template = TEMPLATE
         tok.save_pretrained(tmp_path / name)
-    out = run("ppo.py", "--sft_path", str(tmp_path / "sft"), "--rm_path", str(tmp_path / "rm"), "--output_dir",
-              str(tmp_path / "ppo"), "--chat_template", "--steps", "1", "--rollout_batch_size", "4",
+    out = run_stage("ppo.py", "--sft_path", str(tmp_path / "sft"), "--rm_path", str(tmp_path / "rm"), "--output_dir",
+                    str(tmp_path / "ppo"), "--chat_template", "--steps", "1", "--rollout_batch_size", "4",
               "--mini_batch_size", "2", "--n_eval_prompts", "4", *SMALL)
     assert "'chat_template': True" in out and "held-out (4 prompts)" in out
-    run("evaluate.py", "score", "--sft_path", str(tmp_path / "sft"), "--rm_path", str(tmp_path / "rm"),
-        "--chat_template", "--n_prompts", "4", *SMALL, "--output_dir", str(tmp_path / "eval"))
+    import evaluate
+    evaluate.main(["score", "--sft_path", str(tmp_path / "sft"), "--rm_path", str(tmp_path / "rm"), "--chat_template",
+                   "--n_prompts", "4", *SMALL, "--output_dir", str(tmp_path / "eval")])
+    assert "'chat_template': True" in capsys.readouterr().out and (tmp_path / "eval" / "score.json").exists()
     # (reward_model.py and sft.py render their rows with the same data.with_chat_template call)
 
 
@@ -168,10 +172,10 @@ def test_ppo_with_lora_trains_only_the_adapters_and_resumes(tiny_models, tmp_pat
     common = ["ppo.py", "--sft_path", str(tiny_models / "sft"), "--rm_path", str(tiny_models / "rm"), "--output_dir",
               str(tmp_path / "ppo"), "--lora_r", "4", "--lora_target_modules", "q_proj,v_proj", "--rollout_batch_size",
               "4", "--mini_batch_size", "2", "--n_eval_prompts", "4", "--save_every", "1", "--policy_lr", "1e-2", *SMALL]
-    run(*common, "--steps", "2")
+    run_stage(*common, "--steps", "2")
     assert os.path.exists(tmp_path / "ppo" / "checkpoint" / "policy" / "adapter_config.json")
     assert os.path.exists(tmp_path / "ppo" / "checkpoint" / "critic" / "adapter_config.json")
-    out = run(*common, "--steps", "3", "--resume")
+    out = run_stage(*common, "--steps", "3", "--resume")
     assert "resumed at iteration 2" in out
     before, after = load_file(tiny_models / "sft" / "model.safetensors"), load_file(tmp_path / "ppo" / "policy" / "model.safetensors")
     assert before.keys() == after.keys()
@@ -182,7 +186,7 @@ def test_ppo_with_lora_trains_only_the_adapters_and_resumes(tiny_models, tmp_pat
 def test_sft_with_lora_saves_a_merged_model(tmp_path):
     from transformers import AutoModelForCausalLM
     tiny_llama(tmp_path / "llama")
-    run("sft.py", "--model", str(tmp_path / "llama"), "--output_dir", str(tmp_path / "sft"), *SMALL, "--batch_size", "4",
+    run_stage("sft.py", "--model", str(tmp_path / "llama"), "--output_dir", str(tmp_path / "sft"), *SMALL, "--batch_size", "4",
         "--max_steps", "3", "--eval_every", "3", "--n_eval", "8", "--lora_r", "4", "--lora_target_modules", "q_proj,v_proj",
         "--save_every", "2", "--lr", "1e-2")
     assert os.path.exists(tmp_path / "sft" / "checkpoint" / "model" / "adapter_config.json")

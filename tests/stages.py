@@ -1,0 +1,20 @@
+"""A stage's command line run in the test's own process: the argv parsing and main() of `python <stage>.py
+...`, without starting another interpreter (imports alone take ~5 s on 2 cores). Tests that are about the
+process itself (signals, exit codes, accelerate launch, the zero-argument pipeline) still start one."""
+import contextlib
+import importlib
+import io
+
+ARGS = {"sft": "SFTArgs", "reward_model": "RMArgs", "ppo": "PPOArgs"}
+
+
+def run_stage(script, *argv):
+    """`python script *argv` in this process; returns what it printed (stdout and stderr)."""
+    from transformers import HfArgumentParser
+    name = script.removesuffix(".py")
+    module = importlib.import_module(name)
+    args = HfArgumentParser(getattr(module, ARGS[name])).parse_args_into_dataclasses(list(map(str, argv)))[0]
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed), contextlib.redirect_stderr(printed):
+        module.main(args)
+    return printed.getvalue()
