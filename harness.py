@@ -158,11 +158,29 @@ def ranks_in_sync(accelerator, model):
     return bool((every == every[0]).all())
 
 
+def cpu_threads(num_processes, environ=os.environ):
+    """Threads a CPU process should use, or None to keep torch's choice. `accelerate launch` without
+    --num_cpu_threads_per_process sets OMP_NUM_THREADS=1 in every process, so `accelerate launch ppo.py`
+    on a CPU would train on one core of many: a launched process gets its share of the cores instead.
+    $MA_RLHF_CPU_THREADS sets the number by hand. (The thread count does not change the numbers.)"""
+    if environ.get("MA_RLHF_CPU_THREADS"):
+        return int(environ["MA_RLHF_CPU_THREADS"])
+    launched = "ACCELERATE_DYNAMO_BACKEND" in environ                  # set by `accelerate launch`
+    if launched and environ.get("OMP_NUM_THREADS") == "1":
+        return max(1, (os.cpu_count() or 1) // num_processes)
+    return None
+
+
 def start(name, args, accelerator):
-    """Every stage's preamble: the seed, then the resolved configuration printed once."""
+    """Every stage's preamble: the seed, CPU threads, then the resolved configuration printed once."""
     torch.manual_seed(args.seed)
     random.seed(args.seed)
+    threads = cpu_threads(accelerator.num_processes) if accelerator.device.type == "cpu" else None
+    if threads:
+        torch.set_num_threads(threads)
     accelerator.print(f"[{name}] config: {asdict(args)}")
+    if accelerator.device.type == "cpu":
+        accelerator.print(f"[{name}] CPU threads per process: {torch.get_num_threads()}")
 
 
 class Stopwatch:

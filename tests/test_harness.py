@@ -119,3 +119,13 @@ def test_end_of_step_exits_with_the_signal_s_code_after_saving():
             os.kill(os.getpid(), signal.SIGTERM)
             stop.end_of_step(4, 10, 100, saves.append)
     assert stopped.value.code == 128 + signal.SIGTERM and saves == [4]
+
+
+def test_a_launched_cpu_process_gets_its_share_of_the_cores_not_the_launchers_one_thread(monkeypatch):
+    monkeypatch.setattr(os, "cpu_count", lambda: 8)
+    launched = {"ACCELERATE_DYNAMO_BACKEND": "NO", "OMP_NUM_THREADS": "1"}     # what `accelerate launch` sets
+    assert harness.cpu_threads(1, launched) == 8 and harness.cpu_threads(2, launched) == 4
+    assert harness.cpu_threads(16, launched) == 1
+    assert harness.cpu_threads(1, {**launched, "OMP_NUM_THREADS": "3"}) is None     # asked for: kept
+    assert harness.cpu_threads(1, {"OMP_NUM_THREADS": "1"}) is None                 # plain python: the user's
+    assert harness.cpu_threads(2, {**launched, "MA_RLHF_CPU_THREADS": "3"}) == 3
