@@ -8,8 +8,8 @@
     python bench/learning_efficiency.py baseline --quick  # the same in miniature (2 seeds x 12 iterations)
     python bench/learning_efficiency.py sigma --jobs 2    # two runs at a time, one thread each
 
-`--jobs 2` on 2 cores finishes about 1.6x more runs per hour than one run on two threads (the tiny
-models keep a second thread mostly idle); a run's numbers do not depend on its thread count.
+`--jobs 2` on 2 cores finished whole runs 1.05-1.2x faster than one run at a time on two threads (1.6x
+on short runs); a run's numbers do not depend on its thread count.
 
 Hypotheses (issue 11): mean (the released code's macro reward vs PPO with beta/n), sigma (H1 credit
 leak), lambda (H2 effective lambda), critic (H3 RM-initialised critic), lr (H4 learning rate),
