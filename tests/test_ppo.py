@@ -258,9 +258,9 @@ def test_non_finite_rewards_stop_with_a_clear_message(tiny_models, tmp_path):
 def test_default_pipeline_builds_sft_and_rm_then_trains(tmp_path):
     """The zero-argument path, with small sizes: missing models are built by sft.py / reward_model.py."""
     small = "--max_prompt_len 16 --max_response_len 8 --batch_size 4 --max_steps 4 --eval_every 2 --n_eval 8"
-    out, rows = run_ppo(tmp_path, tmp_path / "ppo", "--steps", "2", "--sft_args",
-                        small + " --hidden_size 32 --num_layers 1 --vocab_size 300", "--rm_args",
-                        small + " --n_gold_prompts 4")
+    out, rows = run_ppo(tmp_path, tmp_path / "ppo", "--steps", "2", "--sft_args",             # sft.py and
+                        small + " --hidden_size 32 --num_layers 1 --vocab_size 300", "--rm_args",   # reward_model.py:
+                        small + " --n_gold_prompts 4", here=True)                                   # subprocesses
     assert "sft missing: running sft.py" in out and "rm missing: running reward_model.py" in out
     assert "gold win rate vs SFT" in out and len(rows) == 2
     assert os.path.exists(tmp_path / "ppo" / "learning_curve.png")
@@ -269,7 +269,7 @@ def test_default_pipeline_builds_sft_and_rm_then_trains(tmp_path):
 @pytest.fixture(scope="module")
 def uninterrupted(tiny_models, tmp_path_factory):
     """An uninterrupted single-process run of 8 iterations: the numbers a resumed run must reproduce."""
-    return run_ppo(tiny_models, tmp_path_factory.mktemp("uninterrupted"), "--steps", "8")[1]
+    return run_ppo(tiny_models, tmp_path_factory.mktemp("uninterrupted"), "--steps", "8", here=True)[1]
 
 
 # SIGTERM here; SIGINT (Ctrl-C) takes the same path through harness.GracefulStop, tested end to end on
