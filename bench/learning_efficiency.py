@@ -104,6 +104,14 @@ def mean_curve(runs, metric):
     return steps, [sum(p[s] for p in per_run) / len(per_run) for s in steps]
 
 
+def first_half_mean(rows, metric):
+    """Mean of a run's evaluations of `metric` in the first half of its iterations (the area under the early
+    curve: how fast it learns before both methods saturate)."""
+    last = rows[-1]["step"]
+    values = [r[metric] for r in rows if metric in r and r["step"] <= last / 2]
+    return sum(values) / len(values)
+
+
 def steps_to_parity(baseline, other, window):
     """(steps, values) curves -> (steps the baseline needs to reach its final smoothed score, steps
     `other` needs to reach that score or None)."""
@@ -257,16 +265,17 @@ def report(args, hypothesis, records):
     code = base.startswith("code")
     score, second = ("eval/exec", "eval/pass@1") if code else ("eval/rm", "eval/gold")
     lines = [f"### {hypothesis}: {question}", "",
-             f"| configuration | seeds | final {score} | final {second} | KL | steps to PPO's final {score}: PPO / this "
-             f"[95% CI] | same for {second} | win rate vs PPO [95% CI] |", "|---" * 8 + "|"]
+             f"| configuration | seeds | final {score} | final {second} | KL | first-half mean {score} | steps to PPO's "
+             f"final {score}: PPO / this [95% CI] | same for {second} | win rate vs PPO [95% CI] |", "|---" * 9 + "|"]
     result = {}
     for name, label, _ in configs:
         runs = [r for r in records.get(name, []) if r]
         if not runs:
-            lines.append(f"| {label} | 0 | not run yet | | | | | |")
+            lines.append(f"| {label} | 0 | not run yet | | | | | | |")
             continue
         rows = [r["rows"] for r in runs]
         finals = {m: t_interval([rr[-1][m] for rr in rows]) for m in (score, second, "kl") if m in rows[0][-1]}
+        early = t_interval([first_half_mean(rr, score) for rr in rows])    # learning speed before saturation
         base_runs = [r for r in records.get(base, []) if r]
         parity = {m: bootstrap_parity([r["rows"] for r in base_runs], rows, m, args.smooth)
                   for m in (score, second) if base_runs and name != base and m in rows[0][-1]}
@@ -279,11 +288,12 @@ def report(args, hypothesis, records):
                     a, b = r["final"]["gold"], by_seed[r["seed"]]["final"]["gold"]
                     per_seed.append((sum(x > y for x, y in zip(a, b)), sum(x == y for x, y in zip(a, b)), len(a)))
             win = bootstrap_win_rate(per_seed) if per_seed else None
-        result[name] = {"label": label, "seeds": [r["seed"] for r in runs], "final": finals, "parity": parity,
+        result[name] = {"label": label, "seeds": [r["seed"] for r in runs], "final": finals, "first_half": early,
+                        "parity": parity,
                         "gold_win_rate_vs_ppo": win}
         lines.append(f"| {label} | {len(runs)} | " + " | ".join(fmt(*finals[m]) if m in finals else "-"
                                                                  for m in (score, second, "kl"))
-                     + f" | {fmt_parity(parity.get(score))} | {fmt_parity(parity.get(second))} | "
+                     + f" | {fmt(*early)} | {fmt_parity(parity.get(score))} | {fmt_parity(parity.get(second))} | "
                      + (f"{win[0]:.1%} [{win[1]:.1%}, {win[2]:.1%}]" if win else "-") + " |")
     return lines, result
 

@@ -45,3 +45,10 @@ def test_every_hypothesis_starts_with_its_baseline_and_names_are_unique():
     for name, (question, configs) in study.HYPOTHESES.items():
         assert configs[0][2][-1] == "1", name                         # PPO first: the parity baseline
         assert len({c[0] for c in configs}) == len(configs)
+
+
+def test_first_half_mean_averages_the_evaluations_up_to_half_the_run():
+    rows = [{"step": s, "eval/rm": v} for s, v in [(10, 1.0), (20, 2.0), (30, 6.0), (40, 100.0)]]
+    assert study.first_half_mean(rows, "eval/rm") == 1.5            # steps 10 and 20 of 40
+    rows.insert(0, {"step": 5, "kl": 0.1})                          # rows without the metric are skipped
+    assert study.first_half_mean(rows, "eval/rm") == 1.5
