@@ -8,7 +8,7 @@
     python bench/learning_efficiency.py baseline --quick  # the same in miniature (2 seeds x 12 iterations)
     python bench/learning_efficiency.py sigma --jobs 2    # two runs at a time, one thread each
 
-`--jobs 2` on 2 cores finished whole runs 1.05-1.2x faster than one run at a time on two threads (1.6x
+`--jobs 2` on 2 cores finished whole runs 1.2-1.5x faster than one run at a time on two threads (1.6x
 on short runs); a run's numbers do not depend on its thread count.
 
 Hypotheses (issue 11): mean (the released code's macro reward vs PPO with beta/n), sigma (H1 credit
