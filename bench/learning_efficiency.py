@@ -301,8 +301,7 @@ def report(args, hypothesis, records):
 def plot(args, hypothesis, records):
     _, configs = HYPOTHESES[hypothesis]
     groups = {label: [r["rows"] for r in records.get(name, []) if r] for name, label, _ in configs}
-    groups = {k: v for k, v in groups.items() if v}
-    if len(groups) < 2:                          # nothing to compare yet
+    if not all(groups.values()):                 # pictures of finished hypotheses only
         return None
     code = configs[0][0].startswith("code")
     metrics = ["eval/exec", "eval/pass@1"] if code else ["eval/rm", "eval/gold", "adv/l2_macro", "q/l2_macro"]
