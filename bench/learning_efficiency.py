@@ -356,7 +356,7 @@ def main(argv=None):
         records = {name: [train(args, name, flags, seed) for seed in seeds] for name, _, flags in HYPOTHESES[hypothesis][1]}
         h_lines, result[hypothesis] = report(args, hypothesis, records)
         png = plot(args, hypothesis, records)
-        lines += h_lines + ([f"", f"![{hypothesis}]({os.path.basename(png)})"] if png else []) + [""]
+        lines += h_lines + (["", f"![{hypothesis}]({os.path.basename(png)})"] if png else []) + [""]
     os.makedirs(args.results_dir, exist_ok=True)
     stem = "study" if len(names) == len(HYPOTHESES) else "study_" + "_".join(names)
     with open(os.path.join(args.results_dir, stem + ".json"), "w") as f:
