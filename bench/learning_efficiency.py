@@ -27,7 +27,10 @@ from the committed records. The report reads only those records:
   score; a 95% bootstrap interval over seeds (resampled with replacement, both arms); "never" when
   the curve does not get there, and the share of bootstrap draws where it never does;
 - win rate against PPO: per-prompt comparisons of final policies (same prompts, same seed),
-  pooled over seeds, ties half, with a 95% bootstrap interval over seeds.
+  pooled over seeds, ties half, with a 95% bootstrap interval over seeds (gold score; on the code
+  task, passing the tests);
+- where a change applies to both methods (critic, lr: PARTNERS), each MA-PPO configuration paired by
+  seed with PPO under the same change: the gap in first-half mean score and the win rate.
 """
 import argparse
 import concurrent.futures
@@ -75,6 +78,8 @@ HYPOTHESES = {
              [("code_n1", "PPO (n=1)", ["--task", "code", "--n", "1"]),
               ("code_n10", "MA-PPO (n=10)", ["--task", "code", "--n", "10"])]),
 }
+# The fair opponent of these is PPO under the same change, not default PPO: the report pairs them by seed.
+PARTNERS = {"n5_critic_sft": "n1_critic_sft", "n5_lr1e-4": "n1_lr1e-4", "n5_lr3e-5": "n1_lr3e-5"}
 T_975 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262, 10: 2.228}
 KEPT = ("step", "eval/rm", "eval/gold", "eval/exec", "eval/pass@1", "reward/rm", "reward/exec", "kl",
         "adv/l2", "q/l2", "adv/l2_macro", "q/l2_macro", "macro/mean_len", "response/len")
@@ -141,6 +146,24 @@ def bootstrap_parity(base_runs, runs, metric, window, draws=2000, seed=0):
     return {"ppo_steps": point[0], "steps": point[1], "low": pct(0.025), "high": pct(0.975), "never": never}
 
 
+def per_seed_wins(base_runs, runs, key):
+    """[(wins, ties, n)] of `runs`' final per-prompt `key` scores against the same seed's baseline run."""
+    by_seed = {r["seed"]: r for r in base_runs}
+    rows = []
+    for r in runs:
+        if r["seed"] in by_seed:
+            a, b = r["final"][key], by_seed[r["seed"]]["final"][key]
+            rows.append((sum(x > y for x, y in zip(a, b)), sum(x == y for x, y in zip(a, b)), len(a)))
+    return rows
+
+
+def paired_gap(base_runs, runs, metric):
+    """First-half mean of `metric`, this run minus the same seed's baseline run: (mean, 95% t half-width)."""
+    by_seed = {r["seed"]: r for r in base_runs}
+    return t_interval([first_half_mean(r["rows"], metric) - first_half_mean(by_seed[r["seed"]]["rows"], metric)
+                       for r in runs if r["seed"] in by_seed])
+
+
 def bootstrap_win_rate(per_seed, draws=2000, seed=0):
     """per_seed: [(wins, ties, n)] -> win rate pooled over seeds, 95% bootstrap interval over seeds."""
     rng = random.Random(seed)
@@ -170,6 +193,10 @@ def final_scores(args, run_dir, task):
         return {"exec_pass": [r["correct"] for r in rows]}
     texts = ctx.responses(policy)
     return {"rm": [round(x, 4) for x in ctx.rm_scores(texts)], "gold": [round(x, 4) for x in ctx.gold(texts)]}
+
+
+def is_ppo(flags):
+    return "--n" in flags and flags[flags.index("--n") + 1] == "1"
 
 
 def task_of(flags):
@@ -264,6 +291,7 @@ def report(args, hypothesis, records):
     base = configs[0][0]
     code = base.startswith("code")
     score, second = ("eval/exec", "eval/pass@1") if code else ("eval/rm", "eval/gold")
+    win_key = "exec_pass" if code else "gold"
     lines = [f"### {hypothesis}: {question}", "",
              f"| configuration | seeds | final {score} | final {second} | KL | first-half mean {score} | steps to PPO's "
              f"final {score}: PPO / this [95% CI] | same for {second} | win rate vs PPO [95% CI] |", "|---" * 9 + "|"]
@@ -279,15 +307,8 @@ def report(args, hypothesis, records):
         base_runs = [r for r in records.get(base, []) if r]
         parity = {m: bootstrap_parity([r["rows"] for r in base_runs], rows, m, args.smooth)
                   for m in (score, second) if base_runs and name != base and m in rows[0][-1]}
-        win = None
-        if name != base and not code:
-            by_seed = {r["seed"]: r for r in base_runs}
-            per_seed = []
-            for r in runs:
-                if r["seed"] in by_seed:
-                    a, b = r["final"]["gold"], by_seed[r["seed"]]["final"]["gold"]
-                    per_seed.append((sum(x > y for x, y in zip(a, b)), sum(x == y for x, y in zip(a, b)), len(a)))
-            win = bootstrap_win_rate(per_seed) if per_seed else None
+        per_seed = per_seed_wins(base_runs, runs, win_key) if name != base else []
+        win = bootstrap_win_rate(per_seed) if per_seed else None
         result[name] = {"label": label, "seeds": [r["seed"] for r in runs], "final": finals, "first_half": early,
                         "parity": parity,
                         "gold_win_rate_vs_ppo": win}
@@ -295,6 +316,23 @@ def report(args, hypothesis, records):
                                                                  for m in (score, second, "kl"))
                      + f" | {fmt(*early)} | {fmt_parity(parity.get(score))} | {fmt_parity(parity.get(second))} | "
                      + (f"{win[0]:.1%} [{win[1]:.1%}, {win[2]:.1%}]" if win else "-") + " |")
+    pairs = [(name, PARTNERS.get(name, base), label) for name, label, flags in configs
+             if name != base and not is_ppo(flags)] if any(c[0] in PARTNERS for c in configs) else []
+    if pairs:
+        lines += ["", f"Paired by seed with PPO under the same change: first-half mean {score}, this minus that "
+                  f"PPO (95% t-interval), and the {win_key} win rate of the final policies against it.", "",
+                  "| configuration | against | seeds | first-half mean gap | win rate [95% CI] |", "|---" * 5 + "|"]
+        labels = {name: label for name, label, _ in configs}
+        for name, partner, label in pairs:
+            runs, others = ([r for r in records.get(k, []) if r] for k in (name, partner))
+            per_seed = per_seed_wins(others, runs, win_key)
+            if not per_seed:
+                continue
+            gap, win = paired_gap(others, runs, score), bootstrap_win_rate(per_seed)
+            result[name]["paired"] = {"against": partner, "seeds": len(per_seed), "first_half_gap": gap,
+                                      "win_rate": win}
+            lines.append(f"| {label} | {labels[partner]} | {len(per_seed)} | {fmt(*gap)} | "
+                         f"{win[0]:.1%} [{win[1]:.1%}, {win[2]:.1%}] |")
     return lines, result
 
 

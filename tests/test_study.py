@@ -1,4 +1,5 @@
 """bench/learning_efficiency.py: the study's statistics, checked by hand."""
+import argparse
 import os
 import sys
 
@@ -52,3 +53,30 @@ def test_first_half_mean_averages_the_evaluations_up_to_half_the_run():
     assert study.first_half_mean(rows, "eval/rm") == 1.5            # steps 10 and 20 of 40
     rows.insert(0, {"step": 5, "kl": 0.1})                          # rows without the metric are skipped
     assert study.first_half_mean(rows, "eval/rm") == 1.5
+
+
+def test_paired_comparisons_match_seeds_by_hand():
+    def run(seed, curve, gold):
+        return {"seed": seed, "rows": [{"step": s, "eval/rm": v} for s, v in zip([10, 20, 30, 40], curve)],
+                "final": {"gold": gold}}
+    ppo = [run(1, [1, 1, 9, 9], [0.5, 0.5, 0.5]), run(2, [2, 2, 9, 9], [0.1, 0.9, 0.5])]
+    ma = [run(2, [1, 1, 0, 0], [0.2, 0.2, 0.5]), run(1, [2, 2, 0, 0], [0.9, 0.1, 0.5]), run(3, [5, 5, 5, 5], [1, 1, 1])]
+    assert study.per_seed_wins(ppo, ma, "gold") == [(1, 1, 3), (1, 1, 3)]       # seed 3 has no partner
+    gap, half = study.paired_gap(ppo, ma, "eval/rm")                             # seed 2: 1 - 2, seed 1: 2 - 1
+    assert gap == 0.0 and half == pytest.approx(12.706)   # sd sqrt(2) over 2 seeds
+
+
+def test_report_pairs_configurations_with_their_own_ppo(tmp_path):
+    def run(seed, level):
+        return {"seed": seed, "rows": [{"step": s, "eval/rm": level, "eval/gold": 0.5, "kl": 1.0} for s in (10, 20)],
+                "final": {"gold": [level] * 4, "rm": [level] * 4}}
+    records = {"n1": [run(1, 1.0), run(2, 1.0)], "n5": [run(1, 0.0), run(2, 0.0)],
+               "n1_critic_sft": [run(1, 0.0), run(2, 0.0)], "n5_critic_sft": [run(1, 2.0), run(2, 2.0)]}
+    args = argparse.Namespace(smooth=1)
+    lines, result = study.report(args, "critic", records)
+    assert result["n5"]["paired"]["against"] == "n1" and result["n5"]["paired"]["first_half_gap"][0] == -1.0
+    assert result["n5_critic_sft"]["paired"]["against"] == "n1_critic_sft"
+    assert result["n5_critic_sft"]["paired"]["win_rate"][0] == 1.0                 # 2.0 beats 0.0 on every prompt
+    assert result["n5_critic_sft"]["gold_win_rate_vs_ppo"][0] == 1.0                # and default PPO's 1.0
+    assert "n1_critic_sft" not in {k for k, v in result.items() if "paired" in v}  # PPO is never paired
+    assert sum("| MA-PPO" in line and "| PPO" in line for line in lines) == 2
