@@ -2,6 +2,7 @@
 
 Tasks (DESIGN §5):
     chitchat   embedded default, offline: real conversations (`chitchat-dataset`), a VADER gold judge
+    count      embedded, offline: "Count from a to b." with a gold judge that reads the whole response
     tldr       openai/summarize_from_feedback, config "comparisons" (Stiennon et al. 2020)
     tldr_carper  CarperAI/openai_summarize_comparisons (already prompt/chosen/rejected)
     hh         Dahoas/full-hh-rlhf (Anthropic HH-RLHF)
@@ -153,6 +154,106 @@ def load_chitchat(seed=SEED, only=None):
 
 
 # ---------------------------------------------------------------------------------------------
+# count: an embedded task whose success depends on the whole of a longer response (issue 11, H6)
+# ---------------------------------------------------------------------------------------------
+# "Count from a to b." is answered " a, a+1, ..., b." (8-28 numbers, about 20-60 tokens: two to three
+# times chitchat's ~21). The demonstrations come from a careless counter: at each number it skips one or
+# says one twice (COUNT_SLIP each), and it stops up to 3 numbers early or late (COUNT_END_SLIP each), so
+# the SFT model counts imperfectly and RLHF has something to fix. The gold judge reads the whole response
+# against the target list: every item (a number, or any other word) in order, scored by difflib's
+# similarity 2M / (len(response items) + len(target)), in [0, 1]. It is 1 only when every number is
+# there, once, in order, and nothing else is: no single token earns the reward, and where a response
+# stops matters as much as how it starts.
+#   - sft split: chosen = a careless count (COUNT_SFT_SAMPLES per prompt), rejected = another one.
+#   - rm / test splits: pairs of careless counts whose slip rates vary (0-2x), the better one by the gold
+#     judge chosen; ties dropped.
+#   - ppo split: prompts only.
+COUNT_STARTS, COUNT_LENGTHS = range(0, 150), range(8, 29)
+COUNT_SLIP, COUNT_END_SLIP = 0.03, 0.15
+COUNT_SFT_SAMPLES, COUNT_RM_PAIRS = 4, 8
+COUNT_PROMPT = HH_TEMPLATE.format("Count from {} to {}.")
+COUNT_PATTERN = re.compile(r"Human: Count from (-?\d+) to (-?\d+)\.")
+COUNT_ITEM = re.compile(r"-?\d+|[^\d\s,.]+")
+
+
+def count_response(start, end, rng, scale=1.0):
+    """A careless count from `start` to `end`: slips at `scale` times the task's rates."""
+    slip, end_slip = COUNT_SLIP * scale, COUNT_END_SLIP * scale
+    u = rng.random()
+    stop = end - rng.randint(1, 3) if u < end_slip else end + rng.randint(1, 3) if u < 2 * end_slip else end
+    numbers, x = [], start
+    while x <= stop:
+        u = rng.random()
+        if u < slip:              # skipped
+            x += 1
+            continue
+        numbers.append(x)
+        if u >= 2 * slip:         # else: said twice (not advanced)
+            x += 1
+    return " " + ", ".join(map(str, numbers)) + "."
+
+
+def count_gold(prompts, texts):
+    """The count task's gold judge: the similarity in [0, 1] of each response's items (numbers, and any
+    other word) to the numbers from a to b of its prompt; 1 only for the exact count."""
+    import difflib
+    scores = []
+    for prompt, text in zip(prompts, texts):
+        match = COUNT_PATTERN.search(prompt)
+        if match is None:
+            raise DataError(f"count: prompt {prompt[-60:]!r} does not ask 'Count from a to b.'")
+        target = list(range(int(match.group(1)), int(match.group(2)) + 1))
+        items = [int(w) if w.lstrip("-").isdigit() else w for w in COUNT_ITEM.findall(text)]
+        scores.append(difflib.SequenceMatcher(None, items, target, autojunk=False).ratio())
+    return scores
+
+
+def load_count(seed=SEED, only=None):
+    """Splits of the embedded count task (the careless counter's samples are drawn with the split's seed)."""
+    prompts = [{"start": a, "end": a + n - 1, "group": COUNT_PROMPT.format(a, a + n - 1)}
+               for a in COUNT_STARTS for n in COUNT_LENGTHS]
+    splits = split_by_group(prompts, seed, test_fraction=TEST_FRACTION)
+    out = {}
+    for name, rows in splits.items():
+        if only is not None and name not in only:
+            continue
+        rng, out[name] = random.Random(f"{seed}-count-{name}"), []
+        for row in rows:
+            prompt, a, b = row["group"], row["start"], row["end"]
+            if name in ("sft", "ppo"):
+                out[name] += [{"prompt": prompt, "chosen": count_response(a, b, rng),
+                               "rejected": count_response(a, b, rng), "group": prompt}
+                              for _ in range(COUNT_SFT_SAMPLES if name == "sft" else 1)]
+                continue
+            for _ in range(COUNT_RM_PAIRS):
+                first, second = (count_response(a, b, rng, scale=2 * rng.random()) for _ in range(2))
+                g_first, g_second = count_gold([prompt] * 2, [first, second])
+                if g_first != g_second:
+                    better = g_first > g_second
+                    out[name].append({"prompt": prompt, "chosen": first if better else second,
+                                      "rejected": second if better else first, "group": prompt})
+    return out
+
+
+# Tasks with a gold judge: (prompts, responses) -> scores, higher is better.
+GOLD_JUDGES = {"chitchat": lambda prompts, texts: gold_score(texts), "count": count_gold}
+EMBEDDED_TASKS = ("chitchat", "count", "code")         # built offline: ppo.py trains their SFT / RM if missing
+MAX_RESPONSE_LEN = {"count": 64}                       # response tokens when --max_response_len is 0; else 32
+
+
+def gold(task, prompts, texts):
+    """Scores of the task's gold judge (GOLD_JUDGES)."""
+    if task not in GOLD_JUDGES:
+        raise DataError(f"task {task!r} has no gold judge (only {', '.join(GOLD_JUDGES)})")
+    return GOLD_JUDGES[task](prompts, texts)
+
+
+def response_len(task, flag):
+    """--max_response_len: the flag, or when it is 0 the task's default."""
+    return flag or MAX_RESPONSE_LEN.get(task, 32)
+
+
+# ---------------------------------------------------------------------------------------------
 # Real datasets: each schema maps one raw row to {prompt, chosen, rejected, group} (or None = drop)
 # ---------------------------------------------------------------------------------------------
 
@@ -294,6 +395,8 @@ def load_task(name, data_files=None, skip_bad_rows=False, seed=SEED, only=None):
     only: the splits wanted (default all)."""
     if name == "chitchat":
         return load_chitchat(seed, only)
+    if name == "count":
+        return load_count(seed, only)
     if name in CODE_TASKS:
         return load_code_task(name, data_files, seed, only)
     if name in HUB:
@@ -308,7 +411,8 @@ def load_task(name, data_files=None, skip_bad_rows=False, seed=SEED, only=None):
             raise DataError(f"{name}: columns {sorted(columns)} match no known schema "
                             f"(prompt/chosen/rejected, TL;DR comparisons, or WebGPT comparisons)")
     else:
-        raise DataError(f"unknown task {name!r}: use chitchat, {', '.join(HUB)} or a local file path")
+        raise DataError(f"unknown task {name!r}: use chitchat, count, {', '.join(CODE_TASKS)}, {', '.join(HUB)} "
+                        "or a local file path")
     mapped, skipped = {}, 0
     for split, rows in raw.items():
         mapped[split], n = map_rows(rows, mapper, f"{name}[{split}]", skip_bad_rows)

@@ -58,7 +58,7 @@ class EvalArgs:
     judge_min_answered: float = field(default=0.5, metadata={"help": "llm: fewer usable verdicts than this fraction of the items is an error (exit 1)"})
     n_prompts: int = field(default=256, metadata={"help": "held-out prompts evaluated"})
     max_prompt_len: int = field(default=48, metadata={"help": "prompt tokens kept"})
-    max_response_len: int = field(default=32, metadata={"help": "generated tokens at most"})
+    max_response_len: int = field(default=0, metadata={"help": "generated tokens at most; 0 = the task's default (64 for count, else 32)"})
     chat_template: bool = field(default=False, metadata={"help": "render prompts with the tokenizer's own chat template (instruct models); off: the raw HH / TL;DR formats of the paper's base models. Use the same choice in every stage"})
     temperature: float = field(default=0.8, metadata={"help": "sampling temperature"})
     ns: str = field(default="1,4,8,16", metadata={"help": "best_of_n: values of N"})
@@ -336,7 +336,7 @@ def held_out(policy, reward, tokenizer, rows, args, seed, synced_gpus=False):
     if args.task in data.CODE_TASKS:
         return (texts, *map(torch.tensor, sandbox.execution_reward(rows, texts)))
     scores = rm.score(reward, tokenizer, prompts, texts, args.max_prompt_len, args.max_response_len)
-    gold = torch.tensor(data.gold_score(texts)) if args.task == "chitchat" else None
+    gold = torch.tensor(data.gold(args.task, prompts, texts)) if args.task in data.GOLD_JUDGES else None
     return texts, scores, gold
 
 
@@ -380,6 +380,7 @@ class Context:
     def __init__(self, args):
         args.sft_path = args.sft_path or f"runs/{args.task}/sft"
         args.rm_path = args.rm_path or f"runs/{args.task}/rm"
+        args.max_response_len = data.response_len(args.task, args.max_response_len)
         harness.require_model_dir(args.sft_path, "SFT model", "Train it with sft.py (or run ppo.py once).")
         self.args, self.code = args, args.task in data.CODE_TASKS
         self.tokenizer = data.load_tokenizer(args.sft_path)
@@ -414,10 +415,10 @@ class Context:
         return rm.score(self.rm, self.tokenizer, self.prompts if prompts is None else prompts, texts,
                         self.args.max_prompt_len, self.args.max_response_len).tolist()
 
-    def gold(self, texts):
-        if self.args.task != "chitchat":
-            raise SystemExit("error: the gold judge exists only for the embedded chitchat task")
-        return data.gold_score(texts)
+    def gold(self, texts, prompts=None):
+        if self.args.task not in data.GOLD_JUDGES:
+            raise SystemExit(f"error: only the embedded tasks {', '.join(data.GOLD_JUDGES)} have a gold judge")
+        return data.gold(self.args.task, self.prompts if prompts is None else prompts, texts)
 
     def verdicts(self, judge, a, b):
         if judge == "rm":
@@ -493,7 +494,7 @@ def cmd_score(args, ctx):
         texts = ctx.responses(policy)
         scores = torch.tensor(ctx.rm_scores(texts))
         result[policy] = {"rm_mean": scores.mean().item(), "rm_std": scores.std().item(), "n": len(texts)}
-        if args.task == "chitchat":
+        if args.task in data.GOLD_JUDGES:
             result[policy]["gold_mean"] = sum(ctx.gold(texts)) / len(texts)
         ax.hist(scores.numpy(), bins=30, alpha=0.5, label=os.path.basename(policy.rstrip("/")) or policy)
     ax.set_xlabel("RM score on held-out prompts")
@@ -508,7 +509,7 @@ def cmd_winrate(args, ctx):
     result = {"policy": args.policy, "baseline": args.baseline, "judge": args.judge, **win_rate(ctx.verdicts(args.judge, a, b))}
     lines = [f"| {args.judge} judge | wins | ties | losses | win rate (ties half) |", "|---|---|---|---|---|",
              f"| {args.policy} vs {args.baseline} | {result['wins']} | {result['ties']} | {result['losses']} | "
-             f"{pct(result['win_rate'])} |"] + ([f"", f"{result['unanswered']} items got no usable answer"]
+             f"{pct(result['win_rate'])} |"] + (["", f"{result['unanswered']} items got no usable answer"]
                                                if result["unanswered"] else [])
     return write(args, "winrate", result, lines)
 

@@ -26,7 +26,7 @@ import sandbox
 
 @dataclass
 class PPOArgs:
-    task: str = field(default="chitchat", metadata={"help": "chitchat, tldr, tldr_carper, hh, webgpt, code, apps, or a local json/jsonl/parquet file"})
+    task: str = field(default="chitchat", metadata={"help": "chitchat, count, tldr, tldr_carper, hh, webgpt, code, apps, or a local json/jsonl/parquet file"})
     sft_path: str = field(default="", metadata={"help": "SFT model (policy init and frozen reference); default runs/<task>/sft, built on chitchat if missing"})
     rm_path: str = field(default="", metadata={"help": "reward model (also the critic's init); default runs/<task>/rm, built on chitchat if missing; unused for code tasks"})
     critic_path: str = field(default="", metadata={"help": "critic init: default the RM (App. B.2; the SFT model for code tasks); any causal LM or RM folder, a fresh value head on an LM"})
@@ -54,7 +54,7 @@ class PPOArgs:
     cutoff: int = field(default=5, metadata={"help": "parsing termination: largest node kept as one macro action"})
     entropy_threshold: float = field(default=2.0, metadata={"help": "entropy termination: a token above this entropy (nats) starts a macro action"})
     max_prompt_len: int = field(default=48, metadata={"help": "prompt tokens kept (truncated from the left, counted)"})
-    max_response_len: int = field(default=32, metadata={"help": "generated tokens at most"})
+    max_response_len: int = field(default=0, metadata={"help": "generated tokens at most; 0 = the task's default (64 for count, else 32)"})
     rollout_batch_size: int = field(default=32, metadata={"help": "prompts per process per iteration"})
     mini_batch_size: int = field(default=16, metadata={"help": "rollouts per PPO minibatch"})
     grad_accum: int = field(default=1, metadata={"help": "minibatches per optimizer step"})
@@ -191,6 +191,7 @@ def resolve(args):
     args.sft_path = args.sft_path or f"runs/{args.task}/sft"
     args.rm_path = args.rm_path or f"runs/{args.task}/rm"
     args.output_dir = args.output_dir or f"runs/{args.task}/ppo_n{args.n}_{args.termination}"
+    args.max_response_len = data.response_len(args.task, args.max_response_len)
     code = args.task in data.CODE_TASKS       # reward = running the program; critic from SFT (App. B.2)
     args.critic_path = args.critic_path or (args.sft_path if code else args.rm_path)
     return args, code
@@ -226,10 +227,11 @@ def build_default(args, accelerator, code):
            if not k.startswith(("ACCELERATE_", "RANK", "WORLD_SIZE", "LOCAL_", "MASTER_", "OMP_"))}
     stages = [(args.sft_path, "sft.py", ["--task", args.task, *args.sft_args.split()])]
     if not code:
-        stages.append((args.rm_path, "reward_model.py", ["--sft_path", args.sft_path, *args.rm_args.split()]))
+        stages.append((args.rm_path, "reward_model.py", ["--task", args.task, "--sft_path", args.sft_path,
+                                                         *args.rm_args.split()]))
     for path, script, extra in stages:
         if accelerator.is_main_process and not os.path.exists(os.path.join(path, "config.json")):
-            if args.task not in ("chitchat", "code"):
+            if args.task not in data.EMBEDDED_TASKS:
                 sys.exit(f"error: no model at {path!r}; train it with {script} or pass its path")
             accelerator.print(f"[ppo] {path} missing: running {script}")
             subprocess.run([sys.executable, script, "--output_dir", path, *extra], check=True, env=env,

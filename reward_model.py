@@ -21,11 +21,11 @@ import harness
 
 @dataclass
 class RMArgs:
-    task: str = field(default="chitchat", metadata={"help": "chitchat, tldr, tldr_carper, hh, webgpt, or a local json/jsonl/parquet file"})
+    task: str = field(default="chitchat", metadata={"help": "chitchat, count, tldr, tldr_carper, hh, webgpt, or a local json/jsonl/parquet file"})
     sft_path: str = field(default="runs/chitchat/sft", metadata={"help": "SFT checkpoint (save_pretrained folder) or HF model id to start from"})
     output_dir: str = field(default="runs/chitchat/rm", metadata={"help": "where the reward model + tokenizer are saved"})
     max_prompt_len: int = field(default=48, metadata={"help": "prompt tokens kept (truncated from the left)"})
-    max_response_len: int = field(default=32, metadata={"help": "response tokens kept, EOS included"})
+    max_response_len: int = field(default=0, metadata={"help": "response tokens kept, EOS included; 0 = the task's default (64 for count, else 32)"})
     batch_size: int = field(default=32, metadata={"help": "preference pairs per process per micro-step"})
     grad_accum: int = field(default=1, metadata={"help": "micro-steps per optimizer step"})
     lr: float = field(default=1e-3, metadata={"help": "peak learning rate (~5e-6 for Gemma-2B)"})
@@ -35,7 +35,7 @@ class RMArgs:
     eval_every: int = field(default=100, metadata={"help": "held-out accuracy every k steps"})
     save_every: int = field(default=100, metadata={"help": "resumable checkpoint every k steps"})
     n_eval: int = field(default=1024, metadata={"help": "held-out pairs for the pairwise accuracy"})
-    n_gold_prompts: int = field(default=256, metadata={"help": "chitchat: held-out prompts whose two SFT samples test RM-gold agreement (0 = skip)"})
+    n_gold_prompts: int = field(default=256, metadata={"help": "tasks with a gold judge (chitchat, count): held-out prompts whose two SFT samples test RM-gold agreement (0 = skip)"})
     bf16: bool = field(default=False, metadata={"help": "bf16 mixed precision (GPUs)"})
     gradient_checkpointing: bool = field(default=False, metadata={"help": "recompute activations to save memory (GPUs)"})
     chat_template: bool = field(default=False, metadata={"help": "render prompts with the tokenizer's own chat template (instruct models); off: the raw HH / TL;DR formats of the paper's base models. Use the same choice in every stage"})
@@ -103,7 +103,7 @@ def gold_agreement(rm, policy, tokenizer, prompts, args):
     twice = [p for p in prompts for _ in range(2)]
     r_ids = data.sample(policy, tokenizer, twice, args.max_prompt_len, args.max_response_len)[2]
     texts = tokenizer.batch_decode(r_ids, skip_special_tokens=True)
-    gold = torch.tensor(data.gold_score(texts)).view(-1, 2)
+    gold = torch.tensor(data.gold(args.task, twice, texts)).view(-1, 2)
     rm_scores = score(rm, tokenizer, twice, texts, args.max_prompt_len, args.max_response_len).view(-1, 2)
     decided = gold[:, 0] != gold[:, 1]
     agree = ((gold[:, 0] > gold[:, 1]) == (rm_scores[:, 0] > rm_scores[:, 1]))[decided]
@@ -111,6 +111,7 @@ def gold_agreement(rm, policy, tokenizer, prompts, args):
 
 
 def main(args):
+    args.max_response_len = data.response_len(args.task, args.max_response_len)
     accelerator = harness.make_accelerator(args.bf16, args.grad_accum)
     harness.start("rm", args, accelerator)
     log = accelerator.print
@@ -147,7 +148,7 @@ def main(args):
 
     accuracy = trainer.fit(train_rows, lambda rows: bradley_terry(trainer.model, pairs_of(rows))[0], evaluate)
     log(f"[rm] held-out pairwise accuracy {accuracy:.3f}")
-    if args.task == "chitchat" and args.n_gold_prompts and accelerator.is_main_process:
+    if args.task in data.GOLD_JUDGES and args.n_gold_prompts and accelerator.is_main_process:
         from transformers import AutoModelForCausalLM
         policy = AutoModelForCausalLM.from_pretrained(args.sft_path).eval()
         agreement, n = gold_agreement(accelerator.unwrap_model(trainer.model).eval(), policy, tokenizer,

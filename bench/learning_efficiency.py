@@ -13,7 +13,8 @@ on short runs); a run's numbers do not depend on its thread count.
 
 Hypotheses (issue 11): mean (the released code's macro reward vs PPO with beta/n), sigma (H1 credit
 leak), lambda (H2 effective lambda), critic (H3 RM-initialised critic), lr (H4 learning rate),
-length and termination (H5), code (H6: the execution-reward code task).
+length and termination (H5), code and count (H6: the execution-reward code task; counting, whose
+answers are 2-3x longer and whose gold judge reads the whole response).
 
 Every run is a real `ppo.py` subprocess in runs/study/<config>/seed<k>/ (resumed from its checkpoint
 if interrupted). When a run finishes, a small record goes to docs/study/runs/<config>/seed<k>.json:
@@ -77,6 +78,10 @@ HYPOTHESES = {
     "code": ("H6 horizon: the code task (execution reward, longer responses)",
              [("code_n1", "PPO (n=1)", ["--task", "code", "--n", "1"]),
               ("code_n10", "MA-PPO (n=10)", ["--task", "code", "--n", "10"])]),
+    "count": ("H6 horizon: the count task (20-60 token answers; the gold judge reads the whole response)",
+              [("count_n1", "PPO (n=1)", ["--task", "count", "--n", "1"]),
+               ("count_n5", "MA-PPO (n=5)", ["--task", "count", "--n", "5"]),
+               ("count_n10", "MA-PPO (n=10)", ["--task", "count", "--n", "10"])]),
 }
 # The fair opponent of these is PPO under the same change, not default PPO: the report pairs them by seed.
 PARTNERS = {"n5_critic_sft": "n1_critic_sft", "n5_lr1e-4": "n1_lr1e-4", "n5_lr3e-5": "n1_lr3e-5"}
@@ -217,8 +222,8 @@ def train(args, name, flags, seed):
     cmd = [sys.executable, "ppo.py", "--seed", str(seed), "--steps", str(args.steps), "--eval_every",
            str(args.eval_every), "--n_eval_prompts", str(args.n_eval_prompts), "--output_dir", run_dir,
            "--sft_path", sft_path, "--rm_path", rm_path, *shlex.split(args.ppo_args), *flags]
-    if task == "code":
-        cmd += shlex.split(args.code_args)
+    if task in ("code", "count"):
+        cmd += shlex.split(getattr(args, f"{task}_args"))
     done = os.path.join(run_dir, "policy", "config.json")
     if not os.path.exists(done) and os.path.exists(os.path.join(run_dir, "checkpoint", "policy", "config.json")):
         cmd.append("--resume")
@@ -361,6 +366,8 @@ def main(argv=None):
     parser.add_argument("--ppo_args", default="", help="extra ppo.py flags for every run, e.g. '--policy_lr 1e-4'")
     parser.add_argument("--code_args", default="--sft_args '--max_steps 200' --steps 80 --policy_lr 1e-4",
                         help="extra ppo.py flags for the code task's runs (after --steps, so they win)")
+    parser.add_argument("--count_args", default="--sft_args '--max_steps 1600'",
+                        help="extra ppo.py flags for the count task's runs (its SFT model needs more steps)")
     parser.add_argument("--sft_path", default="runs/chitchat/sft", help="SFT model (built by ppo.py if missing)")
     parser.add_argument("--rm_path", default="runs/chitchat/rm", help="reward model (built by ppo.py if missing)")
     parser.add_argument("--seed_eval", type=int, default=4321, help="sampling seed of the final per-prompt scores")
@@ -379,12 +386,14 @@ def main(argv=None):
     if args.quick:
         args.seeds, args.steps, args.eval_every, args.n_eval_prompts, args.win_prompts, args.smooth = "1,2", 12, 4, 32, 64, 1
         args.code_args = "--sft_args '--max_steps 60' --steps 12"
+        args.count_args = "--sft_args '--max_steps 60' --rm_args '--max_steps 30' --steps 12"
         if not os.path.exists(os.path.join(ROOT, args.sft_path, "config.json")):    # small models of its own
             args.sft_path, args.rm_path = "runs/study_quick/sft", "runs/study_quick/rm"
             args.ppo_args += " --sft_args '--max_steps 120' --rm_args '--max_steps 60'"
     args.results_dir = args.results_dir or ("runs/study_quick/results" if args.quick else "docs/study")
     args.runs_dir = args.runs_dir or ("runs/study_quick" if args.quick else "runs/study")
-    args.models = {"chitchat": (args.sft_path, args.rm_path), "code": ("runs/code/sft", "runs/code/rm")}
+    args.models = {"chitchat": (args.sft_path, args.rm_path), "code": ("runs/code/sft", "runs/code/rm"),
+                   "count": ("runs/count/sft", "runs/count/rm")}
     seeds = [int(s) for s in args.seeds.split(",")]
     print(f"[study] {vars(args)}", flush=True)
     todo = [(name, flags, seed) for h in names for name, _, flags in HYPOTHESES[h][1] for seed in seeds]

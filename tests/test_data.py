@@ -74,6 +74,58 @@ def test_hh_prompt_alternates_speakers_ending_with_the_human():
     assert data.hh_prompt(["a", "b", "c"]) == "\n\nHuman: a\n\nAssistant: b\n\nHuman: c\n\nAssistant:"
 
 
+# --- the embedded long-horizon task -------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def count():
+    return data.load_count()
+
+
+def test_count_gold_reads_the_whole_response_by_hand():
+    prompt = data.COUNT_PROMPT.format(3, 7)                                   # target 3, 4, 5, 6, 7
+    texts = [" 3, 4, 5, 6, 7.", " 3, 4, 5, 6.", " 3, 4, 5, 6, 7, 8.", " 3, 4, 4, 5, 6, 7.", " 3 4 5 6 7 great",
+             " 7, 6, 5, 4, 3.", " wonderful", ""]
+    # 2M / (items + 5): M = 5, 4 (stops early), 5 (+8), 5 (4 twice), 5 (+ a word), 1 (reversed), 0, 0
+    expected = [1.0, 8 / 9, 10 / 11, 10 / 11, 10 / 11, 2 / 10, 0.0, 0.0]
+    assert data.count_gold([prompt] * len(texts), texts) == pytest.approx(expected)
+    assert data.gold("count", [prompt], [" 3, 4, 5, 6, 7."]) == [1.0]
+    with pytest.raises(data.DataError, match="Count from a to b"):
+        data.count_gold(["\n\nHuman: hello\n\nAssistant:"], [" 1, 2."])
+    with pytest.raises(data.DataError, match="no gold judge"):
+        data.gold("tldr", [prompt], [" 3."])
+
+
+def test_the_careless_counter_slips_at_its_rates_and_never_at_scale_zero():
+    import random
+    rng = random.Random(0)
+    assert all(data.count_response(a, a + 9, rng, scale=0.0) == " " + ", ".join(map(str, range(a, a + 10))) + "."
+               for a in range(50))
+    prompt = data.COUNT_PROMPT.format(10, 29)
+    golds = data.count_gold([prompt] * 2000, [data.count_response(10, 29, rng) for _ in range(2000)])
+    exact = sum(g == 1.0 for g in golds) / len(golds)
+    # no slip in 20 numbers and no end slip: (1 - 2 * 0.03) ** 20 * (1 - 2 * 0.15) = 0.203 (+ skip-then-repeat luck)
+    assert 0.16 < exact < 0.26
+
+
+def test_count_splits_are_disjoint_by_prompt_and_rm_pairs_follow_the_gold_judge(count):
+    names = ["sft", "rm", "ppo", "test"]
+    for i, a in enumerate(names):
+        for b in names[i + 1:]:
+            assert not groups(count[a]) & groups(count[b]), f"{a} and {b} share prompts"
+    assert len(groups(count["sft"])) * data.COUNT_SFT_SAMPLES == len(count["sft"])
+    for split in ("rm", "test"):
+        rows = count[split]
+        chosen = data.count_gold([r["prompt"] for r in rows], [r["chosen"] for r in rows])
+        rejected = data.count_gold([r["prompt"] for r in rows], [r["rejected"] for r in rows])
+        assert all(c > r for c, r in zip(chosen, rejected))
+    assert data.load_count() == count and data.load_count(seed=7) != count           # seeded
+
+
+def test_the_response_length_default_is_the_tasks():
+    assert data.response_len("count", 0) == 64 and data.response_len("chitchat", 0) == 32
+    assert data.response_len("count", 12) == 12
+
+
 def test_gold_judge_prefers_positive_replies():
     good, bad = data.gold_score(["That is wonderful, I love it!", "That is awful, I hate it."])
     assert good > 0.5 and bad < -0.5
