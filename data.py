@@ -160,16 +160,17 @@ def load_chitchat(seed=SEED, only=None):
 # times chitchat's ~21). The demonstrations come from a careless counter: at each number it skips one or
 # says one twice (COUNT_SLIP each), and it stops up to 3 numbers early or late (COUNT_END_SLIP each), so
 # the SFT model counts imperfectly and RLHF has something to fix. The gold judge reads the whole response
-# against the target list: every item (a number, or any other word) in order, scored by difflib's
-# similarity 2M / (len(response items) + len(target)), in [0, 1]. It is 1 only when every number is
-# there, once, in order, and nothing else is: no single token earns the reward, and where a response
-# stops matters as much as how it starts.
+# against the target list: its items (numbers, and any other word) aligned with a..b by difflib, each
+# missing, extra or wrong item costing 0.2, floored at 0. It is 1 only when every number is there, once,
+# in order, and nothing else is: no single token earns the reward, and where a response stops matters
+# as much as how it starts.
 #   - sft split: chosen = a careless count (COUNT_SFT_SAMPLES per prompt), rejected = another one.
 #   - rm / test splits: pairs of careless counts whose slip rates vary (0-2x), the better one by the gold
 #     judge chosen; ties dropped.
 #   - ppo split: prompts only.
 COUNT_STARTS, COUNT_LENGTHS = range(0, 150), range(8, 29)
 COUNT_SLIP, COUNT_END_SLIP = 0.03, 0.15
+COUNT_ERROR_COST = 0.2                   # gold judge: each missing, extra or wrong item costs this much
 COUNT_SFT_SAMPLES, COUNT_RM_PAIRS = 4, 8
 COUNT_PROMPT = HH_TEMPLATE.format("Count from {} to {}.")
 COUNT_PATTERN = re.compile(r"Human: Count from (-?\d+) to (-?\d+)\.")
@@ -193,10 +194,18 @@ def count_response(start, end, rng, scale=1.0):
     return " " + ", ".join(map(str, numbers)) + "."
 
 
-def count_gold(prompts, texts):
-    """The count task's gold judge: the similarity in [0, 1] of each response's items (numbers, and any
-    other word) to the numbers from a to b of its prompt; 1 only for the exact count."""
+def count_errors(items, target):
+    """Items inserted, deleted or replaced on the way from `target` to `items` (difflib's alignment; a
+    replaced run counts its longer side)."""
     import difflib
+    opcodes = difflib.SequenceMatcher(None, items, target, autojunk=False).get_opcodes()
+    return sum(max(i2 - i1, j2 - j1) for tag, i1, i2, j1, j2 in opcodes if tag != "equal")
+
+
+def count_gold(prompts, texts):
+    """The count task's gold judge: 1 - COUNT_ERROR_COST per error (count_errors of the response's items,
+    numbers and any other word, against the numbers a..b of its prompt), at least 0; 1 only for the exact
+    count."""
     scores = []
     for prompt, text in zip(prompts, texts):
         match = COUNT_PATTERN.search(prompt)
@@ -204,7 +213,7 @@ def count_gold(prompts, texts):
             raise DataError(f"count: prompt {prompt[-60:]!r} does not ask 'Count from a to b.'")
         target = list(range(int(match.group(1)), int(match.group(2)) + 1))
         items = [int(w) if w.lstrip("-").isdigit() else w for w in COUNT_ITEM.findall(text)]
-        scores.append(difflib.SequenceMatcher(None, items, target, autojunk=False).ratio())
+        scores.append(max(0.0, 1.0 - COUNT_ERROR_COST * count_errors(items, target)))
     return scores
 
 
@@ -239,6 +248,10 @@ def load_count(seed=SEED, only=None):
 GOLD_JUDGES = {"chitchat": lambda prompts, texts: gold_score(texts), "count": count_gold}
 EMBEDDED_TASKS = ("chitchat", "count", "code")         # built offline: ppo.py trains their SFT / RM if missing
 MAX_RESPONSE_LEN = {"count": 64}                       # response tokens when --max_response_len is 0; else 32
+# sft.py / reward_model.py flags ppo.py uses when it builds a task's missing models and --sft_args /
+# --rm_args are empty: the tiny model needs ~1600 steps to count, its RM ~1000 to see slips.
+BUILD_ARGS = {"count": ("--max_steps 1600 --eval_every 400 --save_every 400",
+                        "--max_steps 1000 --eval_every 250 --save_every 250")}
 
 
 def gold(task, prompts, texts):

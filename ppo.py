@@ -29,10 +29,11 @@ class PPOArgs:
     task: str = field(default="chitchat", metadata={"help": "chitchat, count, tldr, tldr_carper, hh, webgpt, code, apps, or a local json/jsonl/parquet file"})
     sft_path: str = field(default="", metadata={"help": "SFT model (policy init and frozen reference); default runs/<task>/sft, built on chitchat if missing"})
     rm_path: str = field(default="", metadata={"help": "reward model (also the critic's init); default runs/<task>/rm, built on chitchat if missing; unused for code tasks"})
+    reward: str = field(default="rm", metadata={"help": "the sequence score: rm (the reward model, the paper) | gold (the task's gold judge as a verifiable reward: chitchat, count); code tasks always run the program"})
     critic_path: str = field(default="", metadata={"help": "critic init: default the RM (App. B.2; the SFT model for code tasks); any causal LM or RM folder, a fresh value head on an LM"})
     output_dir: str = field(default="", metadata={"help": "default runs/<task>/ppo_n<n>_<termination>"})
-    sft_args: str = field(default="", metadata={"help": "extra sft.py flags used when the default SFT model is built, e.g. '--max_steps 600'"})
-    rm_args: str = field(default="", metadata={"help": "extra reward_model.py flags used when the default RM is built"})
+    sft_args: str = field(default="", metadata={"help": "extra sft.py flags used when the default SFT model is built, e.g. '--max_steps 600' (count: '--max_steps 1600 ...' when empty)"})
+    rm_args: str = field(default="", metadata={"help": "extra reward_model.py flags used when the default RM is built (count: '--max_steps 1000 ...' when empty)"})
     n: int = field(default=5, metadata={"help": "macro action length for --termination fixed: 1 = vanilla PPO, 0 = the whole response"})
     termination: str = field(default="fixed", metadata={"help": "fixed | randomized | parsing | ppl | entropy (paper §3.2.1)"})
     sigma: str = field(default="equal", metadata={"help": "macro value weights: equal | unit | position | first (App. D.1)"})
@@ -194,17 +195,22 @@ def resolve(args):
     args.max_response_len = data.response_len(args.task, args.max_response_len)
     code = args.task in data.CODE_TASKS       # reward = running the program; critic from SFT (App. B.2)
     args.critic_path = args.critic_path or (args.sft_path if code else args.rm_path)
+    if args.reward not in ("rm", "gold"):
+        sys.exit(f"error: --reward {args.reward!r}: choose rm or gold")
+    if args.reward == "gold" and args.task not in data.GOLD_JUDGES:
+        sys.exit(f"error: --reward gold needs a task with a gold judge ({', '.join(data.GOLD_JUDGES)}), not {args.task!r}")
+    args.reward = "exec" if code else args.reward       # the name of the score in the metrics
     return args, code
 
 
-def iteration_metrics(t, code):
+def iteration_metrics(t, reward):
     """7. The metrics of one iteration from its tensors `t` (masked: no padding in any average)."""
     m, starts = t["m"], t["starts"]
     n_macro = starts.sum(-1).clamp(min=1).float()
     var_r = masked_mean((t["returns"] - masked_mean(t["returns"], m)) ** 2, m)
     lengths = t["r_mask"].sum(-1)
-    return {f"reward/{'exec' if code else 'rm'}": t["score"].mean(),
-            **({"reward/pass_rate": t["passed"].mean()} if code else {}), "reward/total": t["rewards"].sum(-1).mean(),
+    return {f"reward/{reward}": t["score"].mean(),
+            **({"reward/pass_rate": t["passed"].mean()} if reward == "exec" else {}), "reward/total": t["rewards"].sum(-1).mean(),
             "kl": (t["kl"] * m).sum(-1).mean(), "entropy": masked_mean(t["entropy"], m),
             "value/explained_variance": 1 - masked_mean((t["returns"] - t["old_values"]) ** 2, m) / var_r.clamp(min=1e-8),
             # Fig. 11: L2 norms per response, over tokens (a macro counted once per token) and over macro actions
@@ -225,10 +231,11 @@ def build_default(args, accelerator, code):
     is running the program) once on the main process, reuse them afterwards."""
     env = {k: v for k, v in os.environ.items()
            if not k.startswith(("ACCELERATE_", "RANK", "WORLD_SIZE", "LOCAL_", "MASTER_", "OMP_"))}
-    stages = [(args.sft_path, "sft.py", ["--task", args.task, *args.sft_args.split()])]
+    sft_args, rm_args = data.BUILD_ARGS.get(args.task, ("", ""))
+    stages = [(args.sft_path, "sft.py", ["--task", args.task, *(args.sft_args or sft_args).split()])]
     if not code:
         stages.append((args.rm_path, "reward_model.py", ["--task", args.task, "--sft_path", args.sft_path,
-                                                         *args.rm_args.split()]))
+                                                         *(args.rm_args or rm_args).split()]))
     for path, script, extra in stages:
         if accelerator.is_main_process and not os.path.exists(os.path.join(path, "config.json")):
             if args.task not in data.EMBEDDED_TASKS:
@@ -358,6 +365,10 @@ def main(args):
                     texts = tokenizer.batch_decode(r_ids, skip_special_tokens=True)
                     score, passed = map(torch.tensor, sandbox.execution_reward([problems[i] for i in idx], texts))
                     score = score.to(acc.device)
+                elif args.reward == "gold":     # a verifiable reward: the gold judge reads the decoded response
+                    texts = tokenizer.batch_decode(r_ids, skip_special_tokens=True)
+                    score, passed = torch.tensor(data.gold(args.task, [prompts[i] for i in idx], texts),
+                                                 device=acc.device), None
                 else:       # the RM's head at the last real token
                     score, passed = rm.last_token(rm.token_values(reward, ids, mask), mask), None
             has_eos = ((r_ids == tokenizer.eos_token_id) & r_mask.bool()).any(-1)
@@ -409,7 +420,7 @@ def main(args):
             # 7. Log (averaged over processes), evaluate on held-out prompts, checkpoint
             local = iteration_metrics(dict(score=score, passed=passed, rewards=rewards, kl=kl, entropy=entropy, m=m,
                                            returns=returns, old_values=old_values, raw_adv=raw_adv, starts=starts,
-                                           r_mask=r_mask, has_eos=has_eos, fallback=fallback, stats=stats), code)
+                                           r_mask=r_mask, has_eos=has_eos, fallback=fallback, stats=stats), args.reward)
             keys = sorted(local)
             reduced = acc.reduce(torch.stack([local[k].float().to(acc.device) for k in keys]), "mean")
             metrics = {k: round(v, 5) for k, v in zip(keys, reduced.tolist())}
@@ -425,7 +436,7 @@ def main(args):
                     f.write(json.dumps(metrics) + "\n")
             if args.report_to != "none":
                 acc.log(metrics, step=step + 1)
-            bar.set_postfix(score=f"{metrics['reward/exec' if code else 'reward/rm']:.2f}", kl=f"{metrics['kl']:.2f}")
+            bar.set_postfix(score=f"{metrics[f'reward/{args.reward}']:.2f}", kl=f"{metrics['kl']:.2f}")
             stop.end_of_step(step + 1, args.steps, args.save_every, save)
     finish(args, acc, critic_acc, policy, critic, reward, tokenizer, eval_rows, metrics_path, sharded, truncated)
 
@@ -441,7 +452,7 @@ def evaluate_now(args, acc, policy, reward, tokenizer, eval_rows, sharded, code,
         if second is not None:
             metrics[f"eval/{second_key}"] = round(second.mean().item(), 4)
         acc.print(f"[ppo] iteration {metrics['step']}: " + "  ".join(f"{k} {metrics[k]}" for k in (
-            f"reward/{key}", "kl", f"eval/{key}", f"eval/{second_key}", "macro/mean_len") if k in metrics))
+            f"reward/{args.reward}", "kl", f"eval/{key}", f"eval/{second_key}", "macro/mean_len") if k in metrics))
     acc.wait_for_everyone()
 
 

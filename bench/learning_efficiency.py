@@ -265,9 +265,10 @@ def train_all(args, todo):
         for name, flags, seed in todo:
             train(args, name, flags, seed)
         return
-    for task, (sft_path, _) in args.models.items():     # the first run of a task builds its SFT/RM: alone
+    for task, (sft_path, rm_path) in args.models.items():     # the first run of a task builds its SFT/RM: alone
         first = next((t for t in todo if task_of(t[1]) == task), None)
-        if first and not os.path.exists(os.path.join(ROOT, sft_path, "config.json")):
+        needed = [sft_path] + ([] if task == "code" else [rm_path])
+        if first and not all(os.path.exists(os.path.join(ROOT, p, "config.json")) for p in needed):
             train(args, *first)
             todo.remove(first)
     threads = max(1, (os.cpu_count() or 1) // args.jobs)
@@ -295,7 +296,8 @@ def report(args, hypothesis, records):
     question, configs = HYPOTHESES[hypothesis]
     base = configs[0][0]
     code = base.startswith("code")
-    score, second = ("eval/exec", "eval/pass@1") if code else ("eval/rm", "eval/gold")
+    score, second = (("eval/exec", "eval/pass@1") if code else ("eval/gold", "eval/rm") if base.startswith("count")
+                     else ("eval/rm", "eval/gold"))       # the score each trains on first
     win_key = "exec_pass" if code else "gold"
     lines = [f"### {hypothesis}: {question}", "",
              f"| configuration | seeds | final {score} | final {second} | KL | first-half mean {score} | steps to PPO's "
@@ -347,7 +349,8 @@ def plot(args, hypothesis, records):
     if not all(groups.values()):                 # pictures of finished hypotheses only
         return None
     code = configs[0][0].startswith("code")
-    metrics = ["eval/exec", "eval/pass@1"] if code else ["eval/rm", "eval/gold", "adv/l2_macro", "q/l2_macro"]
+    metrics = (["eval/exec", "eval/pass@1"] if code else ["eval/gold", "eval/rm"] if configs[0][0].startswith("count")
+               else ["eval/rm", "eval/gold", "adv/l2_macro", "q/l2_macro"])
     png = os.path.join(args.results_dir, f"{hypothesis}.png")
     evaluate.plot_curves(groups, metrics, png)
     return png
@@ -366,8 +369,8 @@ def main(argv=None):
     parser.add_argument("--ppo_args", default="", help="extra ppo.py flags for every run, e.g. '--policy_lr 1e-4'")
     parser.add_argument("--code_args", default="--sft_args '--max_steps 200' --steps 80 --policy_lr 1e-4",
                         help="extra ppo.py flags for the code task's runs (after --steps, so they win)")
-    parser.add_argument("--count_args", default="--sft_args '--max_steps 1600'",
-                        help="extra ppo.py flags for the count task's runs (its SFT model needs more steps)")
+    parser.add_argument("--count_args", default="--reward gold --policy_lr 1e-4 --critic_lr 3e-4",
+                        help="extra ppo.py flags for the count task's runs (the gold judge is the reward: its RM is weak)")
     parser.add_argument("--sft_path", default="runs/chitchat/sft", help="SFT model (built by ppo.py if missing)")
     parser.add_argument("--rm_path", default="runs/chitchat/rm", help="reward model (built by ppo.py if missing)")
     parser.add_argument("--seed_eval", type=int, default=4321, help="sampling seed of the final per-prompt scores")
@@ -386,7 +389,7 @@ def main(argv=None):
     if args.quick:
         args.seeds, args.steps, args.eval_every, args.n_eval_prompts, args.win_prompts, args.smooth = "1,2", 12, 4, 32, 64, 1
         args.code_args = "--sft_args '--max_steps 60' --steps 12"
-        args.count_args = "--sft_args '--max_steps 60' --rm_args '--max_steps 30' --steps 12"
+        args.count_args = "--reward gold --sft_args '--max_steps 60' --rm_args '--max_steps 30' --steps 12"
         if not os.path.exists(os.path.join(ROOT, args.sft_path, "config.json")):    # small models of its own
             args.sft_path, args.rm_path = "runs/study_quick/sft", "runs/study_quick/rm"
             args.ppo_args += " --sft_args '--max_steps 120' --rm_args '--max_steps 60'"

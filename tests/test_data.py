@@ -84,9 +84,11 @@ def count():
 def test_count_gold_reads_the_whole_response_by_hand():
     prompt = data.COUNT_PROMPT.format(3, 7)                                   # target 3, 4, 5, 6, 7
     texts = [" 3, 4, 5, 6, 7.", " 3, 4, 5, 6.", " 3, 4, 5, 6, 7, 8.", " 3, 4, 4, 5, 6, 7.", " 3 4 5 6 7 great",
-             " 7, 6, 5, 4, 3.", " wonderful", ""]
-    # 2M / (items + 5): M = 5, 4 (stops early), 5 (+8), 5 (4 twice), 5 (+ a word), 1 (reversed), 0, 0
-    expected = [1.0, 8 / 9, 10 / 11, 10 / 11, 10 / 11, 2 / 10, 0.0, 0.0]
+             " 3, 5, 6, 7, 9.", " 3, 4, 9, 9, 7.", " 7, 6, 5, 4, 3.", " wonderful", ""]
+    # errors, 0.2 each: 0; 1 (stops early); 1 (+8); 1 (4 twice); 1 (a word); 2 (4 skipped, +9);
+    # 2 (5, 6 replaced by 9, 9); 8 (reversed: one number aligned, 4 inserted and 4 deleted); 5 (a word for
+    # five numbers); 5 (nothing)
+    expected = [1.0, 0.8, 0.8, 0.8, 0.8, 0.6, 0.6, 0.0, 0.0, 0.0]
     assert data.count_gold([prompt] * len(texts), texts) == pytest.approx(expected)
     assert data.gold("count", [prompt], [" 3, 4, 5, 6, 7."]) == [1.0]
     with pytest.raises(data.DataError, match="Count from a to b"):
@@ -103,6 +105,7 @@ def test_the_careless_counter_slips_at_its_rates_and_never_at_scale_zero():
     prompt = data.COUNT_PROMPT.format(10, 29)
     golds = data.count_gold([prompt] * 2000, [data.count_response(10, 29, rng) for _ in range(2000)])
     exact = sum(g == 1.0 for g in golds) / len(golds)
+    assert all(g == 1.0 - 0.2 * round((1.0 - g) / 0.2) for g in golds)             # whole errors only
     # no slip in 20 numbers and no end slip: (1 - 2 * 0.03) ** 20 * (1 - 2 * 0.15) = 0.203 (+ skip-then-repeat luck)
     assert 0.16 < exact < 0.26
 

@@ -150,16 +150,25 @@ def test_code_task_uses_the_execution_reward(tiny_models, tmp_path, flags):
         assert 0.0 <= row["macro/parse_fallback"] <= 1.0
 
 
-def test_count_task_is_scored_by_its_gold_judge_and_generates_its_longer_default(tiny_models, tmp_path):
-    """The long-horizon task: held-out gold scores from the whole response against its own prompt, and the
-    task's default response length (64) when --max_response_len is left at 0."""
-    args = ppo.PPOArgs(task="count", sft_path=str(tiny_models / "sft"), rm_path=str(tiny_models / "rm"),
+def test_count_task_trains_on_its_gold_judge_and_generates_its_longer_default(tiny_models, tmp_path):
+    """The long-horizon task with --reward gold: the training score is the gold judge reading each whole
+    response against its own prompt, and the task's default response length (64) when --max_response_len
+    is left at 0."""
+    args = ppo.PPOArgs(task="count", reward="gold", sft_path=str(tiny_models / "sft"), rm_path=str(tiny_models / "rm"),
                        output_dir=str(tmp_path), steps=1, rollout_batch_size=4, mini_batch_size=2, n_eval_prompts=4)
     ppo.main(args)
     row = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")][0]
-    assert args.max_response_len == 64 and 0.0 <= row["eval/gold"] <= 1.0 and "reward/rm" in row
+    assert args.max_response_len == 64 and "reward/rm" not in row
+    assert 0.0 <= row["reward/gold"] <= 1.0 and 0.0 <= row["eval/gold"] <= 1.0 and "eval/rm" in row
     assert row["response/len"] > 32                 # the random policy seldom says EOS: it runs past chitchat's 32
     assert "mean gold score" in open(tmp_path / "summary.md").read()
+
+
+def test_gold_reward_needs_a_task_with_a_gold_judge(tiny_models, tmp_path):
+    args = ppo.PPOArgs(task="tldr", reward="gold", sft_path=str(tiny_models / "sft"), rm_path=str(tiny_models / "rm"),
+                       output_dir=str(tmp_path))
+    with pytest.raises(SystemExit, match="needs a task with a gold judge"):
+        ppo.main(args)
 
 
 def test_execution_reward_runs_prefix_plus_response():
