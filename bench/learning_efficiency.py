@@ -82,9 +82,16 @@ HYPOTHESES = {
               [("count_n1", "PPO (n=1)", ["--task", "count", "--n", "1"]),
                ("count_n5", "MA-PPO (n=5)", ["--task", "count", "--n", "5"]),
                ("count_n10", "MA-PPO (n=10)", ["--task", "count", "--n", "10"])]),
+    "count_critic": ("H6 on count with H3's control: is MA-PPO's head start horizon, or the RM critic's noise?",
+                     [("count_n1", "PPO (n=1)", ["--task", "count", "--n", "1"]),
+                      ("count_n5", "MA-PPO (n=5)", ["--task", "count", "--n", "5"]),
+                      ("count_n1_critic_sft", "PPO (critic from SFT)", ["--task", "count", "--n", "1", "--critic_path", "{sft}"]),
+                      ("count_n5_critic_sft", "MA-PPO (n=5, critic from SFT)",
+                       ["--task", "count", "--n", "5", "--critic_path", "{sft}"])]),
 }
 # The fair opponent of these is PPO under the same change, not default PPO: the report pairs them by seed.
-PARTNERS = {"n5_critic_sft": "n1_critic_sft", "n5_lr1e-4": "n1_lr1e-4", "n5_lr3e-5": "n1_lr3e-5"}
+PARTNERS = {"n5_critic_sft": "n1_critic_sft", "n5_lr1e-4": "n1_lr1e-4", "n5_lr3e-5": "n1_lr3e-5",
+            "count_n5_critic_sft": "count_n1_critic_sft"}
 T_975 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262, 10: 2.228}
 KEPT = ("step", "eval/rm", "eval/gold", "eval/exec", "eval/pass@1", "reward/rm", "reward/exec", "kl",
         "adv/l2", "q/l2", "adv/l2_macro", "q/l2_macro", "macro/mean_len", "response/len")
