@@ -361,12 +361,12 @@ def main(args):
                 old_logp, entropy = response_logprobs(policy, ids, mask, P, args.temperature)
                 ref_logp = reference_logprobs(ref, acc, policy, ids, mask, P, args.temperature)
                 old_values = critic_values(critic, ids, mask, P) * m
-                if code:    # App. B.5: the compiler / test signal of running prefix + response
+                if args.reward in ("exec", "gold"):      # scores of the decoded text
                     texts = tokenizer.batch_decode(r_ids, skip_special_tokens=True)
+                if code:    # App. B.5: the compiler / test signal of running prefix + response
                     score, passed = map(torch.tensor, sandbox.execution_reward([problems[i] for i in idx], texts))
                     score = score.to(acc.device)
-                elif args.reward == "gold":     # a verifiable reward: the gold judge reads the decoded response
-                    texts = tokenizer.batch_decode(r_ids, skip_special_tokens=True)
+                elif args.reward == "gold":     # a verifiable reward: the gold judge reads the whole response
                     score, passed = torch.tensor(data.gold(args.task, [prompts[i] for i in idx], texts),
                                                  device=acc.device), None
                 else:       # the RM's head at the last real token

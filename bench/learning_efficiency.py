@@ -207,6 +207,13 @@ def final_scores(args, run_dir, task):
     return {"rm": [round(x, 4) for x in ctx.rm_scores(texts)], "gold": [round(x, 4) for x in ctx.gold(texts)]}
 
 
+def scores_of(base):
+    """(score, second score) of a hypothesis whose first configuration is `base`: the score each trains on first."""
+    if base.startswith("code"):
+        return "eval/exec", "eval/pass@1"
+    return ("eval/gold", "eval/rm") if base.startswith("count") else ("eval/rm", "eval/gold")
+
+
 def is_ppo(flags):
     return "--n" in flags and flags[flags.index("--n") + 1] == "1"
 
@@ -303,8 +310,7 @@ def report(args, hypothesis, records):
     question, configs = HYPOTHESES[hypothesis]
     base = configs[0][0]
     code = base.startswith("code")
-    score, second = (("eval/exec", "eval/pass@1") if code else ("eval/gold", "eval/rm") if base.startswith("count")
-                     else ("eval/rm", "eval/gold"))       # the score each trains on first
+    score, second = scores_of(base)
     win_key = "exec_pass" if code else "gold"
     lines = [f"### {hypothesis}: {question}", "",
              f"| configuration | seeds | final {score} | final {second} | KL | first-half mean {score} | steps to PPO's "
@@ -355,9 +361,8 @@ def plot(args, hypothesis, records):
     groups = {label: [r["rows"] for r in records.get(name, []) if r] for name, label, _ in configs}
     if not all(groups.values()):                 # pictures of finished hypotheses only
         return None
-    code = configs[0][0].startswith("code")
-    metrics = (["eval/exec", "eval/pass@1"] if code else ["eval/gold", "eval/rm"] if configs[0][0].startswith("count")
-               else ["eval/rm", "eval/gold", "adv/l2_macro", "q/l2_macro"])
+    base = configs[0][0]
+    metrics = [*scores_of(base)] + ([] if base.startswith(("code", "count")) else ["adv/l2_macro", "q/l2_macro"])
     png = os.path.join(args.results_dir, f"{hypothesis}.png")
     evaluate.plot_curves(groups, metrics, png)
     return png
