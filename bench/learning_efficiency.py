@@ -11,17 +11,16 @@
 `--jobs 2` on 2 cores finished whole runs 1.2-1.5x faster than one run at a time on two threads (1.6x
 on short runs); a run's numbers do not depend on its thread count.
 
-Hypotheses (issue 11): mean (the released code's macro reward vs PPO with beta/n), sigma (H1 credit
-leak), lambda (H2 effective lambda), critic (H3 RM-initialised critic), lr (H4 learning rate),
-length and termination (H5), code and count (H6: the execution-reward code task; counting, whose
-answers are 2-3x longer and whose gold judge reads the whole response).
+Hypotheses: mean (the released code's macro reward vs PPO with beta/n), sigma (H1 credit leak),
+lambda (H2 effective lambda), critic (H3 RM-initialised critic), lr (H4 learning rate), length and
+termination (H5), code and count (H6: the execution-reward code task; counting, whose answers are
+2-3x longer and whose gold judge reads the whole response). docs/study/README.md states each one.
 
 Every run is a real `ppo.py` subprocess in runs/study/<config>/seed<k>/ (resumed from its checkpoint
 if interrupted). When a run finishes, a small record goes to docs/study/runs/<config>/seed<k>.json:
 its evaluation rows (held-out RM / gold score every --eval_every iterations, KL, L2 norms) and the
 per-prompt scores of its final policy on --win_prompts held-out prompts under one sampling seed.
-A configuration whose record exists is never run again, so a later session continues the study
-from the committed records. The report reads only those records:
+A configuration whose record exists is never run again, and the report reads only those records:
 - final held-out scores: mean and a 95% t-interval over seeds;
 - steps to parity: the iterations PPO needs to reach its own final score (seed-mean curve, trailing
   mean over --smooth evaluations), against the iterations this configuration needs to reach that
@@ -30,11 +29,13 @@ from the committed records. The report reads only those records:
 - win rate against PPO: per-prompt comparisons of final policies (same prompts, same seed),
   pooled over seeds, ties half, with a 95% bootstrap interval over seeds (gold score; on the code
   task, passing the tests);
-- where a change applies to both methods (critic, lr: PARTNERS), each MA-PPO configuration paired by
-  seed with PPO under the same change: the gap in first-half mean score and the win rate.
+- where a change applies to both methods (critic, lr), each MA-PPO configuration paired by seed with
+  PPO under the same change (its `partner`): the gap in first-half mean score and the win rate;
+- the first evaluation (score and KL), the final mean macro length and, on count, the share of exact counts.
 """
 import argparse
 import concurrent.futures
+import dataclasses
 import json
 import math
 import os
@@ -48,50 +49,106 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 import evaluate  # noqa: E402
 
-PPO = ("n1", "PPO (n=1)", ["--n", "1"])
-MA5 = ("n5", "MA-PPO (n=5)", ["--n", "5"])
+# The score each task trains on first, then the second score reported beside it.
+METRICS = {"chitchat": ("eval/rm", "eval/gold"), "count": ("eval/gold", "eval/rm"),
+           "code": ("eval/exec", "eval/pass@1")}
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    """One configuration of the study: a ppo.py flag set on one task, run once per seed."""
+    name: str                        # the folder of its runs and records
+    label: str                       # its row in the tables
+    flags: tuple                     # ppo.py flags ("{sft}" stands for the task's SFT model)
+    task: str = "chitchat"
+    partner: str = "n1"              # the PPO configuration an MA-PPO one is paired with by seed; None for PPO
+    metrics: tuple = None            # (score, second score); METRICS[task] when None
+
+    def __post_init__(self):
+        if self.metrics is None:
+            object.__setattr__(self, "metrics", METRICS[self.task])
+
+    @property
+    def is_ppo(self):
+        return self.partner is None
+
+    @property
+    def win_key(self):
+        """The per-prompt final score that decides a head-to-head comparison."""
+        return "exec_pass" if self.task == "code" else "gold"
+
+    def argv(self, sft_path):
+        return (["--task", self.task] if self.task != "chitchat" else []) + [f.format(sft=sft_path) for f in self.flags]
+
+
+@dataclasses.dataclass(frozen=True)
+class Hypothesis:
+    question: str
+    configs: tuple                   # the first is the PPO baseline of parity and win rates
+    paired: bool = False             # the change applies to both methods: pair each MA-PPO with its partner
+
+
+def ppo(name="n1", label="PPO (n=1)", flags=(), task="chitchat"):
+    return Config(name, label, ("--n", "1", *flags), task, partner=None)
+
+
+def ma(name, label, flags, task="chitchat", partner=None):
+    return Config(name, label, tuple(flags), task, partner or ("n1" if task == "chitchat" else f"{task}_n1"))
+
+
+PPO = ppo()
+MA5 = ma("n5", "MA-PPO (n=5)", ("--n", "5"))
+COUNT_PPO = ppo("count_n1", task="count")
+COUNT_MA5 = ma("count_n5", "MA-PPO (n=5)", ("--n", "5"), "count")
 HYPOTHESES = {
-    "baseline": ("Does MA-PPO (n=5, the paper's defaults) learn faster than PPO?", [PPO, MA5]),
-    "mean": ("The released code's macro reward (`--reward_agg mean`: KL averaged per macro action, score whole) "
-             "against PPO with beta/5: is its gain only a weaker KL penalty?",
-             [PPO, MA5, ("n5_mean", "MA-PPO (n=5, agg=mean)", ["--n", "5", "--reward_agg", "mean"]),
-              ("n1_beta_div5", "PPO (n=1, beta/5)", ["--n", "1", "--beta", "0.01"])]),
-    "sigma": ("H1 credit leak: V(omega) from values inside omega (equal, unit, position) or where it begins (first)",
-              [PPO, MA5] + [(f"n5_sigma_{s}", f"MA-PPO (n=5, sigma={s})", ["--n", "5", "--sigma", s])
-                            for s in ("first", "unit", "position")]),
-    "lambda": ("H2 effective lambda: is the macro effect a reparametrised GAE lambda?",
-               [PPO, MA5, ("n1_lam0.99", "PPO (lam=0.99)", ["--n", "1", "--lam", "0.99"]),
-                ("n1_lam1", "PPO (lam=1)", ["--n", "1", "--lam", "1.0"]),
-                ("n5_lam0.774", "MA-PPO (n=5, lam=0.95^5)", ["--n", "5", "--lam", "0.7738"]),
-                ("n5_lam1", "MA-PPO (n=5, lam=1)", ["--n", "5", "--lam", "1.0"])]),
-    "critic": ("H3 critic init: the RM (dense shaping for PPO at the start) or the SFT model with a fresh head",
-               [PPO, MA5, ("n1_critic_sft", "PPO (critic from SFT)", ["--n", "1", "--critic_path", "{sft}"]),
-                ("n5_critic_sft", "MA-PPO (n=5, critic from SFT)", ["--n", "5", "--critic_path", "{sft}"])]),
-    "lr": ("H4 learning rate: each method at its best of a small grid",
-           [PPO, MA5] + [(f"n{n}_lr{lr}", f"{'PPO' if n == 1 else 'MA-PPO (n=5)'} lr={lr}",
-                          ["--n", str(n), "--policy_lr", lr, "--critic_lr", clr])
-                         for lr, clr in (("1e-4", "3e-4"), ("3e-5", "1e-4")) for n in (1, 5)]),
-    "length": ("H5 macro length n", [PPO] + [(f"n{n}", f"MA-PPO (n={n})", ["--n", str(n)]) for n in (2, 3)]
-               + [MA5, ("n10", "MA-PPO (n=10)", ["--n", "10"]), ("n0", "MA-PPO (whole response)", ["--n", "0"])]),
-    "termination": ("H5 termination", [PPO, MA5] + [(f"term_{t}", f"MA-PPO ({t})", ["--termination", t])
-                                                     for t in ("randomized", "parsing", "ppl", "entropy")]),
-    "code": ("H6 horizon: the code task (execution reward, longer responses)",
-             [("code_n1", "PPO (n=1)", ["--task", "code", "--n", "1"]),
-              ("code_n10", "MA-PPO (n=10)", ["--task", "code", "--n", "10"])]),
-    "count": ("H6 horizon: the count task (20-60 token answers; the gold judge reads the whole response)",
-              [("count_n1", "PPO (n=1)", ["--task", "count", "--n", "1"]),
-               ("count_n5", "MA-PPO (n=5)", ["--task", "count", "--n", "5"]),
-               ("count_n10", "MA-PPO (n=10)", ["--task", "count", "--n", "10"])]),
-    "count_critic": ("H6 on count with H3's control: is MA-PPO's head start horizon, or the RM critic's noise?",
-                     [("count_n1", "PPO (n=1)", ["--task", "count", "--n", "1"]),
-                      ("count_n5", "MA-PPO (n=5)", ["--task", "count", "--n", "5"]),
-                      ("count_n1_critic_sft", "PPO (critic from SFT)", ["--task", "count", "--n", "1", "--critic_path", "{sft}"]),
-                      ("count_n5_critic_sft", "MA-PPO (n=5, critic from SFT)",
-                       ["--task", "count", "--n", "5", "--critic_path", "{sft}"])]),
+    "baseline": Hypothesis("Does MA-PPO (n=5, the paper's defaults) learn faster than PPO?", (PPO, MA5)),
+    "mean": Hypothesis(
+        "The released code's macro reward (`--reward_agg mean`: KL averaged per macro action, score whole) "
+        "against PPO with beta/5: is its gain only a weaker KL penalty?",
+        (PPO, MA5, ma("n5_mean", "MA-PPO (n=5, agg=mean)", ("--n", "5", "--reward_agg", "mean")),
+         ppo("n1_beta_div5", "PPO (n=1, beta/5)", ("--beta", "0.01")))),
+    "sigma": Hypothesis(
+        "H1 credit leak: V(omega) from values inside omega (equal, unit, position) or where it begins (first)",
+        (PPO, MA5, *(ma(f"n5_sigma_{s}", f"MA-PPO (n=5, sigma={s})", ("--n", "5", "--sigma", s))
+                     for s in ("first", "unit", "position")))),
+    "lambda": Hypothesis(
+        "H2 effective lambda: is the macro effect a reparametrised GAE lambda?",
+        (PPO, MA5, ppo("n1_lam0.99", "PPO (lam=0.99)", ("--lam", "0.99")), ppo("n1_lam1", "PPO (lam=1)", ("--lam", "1.0")),
+         ma("n5_lam0.774", "MA-PPO (n=5, lam=0.95^5)", ("--n", "5", "--lam", "0.7738")),
+         ma("n5_lam1", "MA-PPO (n=5, lam=1)", ("--n", "5", "--lam", "1.0")))),
+    "critic": Hypothesis(
+        "H3 critic init: the RM (dense shaping for PPO at the start) or the SFT model with a fresh head",
+        (PPO, MA5, ppo("n1_critic_sft", "PPO (critic from SFT)", ("--critic_path", "{sft}")),
+         ma("n5_critic_sft", "MA-PPO (n=5, critic from SFT)", ("--n", "5", "--critic_path", "{sft}"),
+            partner="n1_critic_sft")), paired=True),
+    "lr": Hypothesis(
+        "H4 learning rate: each method at its best of a small grid",
+        (PPO, MA5, *(c for lr, clr in (("1e-4", "3e-4"), ("3e-5", "1e-4"))
+                     for c in (ppo(f"n1_lr{lr}", f"PPO lr={lr}", ("--policy_lr", lr, "--critic_lr", clr)),
+                               ma(f"n5_lr{lr}", f"MA-PPO (n=5) lr={lr}",
+                                  ("--n", "5", "--policy_lr", lr, "--critic_lr", clr), partner=f"n1_lr{lr}")))),
+        paired=True),
+    "length": Hypothesis(
+        "H5 macro length n",
+        (PPO, *(ma(f"n{n}", f"MA-PPO (n={n})", ("--n", str(n))) for n in (2, 3)), MA5,
+         ma("n10", "MA-PPO (n=10)", ("--n", "10")), ma("n0", "MA-PPO (whole response)", ("--n", "0")))),
+    "termination": Hypothesis(
+        "H5 termination",
+        (PPO, MA5, *(ma(f"term_{t}", f"MA-PPO ({t})", ("--termination", t))
+                     for t in ("randomized", "parsing", "ppl", "entropy")))),
+    "code": Hypothesis(
+        "H6 horizon: the code task (execution reward, longer responses)",
+        (ppo("code_n1", task="code"), ma("code_n10", "MA-PPO (n=10)", ("--n", "10"), "code"))),
+    "count": Hypothesis(
+        "H6 horizon: the count task (20-60 token answers; the gold judge reads the whole response)",
+        (COUNT_PPO, COUNT_MA5, ma("count_n10", "MA-PPO (n=10)", ("--n", "10"), "count"))),
+    "count_critic": Hypothesis(
+        "H6 on count with H3's control: is MA-PPO's head start horizon, or the RM critic's noise?",
+        (COUNT_PPO, COUNT_MA5, ppo("count_n1_critic_sft", "PPO (critic from SFT)", ("--critic_path", "{sft}"), "count"),
+         ma("count_n5_critic_sft", "MA-PPO (n=5, critic from SFT)", ("--n", "5", "--critic_path", "{sft}"), "count",
+            partner="count_n1_critic_sft")), paired=True),
 }
-# The fair opponent of these is PPO under the same change, not default PPO: the report pairs them by seed.
-PARTNERS = {"n5_critic_sft": "n1_critic_sft", "n5_lr1e-4": "n1_lr1e-4", "n5_lr3e-5": "n1_lr3e-5",
-            "count_n5_critic_sft": "count_n1_critic_sft"}
+TIE = 1e-9
 T_975 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262, 10: 2.228}
 KEPT = ("step", "eval/rm", "eval/gold", "eval/exec", "eval/pass@1", "reward/rm", "reward/exec", "kl",
         "adv/l2", "q/l2", "adv/l2_macro", "q/l2_macro", "macro/mean_len", "response/len")
@@ -115,10 +172,9 @@ def smoothed(values, window):
 
 
 def mean_curve(runs, metric):
-    """Seed-mean curve (steps, values) on the steps every run logged `metric` at."""
-    per_run = [{r["step"]: r[metric] for r in rows if metric in r} for rows in runs]
-    steps = sorted(set.intersection(*(set(p) for p in per_run)))
-    return steps, [sum(p[s] for p in per_run) / len(per_run) for s in steps]
+    """Seed-mean curve (steps, values) on the steps every run logged `metric` at (evaluate.aggregate)."""
+    steps, mean, _ = evaluate.aggregate(runs, metric)
+    return steps, mean.tolist()
 
 
 def first_half_mean(rows, metric):
@@ -131,9 +187,10 @@ def first_half_mean(rows, metric):
 
 def steps_to_parity(baseline, other, window):
     """(steps, values) curves -> (steps the baseline needs to reach its final smoothed score, steps
-    `other` needs to reach that score or None)."""
+    `other` needs to reach that score or None). A score within TIE of the target reaches it: equal means
+    summed in another order must not decide a draw."""
     b, o = smoothed(baseline[1], window), smoothed(other[1], window)
-    target = b[-1]
+    target = b[-1] - TIE
     b_at = next(s for s, v in zip(baseline[0], b) if v >= target)
     o_at = next((s for s, v in zip(other[0], o) if v >= target), None)
     return b_at, o_at
@@ -158,15 +215,11 @@ def bootstrap_parity(base_runs, runs, metric, window, draws=2000, seed=0):
     return {"ppo_steps": point[0], "steps": point[1], "low": pct(0.025), "high": pct(0.975), "never": never}
 
 
-def per_seed_wins(base_runs, runs, key):
-    """[(wins, ties, n)] of `runs`' final per-prompt `key` scores against the same seed's baseline run."""
+def per_seed_verdicts(base_runs, runs, key):
+    """Per seed, the verdicts (evaluate.compare: "A" this run wins, "B" loses, "E" ties) of `runs`' final
+    per-prompt `key` scores against the same seed's baseline run; seeds without a partner are left out."""
     by_seed = {r["seed"]: r for r in base_runs}
-    rows = []
-    for r in runs:
-        if r["seed"] in by_seed:
-            a, b = r["final"][key], by_seed[r["seed"]]["final"][key]
-            rows.append((sum(x > y for x, y in zip(a, b)), sum(x == y for x, y in zip(a, b)), len(a)))
-    return rows
+    return [evaluate.compare(r["final"][key], by_seed[r["seed"]]["final"][key]) for r in runs if r["seed"] in by_seed]
 
 
 def paired_gap(base_runs, runs, metric):
@@ -177,12 +230,12 @@ def paired_gap(base_runs, runs, metric):
 
 
 def bootstrap_win_rate(per_seed, draws=2000, seed=0):
-    """per_seed: [(wins, ties, n)] -> win rate pooled over seeds, 95% bootstrap interval over seeds."""
+    """per_seed: [verdicts of one seed] -> evaluate.win_rate pooled over seeds (ties half), 95% bootstrap
+    interval over seeds."""
     rng = random.Random(seed)
 
-    def rate(rows):
-        n = sum(r[2] for r in rows)
-        return (sum(r[0] for r in rows) + 0.5 * sum(r[1] for r in rows)) / n if n else float("nan")
+    def rate(seeds):
+        return evaluate.win_rate([v for verdicts in seeds for v in verdicts])["win_rate"]
     values = sorted(rate([rng.choice(per_seed) for _ in per_seed]) for _ in range(draws))
     return rate(per_seed), values[int(0.025 * draws)], values[min(draws - 1, int(0.975 * draws))]
 
@@ -207,37 +260,21 @@ def final_scores(args, run_dir, task):
     return {"rm": [round(x, 4) for x in ctx.rm_scores(texts)], "gold": [round(x, 4) for x in ctx.gold(texts)]}
 
 
-def scores_of(base):
-    """(score, second score) of a hypothesis whose first configuration is `base`: the score each trains on first."""
-    if base.startswith("code"):
-        return "eval/exec", "eval/pass@1"
-    return ("eval/gold", "eval/rm") if base.startswith("count") else ("eval/rm", "eval/gold")
-
-
-def is_ppo(flags):
-    return "--n" in flags and flags[flags.index("--n") + 1] == "1"
-
-
-def task_of(flags):
-    return flags[flags.index("--task") + 1] if "--task" in flags else "chitchat"
-
-
-def train(args, name, flags, seed):
-    """One ppo.py run, or its committed record; returns the record."""
-    path = record_path(args, name, seed)
+def train(args, config, seed):
+    """One ppo.py run of `config`, or its committed record; returns the record."""
+    path = record_path(args, config.name, seed)
     if os.path.exists(path):
         return json.load(open(path))
     if args.report_only:
         return None
-    task = task_of(flags)
-    sft_path, rm_path = args.models[task]
-    flags = [f.format(sft=sft_path) for f in flags]
-    run_dir = os.path.join(args.runs_dir, name, f"seed{seed}")
+    sft_path, rm_path = args.models[config.task]
+    flags = config.argv(sft_path)
+    run_dir = os.path.join(args.runs_dir, config.name, f"seed{seed}")
     cmd = [sys.executable, "ppo.py", "--seed", str(seed), "--steps", str(args.steps), "--eval_every",
            str(args.eval_every), "--n_eval_prompts", str(args.n_eval_prompts), "--output_dir", run_dir,
            "--sft_path", sft_path, "--rm_path", rm_path, *shlex.split(args.ppo_args), *flags]
-    if task in ("code", "count"):
-        cmd += shlex.split(getattr(args, f"{task}_args"))
+    if config.task in ("code", "count"):
+        cmd += shlex.split(getattr(args, f"{config.task}_args"))
     done = os.path.join(run_dir, "policy", "config.json")
     if not os.path.exists(done) and os.path.exists(os.path.join(run_dir, "checkpoint", "policy", "config.json")):
         cmd.append("--resume")
@@ -250,15 +287,16 @@ def train(args, name, flags, seed):
             sys.exit(f"error: {shlex.join(cmd)} failed (exit {proc.returncode}); see {run_dir}/log.txt. "
                      "Run the study again to continue from its checkpoint.")
     rows = evaluate.read_metrics(run_dir)
-    record = {"config": name, "seed": seed, "flags": flags, "steps": args.steps, "seconds": round(time.time() - t0),
+    record = {"config": config.name, "seed": seed, "flags": flags, "steps": args.steps,
+              "seconds": round(time.time() - t0),
               "rows": [{k: r[k] for k in KEPT if k in r} for r in rows if any(k.startswith("eval/") for k in r)],
-              "final": final_scores(args, run_dir, task)}
+              "final": final_scores(args, run_dir, config.task)}
     os.makedirs(os.path.dirname(path), exist_ok=True)
     with open(path + ".tmp", "w") as f:
         json.dump(record, f)
     os.replace(path + ".tmp", path)
     last = record["rows"][-1]
-    print(f"[study] {name} seed {seed}: {record['seconds']} s, " + ", ".join(
+    print(f"[study] {config.name} seed {seed}: {record['seconds']} s, " + ", ".join(
         f"{k} {last[k]:.3f}" for k in ("eval/rm", "eval/gold", "eval/exec") if k in last), flush=True)
     return record
 
@@ -271,16 +309,16 @@ def _one_job_threads(threads):
 
 
 def train_all(args, todo):
-    """Run the (name, flags, seed) configurations that have no record yet, `args.jobs` at a time."""
-    todo = [t for t in todo if not os.path.exists(record_path(args, t[0], t[2]))]
+    """Run the (config, seed) pairs that have no record yet, `args.jobs` at a time."""
+    todo = [t for t in todo if not os.path.exists(record_path(args, t[0].name, t[1]))]
     if args.report_only or not todo:
         return
     if args.jobs == 1:
-        for name, flags, seed in todo:
-            train(args, name, flags, seed)
+        for config, seed in todo:
+            train(args, config, seed)
         return
     for task, (sft_path, rm_path) in args.models.items():     # the first run of a task builds its SFT/RM: alone
-        first = next((t for t in todo if task_of(t[1]) == task), None)
+        first = next((t for t in todo if t[0].task == task), None)
         needed = [sft_path] + ([] if task == "code" else [rm_path])
         if first and not all(os.path.exists(os.path.join(ROOT, p, "config.json")) for p in needed):
             train(args, *first)
@@ -305,64 +343,104 @@ def fmt_parity(p):
     return f"{p['ppo_steps']} / {steps} [{low}, {high}]" + (f", never {p['never']:.0%}" if p["never"] else "")
 
 
+def fmt_win(win):
+    return f"{win[0]:.1%} [{win[1]:.1%}, {win[2]:.1%}]"
+
+
 def report(args, hypothesis, records):
-    """records {config: [record per seed]} -> (markdown lines, json)."""
-    question, configs = HYPOTHESES[hypothesis]
-    base = configs[0][0]
-    code = base.startswith("code")
-    score, second = scores_of(base)
-    win_key = "exec_pass" if code else "gold"
-    lines = [f"### {hypothesis}: {question}", "",
+    """records {config name: [record per seed]} -> (markdown lines, json)."""
+    h = HYPOTHESES[hypothesis]
+    base = h.configs[0]
+    score, second = base.metrics
+    lines = [f"### {hypothesis}: {h.question}", "",
              f"| configuration | seeds | final {score} | final {second} | KL | first-half mean {score} | steps to PPO's "
              f"final {score}: PPO / this [95% CI] | same for {second} | win rate vs PPO [95% CI] |", "|---" * 9 + "|"]
     result = {}
-    for name, label, _ in configs:
-        runs = [r for r in records.get(name, []) if r]
+    base_runs = [r for r in records.get(base.name, []) if r]
+    for config in h.configs:
+        runs = [r for r in records.get(config.name, []) if r]
         if not runs:
-            lines.append(f"| {label} | 0 | not run yet | | | | | | |")
+            lines.append(f"| {config.label} | 0 | not run yet | | | | | | |")
             continue
         rows = [r["rows"] for r in runs]
         finals = {m: t_interval([rr[-1][m] for rr in rows]) for m in (score, second, "kl") if m in rows[0][-1]}
         early = t_interval([first_half_mean(rr, score) for rr in rows])    # learning speed before saturation
-        base_runs = [r for r in records.get(base, []) if r]
         parity = {m: bootstrap_parity([r["rows"] for r in base_runs], rows, m, args.smooth)
-                  for m in (score, second) if base_runs and name != base and m in rows[0][-1]}
-        per_seed = per_seed_wins(base_runs, runs, win_key) if name != base else []
+                  for m in (score, second) if base_runs and config is not base and m in rows[0][-1]}
+        per_seed = per_seed_verdicts(base_runs, runs, base.win_key) if config is not base else []
         win = bootstrap_win_rate(per_seed) if per_seed else None
-        result[name] = {"label": label, "seeds": [r["seed"] for r in runs], "final": finals, "first_half": early,
-                        "parity": parity,
-                        "gold_win_rate_vs_ppo": win}
-        lines.append(f"| {label} | {len(runs)} | " + " | ".join(fmt(*finals[m]) if m in finals else "-"
-                                                                 for m in (score, second, "kl"))
+        result[config.name] = {"label": config.label, "seeds": [r["seed"] for r in runs], "final": finals,
+                               "first_half": early, "parity": parity, "gold_win_rate_vs_ppo": win}
+        lines.append(f"| {config.label} | {len(runs)} | " + " | ".join(fmt(*finals[m]) if m in finals else "-"
+                                                                        for m in (score, second, "kl"))
                      + f" | {fmt(*early)} | {fmt_parity(parity.get(score))} | {fmt_parity(parity.get(second))} | "
-                     + (f"{win[0]:.1%} [{win[1]:.1%}, {win[2]:.1%}]" if win else "-") + " |")
-    pairs = [(name, PARTNERS.get(name, base), label) for name, label, flags in configs
-             if name != base and not is_ppo(flags)] if any(c[0] in PARTNERS for c in configs) else []
-    if pairs:
-        lines += ["", f"Paired by seed with PPO under the same change: first-half mean {score}, this minus that "
-                  f"PPO (95% t-interval), and the {win_key} win rate of the final policies against it.", "",
-                  "| configuration | against | seeds | first-half mean gap | win rate [95% CI] |", "|---" * 5 + "|"]
-        labels = {name: label for name, label, _ in configs}
-        for name, partner, label in pairs:
-            runs, others = ([r for r in records.get(k, []) if r] for k in (name, partner))
-            per_seed = per_seed_wins(others, runs, win_key)
-            if not per_seed:
-                continue
-            gap, win = paired_gap(others, runs, score), bootstrap_win_rate(per_seed)
-            result[name]["paired"] = {"against": partner, "seeds": len(per_seed), "first_half_gap": gap,
-                                      "win_rate": win}
-            lines.append(f"| {label} | {labels[partner]} | {len(per_seed)} | {fmt(*gap)} | "
-                         f"{win[0]:.1%} [{win[1]:.1%}, {win[2]:.1%}] |")
+                     + (fmt_win(win) if win else "-") + " |")
+    if h.paired:
+        lines += paired_table(h, records, result)
+    lines += early_table(h, records, result)
     return lines, result
 
 
+def paired_table(h, records, result):
+    """Each MA-PPO configuration against its partner, paired by seed."""
+    score = h.configs[0].metrics[0]
+    win_key = h.configs[0].win_key
+    labels = {c.name: c.label for c in h.configs}
+    lines = ["", f"Paired by seed with PPO under the same change: first-half mean {score}, this minus that "
+             f"PPO (95% t-interval), and the {win_key} win rate of the final policies against it.", "",
+             "| configuration | against | seeds | first-half mean gap | win rate [95% CI] |", "|---" * 5 + "|"]
+    for config in h.configs[1:]:
+        if config.is_ppo:
+            continue
+        runs, others = ([r for r in records.get(k, []) if r] for k in (config.name, config.partner))
+        per_seed = per_seed_verdicts(others, runs, win_key)
+        if not per_seed:
+            continue
+        gap, win = paired_gap(others, runs, score), bootstrap_win_rate(per_seed)
+        result[config.name]["paired"] = {"against": config.partner, "seeds": len(per_seed), "first_half_gap": gap,
+                                         "win_rate": win}
+        lines.append(f"| {config.label} | {labels[config.partner]} | {len(per_seed)} | {fmt(*gap)} | {fmt_win(win)} |")
+    return lines
+
+
+def early_table(h, records, result):
+    """The first evaluation (how far the first updates move the policy), the final macro length and, on
+    count, the share of exact counts (the gold judge's 1.0) among the final per-prompt scores."""
+    score = h.configs[0].metrics[0]
+    exact = h.configs[0].task == "count"
+    done = {c.name: [r for r in records.get(c.name, []) if r] for c in h.configs}
+    first = next((runs[0]["rows"][0]["step"] for runs in done.values() if runs), None)
+    if first is None:
+        return []
+    lines = ["", f"The first evaluation (iteration {first}), the final mean macro length"
+             + (" and the share of exact counts among the final policies' answers:" if exact else ":"), "",
+             f"| configuration | {score} at iteration {first} | KL at iteration {first} | final mean macro length"
+             + (" | final exact counts |" if exact else " |"), "|---" * (5 if exact else 4) + "|"]
+    for config in h.configs:
+        runs = done[config.name]
+        if not runs:
+            continue
+        at_first = [r["rows"][0] for r in runs]
+        entry = {"first_step": first, "score_at_first": t_interval([x[score] for x in at_first]),
+                 "kl_at_first": t_interval([x["kl"] for x in at_first]),
+                 "macro_len": t_interval([r["rows"][-1]["macro/mean_len"] for r in runs])}
+        cells = [fmt(*entry["score_at_first"]), fmt(*entry["kl_at_first"]), f"{entry['macro_len'][0]:.1f}"]
+        if exact:
+            golds = [g for r in runs for g in r["final"]["gold"]]
+            entry["exact"] = sum(g == 1.0 for g in golds) / len(golds)
+            cells.append(f"{entry['exact']:.1%}")
+        result[config.name]["early"] = entry
+        lines.append(f"| {config.label} | " + " | ".join(cells) + " |")
+    return lines
+
+
 def plot(args, hypothesis, records):
-    _, configs = HYPOTHESES[hypothesis]
-    groups = {label: [r["rows"] for r in records.get(name, []) if r] for name, label, _ in configs}
+    h = HYPOTHESES[hypothesis]
+    groups = {c.label: [r["rows"] for r in records.get(c.name, []) if r] for c in h.configs}
     if not all(groups.values()):                 # pictures of finished hypotheses only
         return None
-    base = configs[0][0]
-    metrics = [*scores_of(base)] + ([] if base.startswith(("code", "count")) else ["adv/l2_macro", "q/l2_macro"])
+    base = h.configs[0]
+    metrics = [*base.metrics] + ([] if base.task in ("code", "count") else ["adv/l2_macro", "q/l2_macro"])
     png = os.path.join(args.results_dir, f"{hypothesis}.png")
     evaluate.plot_curves(groups, metrics, png)
     return png
@@ -411,11 +489,11 @@ def main(argv=None):
                    "count": ("runs/count/sft", "runs/count/rm")}
     seeds = [int(s) for s in args.seeds.split(",")]
     print(f"[study] {vars(args)}", flush=True)
-    todo = [(name, flags, seed) for h in names for name, _, flags in HYPOTHESES[h][1] for seed in seeds]
-    train_all(args, list(dict.fromkeys((n, tuple(f), s) for n, f, s in todo)))
+    todo = [(config, seed) for h in names for config in HYPOTHESES[h].configs for seed in seeds]
+    train_all(args, list(dict.fromkeys(todo)))
     lines, result = [], {}
     for hypothesis in names:
-        records = {name: [train(args, name, flags, seed) for seed in seeds] for name, _, flags in HYPOTHESES[hypothesis][1]}
+        records = {c.name: [train(args, c, seed) for seed in seeds] for c in HYPOTHESES[hypothesis].configs}
         h_lines, result[hypothesis] = report(args, hypothesis, records)
         png = plot(args, hypothesis, records)
         lines += h_lines + (["", f"![{hypothesis}]({os.path.basename(png)})"] if png else []) + [""]

@@ -23,6 +23,19 @@ def test_steps_to_parity_by_hand():
     assert study.steps_to_parity(base, slow, 1) == (30, None)
 
 
+def test_a_float_tie_with_the_target_reaches_it():
+    base = ([10, 20], [0.0, 0.3])
+    tie = ([10, 20], [0.0, 0.1 + 0.2])                       # 0.30000000000000004: the same score
+    under = ([10, 20], [0.0, 0.3 - 1e-6])
+    assert study.steps_to_parity(tie, base, 1) == (20, 20)
+    assert study.steps_to_parity(base, under, 1) == (20, None)
+
+
+def test_mean_curve_keeps_only_the_steps_every_seed_logged():
+    runs = [[{"step": 10, "eval/rm": 1.0}, {"step": 20, "eval/rm": 3.0}], [{"step": 20, "eval/rm": 5.0}]]
+    assert study.mean_curve(runs, "eval/rm") == ([20], [4.0])
+
+
 def runs_of(curves):
     return [[{"step": s, "eval/rm": v} for s, v in zip([10, 20, 30], c)] for c in curves]
 
@@ -37,15 +50,34 @@ def test_bootstrap_parity_interval_covers_the_point_and_counts_never():
 
 
 def test_bootstrap_win_rate_pools_seeds_with_ties_half():
-    rate, low, high = study.bootstrap_win_rate([(6, 2, 10), (2, 0, 10)], draws=400)
+    seed1 = ["A"] * 6 + ["E"] * 2 + ["B"] * 2                 # 7 of 10
+    seed2 = ["A"] * 2 + ["B"] * 8                             # 2 of 10
+    rate, low, high = study.bootstrap_win_rate([seed1, seed2], draws=400)
     assert rate == pytest.approx((8 + 1) / 20) and low <= rate <= high
     assert low == pytest.approx(0.2) and high == pytest.approx(0.7)   # all-seed-2 and all-seed-1 draws
 
 
 def test_every_hypothesis_starts_with_its_baseline_and_names_are_unique():
-    for name, (question, configs) in study.HYPOTHESES.items():
-        assert configs[0][2][-1] == "1", name                         # PPO first: the parity baseline
-        assert len({c[0] for c in configs}) == len(configs)
+    for name, h in study.HYPOTHESES.items():
+        base = h.configs[0]
+        assert base.is_ppo and base.flags[:2] == ("--n", "1"), name   # PPO first: the parity baseline
+        assert len({c.name for c in h.configs}) == len(h.configs)
+        assert len({c.task for c in h.configs}) == 1, name            # one task per comparison
+        for c in h.configs:
+            n = c.flags[c.flags.index("--n") + 1] if "--n" in c.flags else "5"     # ppo.py's default n is 5
+            assert c.is_ppo == (n == "1"), c
+            if not c.is_ppo:                                          # a partner is a PPO run on the same task
+                partner = next(p for hh in study.HYPOTHESES.values() for p in hh.configs if p.name == c.partner)
+                assert partner.is_ppo and partner.task == c.task, c
+
+
+def test_a_configuration_knows_its_command_line_and_scores():
+    count = study.HYPOTHESES["count_critic"].configs[2]
+    assert count.argv("runs/count/sft") == ["--task", "count", "--n", "1", "--critic_path", "runs/count/sft"]
+    assert count.metrics == ("eval/gold", "eval/rm") and count.win_key == "gold"
+    code = study.HYPOTHESES["code"].configs[1]
+    assert code.metrics == ("eval/exec", "eval/pass@1") and code.win_key == "exec_pass" and code.partner == "code_n1"
+    assert study.HYPOTHESES["baseline"].configs[1].argv("x") == ["--n", "5"]
 
 
 def test_first_half_mean_averages_the_evaluations_up_to_half_the_run():
@@ -61,14 +93,15 @@ def test_paired_comparisons_match_seeds_by_hand():
                 "final": {"gold": gold}}
     ppo = [run(1, [1, 1, 9, 9], [0.5, 0.5, 0.5]), run(2, [2, 2, 9, 9], [0.1, 0.9, 0.5])]
     ma = [run(2, [1, 1, 0, 0], [0.2, 0.2, 0.5]), run(1, [2, 2, 0, 0], [0.9, 0.1, 0.5]), run(3, [5, 5, 5, 5], [1, 1, 1])]
-    assert study.per_seed_wins(ppo, ma, "gold") == [(1, 1, 3), (1, 1, 3)]       # seed 3 has no partner
+    assert study.per_seed_verdicts(ppo, ma, "gold") == [["A", "B", "E"], ["A", "B", "E"]]   # seed 3 has no partner
     gap, half = study.paired_gap(ppo, ma, "eval/rm")                             # seed 2: 1 - 2, seed 1: 2 - 1
     assert gap == 0.0 and half == pytest.approx(12.706)   # sd sqrt(2) over 2 seeds
 
 
 def test_report_pairs_configurations_with_their_own_ppo(tmp_path):
     def run(seed, level):
-        return {"seed": seed, "rows": [{"step": s, "eval/rm": level, "eval/gold": 0.5, "kl": 1.0} for s in (10, 20)],
+        return {"seed": seed, "rows": [{"step": s, "eval/rm": level, "eval/gold": 0.5, "kl": 1.0,
+                                        "macro/mean_len": 1.0 if level != 0.0 else 5.0} for s in (10, 20)],
                 "final": {"gold": [level] * 4, "rm": [level] * 4}}
     records = {"n1": [run(1, 1.0), run(2, 1.0)], "n5": [run(1, 0.0), run(2, 0.0)],
                "n1_critic_sft": [run(1, 0.0), run(2, 0.0)], "n5_critic_sft": [run(1, 2.0), run(2, 2.0)]}
@@ -80,3 +113,14 @@ def test_report_pairs_configurations_with_their_own_ppo(tmp_path):
     assert result["n5_critic_sft"]["gold_win_rate_vs_ppo"][0] == 1.0                # and default PPO's 1.0
     assert "n1_critic_sft" not in {k for k, v in result.items() if "paired" in v}  # PPO is never paired
     assert sum("| MA-PPO" in line and "| PPO" in line for line in lines) == 2
+    assert result["n5"]["early"]["score_at_first"][0] == 0.0 and result["n5"]["early"]["macro_len"][0] == 5.0
+
+
+def test_count_reports_the_share_of_exact_counts_by_hand():
+    def run(seed, golds):
+        return {"seed": seed, "rows": [{"step": s, "eval/gold": 0.5, "eval/rm": 0.0, "kl": 1.0,
+                                        "macro/mean_len": 1.0} for s in (10, 20)], "final": {"gold": golds, "rm": golds}}
+    records = {"count_n1": [run(1, [1.0, 0.8, 0.6, 1.0])], "count_n5": [run(1, [1.0, 0.2, 0.0, 0.0])]}
+    lines, result = study.report(argparse.Namespace(smooth=1), "count", records)
+    assert result["count_n1"]["early"]["exact"] == 0.5 and result["count_n5"]["early"]["exact"] == 0.25
+    assert any(line.startswith("| MA-PPO (n=5) |") and line.endswith("| 25.0% |") for line in lines)
