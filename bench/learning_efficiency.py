@@ -40,6 +40,7 @@ import json
 import math
 import os
 import random
+import re
 import shlex
 import subprocess
 import sys
@@ -141,7 +142,7 @@ HYPOTHESES = {
         (ppo("code_n1", task="code"), ma("code_n10", "MA-PPO (n=10)", ("--n", "10"), "code"))),
     "count": Hypothesis(
         "H6 horizon: the count task (20-60 token answers; the gold judge reads the whole response)",
-        (COUNT_PPO, COUNT_MA5, ma("count_n10", "MA-PPO (n=10)", ("--n", "10"), "count"))),
+        (COUNT_PPO, COUNT_MA5, ma("count_n10", "MA-PPO (n=10)", ("--n", "10"), "count")), paired=True),
     "count_critic": Hypothesis(
         "H6 on count with H3's control: is MA-PPO's head start horizon, or the RM critic's noise?",
         (COUNT_PPO, COUNT_MA5, ppo("count_n1_critic_sft", "PPO (critic from SFT)", ("--critic_path", "{sft}"), "count"),
@@ -434,6 +435,15 @@ def early_table(h, records, result):
     return lines
 
 
+def fill_blocks(text, blocks):
+    """Put each hypothesis' generated lines between `<!-- study:NAME -->` and `<!-- /study:NAME -->` in
+    `text` (the study's hand-written page), so that page never holds a hand-typed table."""
+    for name, lines in blocks.items():
+        pattern = re.compile(rf"(<!-- study:{re.escape(name)} -->\n).*?(<!-- /study:{re.escape(name)} -->)", re.S)
+        text = pattern.sub(lambda m: m.group(1) + "".join(line + "\n" for line in lines) + m.group(2), text)
+    return text
+
+
 def plot(args, hypothesis, records):
     h = HYPOTHESES[hypothesis]
     groups = {c.label: [r["rows"] for r in records.get(c.name, []) if r] for c in h.configs}
@@ -491,13 +501,21 @@ def main(argv=None):
     print(f"[study] {vars(args)}", flush=True)
     todo = [(config, seed) for h in names for config in HYPOTHESES[h].configs for seed in seeds]
     train_all(args, list(dict.fromkeys(todo)))
-    lines, result = [], {}
+    lines, result, blocks = [], {}, {}
     for hypothesis in names:
         records = {c.name: [train(args, c, seed) for seed in seeds] for c in HYPOTHESES[hypothesis].configs}
         h_lines, result[hypothesis] = report(args, hypothesis, records)
         png = plot(args, hypothesis, records)
-        lines += h_lines + (["", f"![{hypothesis}]({os.path.basename(png)})"] if png else []) + [""]
+        h_lines += ["", f"![{hypothesis}]({os.path.basename(png)})"] if png else []
+        blocks[hypothesis] = h_lines[2:]                 # the page has its own heading
+        lines += h_lines + [""]
     os.makedirs(args.results_dir, exist_ok=True)
+    page = os.path.join(args.results_dir, "README.md")
+    if os.path.exists(page):
+        with open(page) as f:
+            text = f.read()
+        with open(page, "w") as f:
+            f.write(fill_blocks(text, blocks))
     stem = "study" if len(names) == len(HYPOTHESES) else "study_" + "_".join(names)
     with open(os.path.join(args.results_dir, stem + ".json"), "w") as f:
         json.dump(result, f, indent=1)

@@ -124,3 +124,25 @@ def test_count_reports_the_share_of_exact_counts_by_hand():
     lines, result = study.report(argparse.Namespace(smooth=1), "count", records)
     assert result["count_n1"]["early"]["exact"] == 0.5 and result["count_n5"]["early"]["exact"] == 0.25
     assert any(line.startswith("| MA-PPO (n=5) |") and line.endswith("| 25.0% |") for line in lines)
+
+
+def test_fill_blocks_replaces_only_between_its_markers():
+    page = "intro\n<!-- study:a -->\nold\n<!-- /study:a -->\nmiddle\n<!-- study:b -->\n<!-- /study:b -->\nend\n"
+    filled = study.fill_blocks(page, {"a": ["| x |", ""], "b": ["y"]})
+    assert filled == "intro\n<!-- study:a -->\n| x |\n\n<!-- /study:a -->\nmiddle\n<!-- study:b -->\ny\n<!-- /study:b -->\nend\n"
+    assert study.fill_blocks(filled, {"a": ["| x |", ""], "b": ["y"]}) == filled          # idempotent
+
+
+def test_the_study_page_holds_exactly_the_generated_tables():
+    """docs/study/README.md's tables are the report's (docs/study/study.md), not typed by hand."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    generated = open(os.path.join(root, "docs", "study", "study.md")).read()
+    page = open(os.path.join(root, "docs", "study", "README.md")).read()
+    sections = {}
+    for part in generated.split("### ")[1:]:
+        name = part.split(":", 1)[0]
+        sections[name] = part.split("\n", 2)[2].rstrip("\n") + "\n"        # without its heading line
+    assert set(sections) == set(study.HYPOTHESES)
+    for name, body in sections.items():
+        block = page.split(f"<!-- study:{name} -->\n")[1].split(f"<!-- /study:{name} -->")[0]
+        assert block == body, name
