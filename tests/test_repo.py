@@ -1,5 +1,6 @@
 """The repository keeps its promises: CI runs the README's test command, torch stays pinned."""
 import pathlib
+import subprocess
 import re
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -18,3 +19,77 @@ def test_torch_is_pinned_to_the_cpu_wheel():
     reqs = (ROOT / "requirements.txt").read_text().splitlines()
     assert "torch==2.13.0" in reqs
     assert all(re.match(r"^[A-Za-z0-9_.\-]+==[\w.]+$", r) for r in reqs if r and not r.startswith("#"))
+
+
+# Text a public reader cannot resolve: references to the project's own tracker, work log, design notes or
+# commits, and changelog voice. Another project's issue ("DeepSpeed issue 4354") is a citation, not history.
+HISTORY = [re.compile(p, re.I) for p in (
+    r"\bissues? #?\d+", r"\bstop #?\d+\b", r"\bDESIGN(\.md)? ?§", r"\bcommit [0-9a-f]{7,40}\b",
+    r"\b(the|a) previous (sandbox|session|version|readme|study script)\b", r"\b(this|a later|earlier) session\b")]
+TEXT_SUFFIXES = (".py", ".md", ".sh", ".yaml", ".yml", ".txt", ".cfg", ".ini", ".toml")
+ORDINARY = {"The", "In", "See", "This", "That", "An", "A", "Our", "For", "By", "Its", "As"}
+
+
+def history_hits(text):
+    """[(line number, matched text)] of process history in `text`."""
+    hits = []
+    for number, line in enumerate(text.splitlines(), 1):
+        for pattern in HISTORY:
+            for m in pattern.finditer(line):
+                before = [w.strip("(\"'[`") for w in line[:m.start()].split()]
+                if m.group(0).lower().startswith("issue") and before and before[-1][:1].isupper() \
+                        and before[-1] not in ORDINARY:
+                    continue                                  # another project's issue tracker
+                hits.append((number, m.group(0)))
+    return hits
+
+
+def tracked_text_files():
+    try:
+        names = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True, check=True).stdout.split()
+    except (OSError, subprocess.CalledProcessError):            # not a git checkout: every file but the usual
+        names = [str(p.relative_to(ROOT)) for p in ROOT.rglob("*")
+                 if p.is_file() and not {".git", ".venv", "runs"} & set(p.relative_to(ROOT).parts)]
+    for name in names:
+        path = ROOT / name
+        if name.startswith("docs/study/runs/") or not path.is_file():
+            continue
+        if name.endswith(TEXT_SUFFIXES) or path.read_bytes()[:2] == b"#!":
+            yield name, path
+
+
+def test_the_history_scan_finds_what_it_should():
+    issue, design, commit, stop = "iss" + "ue", "DES" + "IGN", "com" + "mit", "st" + "op"   # not hits themselves
+    text = (f"fine line\nbuilt for {issue} 11's question\nas {design} §5 says\nfixed in {commit} fb266ff\n"
+            f"confirms {stop} 9's run\nDeepSpeed {issue} 4354 reports it\nthe previous sand" "box leaked\n")
+    assert [n for n, _ in history_hits(text)] == [2, 3, 4, 5, 7]
+    assert history_hits("stops up to three numbers early; commit to it; an issue with 3 rows") == []
+    assert history_hits(f"(TRL {issue} 12) and In {issue} 12") == [(1, f"{issue} 12")]
+
+
+def test_no_process_history_in_the_repository_text():
+    hits = [f"{name}:{number}: {match!r}" for name, path in tracked_text_files()
+            for number, match in history_hits(path.read_text(errors="replace"))]
+    assert not hits, "process history a public reader cannot resolve:\n" + "\n".join(hits)
+
+
+def test_every_doc_is_reachable_from_the_readme_and_every_local_link_resolves():
+    link = re.compile(r"\]\(([^)#\s]+)(#[^)\s]*)?\)")
+    seen, todo, broken = set(), [ROOT / "README.md"], []
+    while todo:
+        page = todo.pop()
+        if page in seen:
+            continue
+        seen.add(page)
+        for number, line in enumerate(page.read_text().splitlines(), 1):
+            for target, _ in link.findall(line):
+                if target.startswith(("http://", "https://", "mailto:")):
+                    continue
+                path = (page.parent / target).resolve()
+                if not path.exists():
+                    broken.append(f"{page.relative_to(ROOT)}:{number}: {target}")
+                elif path.suffix == ".md":
+                    todo.append(path)
+    assert not broken, "links to missing files:\n" + "\n".join(broken)
+    docs = {p.resolve() for p in (ROOT / "docs").rglob("*.md") if "runs" not in p.relative_to(ROOT).parts}
+    assert docs <= seen, f"not reachable from README.md: {sorted(str(p.relative_to(ROOT)) for p in docs - seen)}"
