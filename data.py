@@ -266,6 +266,20 @@ def response_len(task, flag):
     return flag or MAX_RESPONSE_LEN.get(task, 32)
 
 
+def run_dir(task, stage):
+    """Where a stage of a task keeps its model by default: runs/<task>/<stage> (sft, rm, ppo_n5_fixed, ...)."""
+    return os.path.join("runs", task, stage)
+
+
+def resolve_paths(args, stage=None):
+    """The one place default paths are decided: the empty --sft_path, --rm_path and (for `stage`)
+    --output_dir of a stage's arguments become runs/<task>/sft, runs/<task>/rm, runs/<task>/<stage>."""
+    for name, default in (("sft_path", "sft"), ("rm_path", "rm"), ("output_dir", stage)):
+        if default and hasattr(args, name) and not getattr(args, name):
+            setattr(args, name, run_dir(args.task, default))
+    return args
+
+
 # ---------------------------------------------------------------------------------------------
 # Real datasets: each schema maps one raw row to {prompt, chosen, rejected, group} (or None = drop)
 # ---------------------------------------------------------------------------------------------

@@ -378,8 +378,7 @@ class Context:
     """What every command needs: tokenizer, reward model, held-out prompts (and chosen responses)."""
 
     def __init__(self, args):
-        args.sft_path = args.sft_path or f"runs/{args.task}/sft"
-        args.rm_path = args.rm_path or f"runs/{args.task}/rm"
+        data.resolve_paths(args)
         args.max_response_len = data.response_len(args.task, args.max_response_len)
         harness.require_model_dir(args.sft_path, "SFT model", "Train it with sft.py (or run ppo.py once).")
         self.args, self.code = args, args.task in data.CODE_TASKS

@@ -26,7 +26,7 @@ SPECIAL_TOKENS = {"pad_token": "<pad>", "eos_token": "<eos>", "bos_token": "<bos
 class SFTArgs:
     task: str = field(default="chitchat", metadata={"help": "chitchat, count, tldr, tldr_carper, hh, webgpt, code, apps, or a local json/jsonl/parquet file"})
     model: str = field(default="tiny", metadata={"help": "'tiny' builds a small Gemma + BPE tokenizer offline; otherwise an HF model id, a local folder, or a local .gguf file (dequantized; needs the gguf package)"})
-    output_dir: str = field(default="runs/chitchat/sft", metadata={"help": "where the final model + tokenizer are saved"})
+    output_dir: str = field(default="", metadata={"help": "where the final model + tokenizer are saved; default runs/<task>/sft"})
     max_prompt_len: int = field(default=48, metadata={"help": "prompt tokens kept (truncated from the left)"})
     max_response_len: int = field(default=0, metadata={"help": "response tokens kept, EOS included; 0 = the task's default (64 for count, else 32)"})
     batch_size: int = field(default=32, metadata={"help": "examples per process per micro-step"})
@@ -149,6 +149,7 @@ def split_holdout(rows, fraction=0.05, seed=data.SEED):
 
 
 def main(args):
+    data.resolve_paths(args, "sft")
     args.max_response_len = data.response_len(args.task, args.max_response_len)
     accelerator = harness.make_accelerator(args.bf16, args.grad_accum)
     harness.start("sft", args, accelerator)

@@ -69,7 +69,8 @@ def test_n1_is_exactly_token_level_ppo_loss_and_gradients():
     args = ppo.PPOArgs(n=1, whiten_advantages=False)
     starts = ma.fixed_ngram_starts(mask, 1)
     adv, ret = ma.macro_advantages(old_values, rewards, mask, starts, args.gamma, args.lam)
-    pg, vf, _ = ppo.ppo_losses(args, logp, old_logp, values, old_values, adv, ret, mask, starts)
+    pg, vf, _ = ppo.ppo_losses(logp, old_logp, values, old_values, adv, ret, mask, starts, clip=args.clip,
+                               value_clip=args.value_clip)
     ref_pg, ref_vf = reference_token_ppo(logp, old_logp, values, old_values, rewards, mask, args.clip,
                                          args.value_clip, args.gamma, args.lam)
     assert torch.allclose(pg, ref_pg, atol=1e-6) and torch.allclose(vf, ref_vf, atol=1e-6)
@@ -84,35 +85,33 @@ def test_macro_ratio_is_the_product_of_the_token_ratios_of_the_macro_action():
     old = torch.zeros(1, 5)
     logp = torch.tensor([[0.1, 0.2, -0.05, 0.3, 0.0]])
     adv = torch.ones(1, 5)
-    args = ppo.PPOArgs(ratio="macro", clip=10.0)
-    _, _, stats = ppo.ppo_losses(args, logp, old, old, old, adv, old, mask, starts)
+    _, _, stats = ppo.ppo_losses(logp, old, old, old, adv, old, mask, starts, clip=10.0, ratio="macro")
     expected = torch.tensor([0.25] * 3 + [0.3] * 2).exp().mean()
     assert torch.allclose(stats["policy/ratio"], expected)
 
 
-def test_reward_agg_mean_averages_each_macro_actions_kl_and_never_divides_the_score():
-    """Hand-computed: macro actions of 3 and 2 tokens, KL rewards -0.3 -0.6 -0.9 | -0.2 -0.4, score 2.
-    sum:  R = -1.8, 1.4 (the paper);  mean: R = -0.6, -0.3 + 2 = 1.7 (the released code)."""
-    mask = torch.ones(1, 5)
-    starts = torch.tensor([[True, False, False, True, False]])
-    kl_rewards, score = torch.tensor([[-0.3, -0.6, -0.9, -0.2, -0.4]]), torch.tensor([2.0])
-    zeros = torch.zeros(1, 5)
-    for agg, (r1, r2) in {"sum": (-1.8, 1.4), "mean": (-0.6, 1.7)}.items():
-        rewards = ppo.token_rewards(kl_rewards, score, mask, starts, agg)
-        assert torch.allclose(ma.macro_sum(rewards, starts)[0, [0, 3]], torch.tensor([r1, r2]))
-        adv, _ = ma.macro_advantages(zeros, rewards, mask, starts, gamma=1.0, lam=1.0)   # V = 0: A = sum of later R
-        assert torch.allclose(adv[0], torch.tensor([r1 + r2] * 3 + [r2] * 2))
-    with pytest.raises(ValueError, match="reward_agg"):
-        ppo.token_rewards(kl_rewards, score, mask, starts, "max")
-
-
 def test_macro_level_norms_count_each_macro_action_once():
-    """adv/l2 counts a macro advantage once per token; adv/l2_macro once per macro action."""
-    mask = torch.ones(1, 4)
+    """adv/l2 counts a macro advantage once per token; adv/l2_macro once per macro action (Fig. 11)."""
+    response_mask = torch.ones(1, 4)
     starts = torch.tensor([[True, False, False, True]])
-    adv = torch.tensor([[2.0, 2.0, 2.0, 1.0]])
-    assert (adv ** 2 * mask).sum(-1).sqrt().item() == pytest.approx(13 ** 0.5)
-    assert (adv ** 2 * starts).sum(-1).sqrt().item() == pytest.approx(5 ** 0.5)
+    adv, returns = torch.tensor([[2.0, 2.0, 2.0, 1.0]]), torch.tensor([[3.0, 3.0, 3.0, 0.0]])
+    it = ppo.Iteration(score=torch.zeros(1), passed=None, token_rewards=torch.zeros(1, 4), kl=torch.zeros(1, 4),
+                       entropy=torch.zeros(1, 4), response_mask=response_mask, starts=starts, old_values=torch.zeros(1, 4),
+                       advantages=adv, returns=returns, has_eos=torch.ones(1, dtype=torch.bool), parse_fallback=0.0,
+                       update_stats=[{"loss/policy": torch.tensor(0.0)}])
+    metrics = ppo.iteration_metrics(it, "rm")
+    assert metrics["adv/l2"].item() == pytest.approx(13 ** 0.5) and metrics["adv/l2_macro"].item() == pytest.approx(5 ** 0.5)
+    assert metrics["q/l2"].item() == pytest.approx(27 ** 0.5) and metrics["q/l2_macro"].item() == pytest.approx(3.0)
+    assert metrics["macro/mean_len"].item() == pytest.approx(2.0) and "reward/rm" in metrics
+
+
+def test_update_forward_builds_no_entropy(policy, tokenizer):
+    """The entropy is computed only where it is logged, and never with a graph."""
+    p_ids, p_mask, _ = data.encode_prompts(tokenizer, PROMPTS, 32)
+    logp, entropy = ppo.response_logprobs(policy, p_ids, p_mask, 4, 0.7)
+    assert entropy is None and logp.requires_grad
+    logp, entropy = ppo.response_logprobs(policy, p_ids, p_mask, 4, 0.7, with_entropy=True)
+    assert not entropy.requires_grad and entropy.shape == logp.shape and (entropy >= 0).all()
 
 
 @pytest.mark.parametrize("flags", [
