@@ -277,7 +277,7 @@ def load_models(args, code):
     else:
         policy = AutoModelForCausalLM.from_pretrained(part("policy", args.sft_path), dtype=dtype)
         critic = Critic(rm.load_reward_model(part("critic", args.critic_path), args.bf16)[0])
-    with harness.whole_weights():       # the frozen models are never handed to a ZeRO-3 engine
+    with harness.loading_whole():       # the frozen models are never handed to a ZeRO-3 engine
         ref = None if args.lora_r else AutoModelForCausalLM.from_pretrained(args.sft_path, dtype=dtype).eval().requires_grad_(False)
         reward_model = None if code else rm.load_reward_model(args.rm_path, args.bf16)[0].eval().requires_grad_(False)
     if args.gradient_checkpointing:
@@ -342,7 +342,7 @@ def main(args):
             f.writelines(kept)
 
     def save(step):
-        weights = harness.full_weights({"policy": (acc, policy), "critic": (critic_acc, critic)}) if sharded else None
+        weights = harness.whole_state_dicts({"policy": (acc, policy), "critic": (critic_acc, critic)}) if sharded else None
         if acc.is_main_process:
             harness.save_checkpoint(args.output_dir, {"policy": acc.unwrap_model(policy),
                                                       "critic": critic_acc.unwrap_model(critic).model}, tokenizer,
@@ -358,7 +358,7 @@ def main(args):
             # 1. Rollout: sample responses to this rank's prompts; logprobs under the sampling distribution
             idx = harness.batch_indices(len(prompts), args.rollout_batch_size, step, args.seed, rank, world)
             policy.eval()
-            with harness.generation_weights(acc, policy, args.gather_for_generation) as (model, synced):
+            with harness.generation_model(acc, policy, args.gather_for_generation) as (model, synced):
                 p_ids, p_mask, r_ids, r_mask, n_cut = data.sample(
                     model, tokenizer, [prompts[i] for i in idx], args.max_prompt_len, args.max_response_len,
                     args.temperature, args.top_k, args.top_p, synced_gpus=synced)
@@ -462,7 +462,7 @@ def evaluate_now(args, metrics, *, accelerator, policy, reward_model, tokenizer,
     """7. Held-out score (and gold score / pass rate) of the current policy into `metrics`; a log line."""
     acc, sharded, code = accelerator, harness.is_sharded(accelerator), args.task in data.CODE_TASKS
     if acc.is_main_process or sharded:               # sharded weights: every rank takes part
-        with harness.generation_weights(acc, policy, args.gather_for_generation) as (model, synced):
+        with harness.generation_model(acc, policy, args.gather_for_generation) as (model, synced):
             _, scores, second = evaluate.held_out(model.eval(), reward_model, tokenizer, eval_rows, args, args.seed,
                                                   synced)
     if acc.is_main_process:
@@ -486,13 +486,13 @@ def finish(args, truncated, *, accelerators, policy, critic, reward_model, token
                   f"tokens and lost their beginning")
     if not sharded:
         acc.print(f"[ppo] ranks in sync: {harness.ranks_in_sync(acc, policy) and harness.ranks_in_sync(acc, critic)}")
-    weights = harness.full_weights({"model": (acc, policy)}) if sharded else None    # collective when sharded
+    weights = harness.whole_state_dicts({"model": (acc, policy)}) if sharded else None    # collective when sharded
     if acc.is_main_process:
         final = os.path.join(args.output_dir, "policy")      # LoRA adapters merged: a plain model
         harness.atomic_save(final, harness.merged(acc.unwrap_model(policy)), tokenizer, state_dicts=weights)
         # the report reads the saved policy back: whole weights on one process, whatever the sharding
         dtype = torch.bfloat16 if args.bf16 else torch.float32
-        with harness.whole_weights():
+        with harness.loading_whole():
             policy = AutoModelForCausalLM.from_pretrained(final, dtype=dtype).to(acc.device).eval()
             sft_model = AutoModelForCausalLM.from_pretrained(args.sft_path).eval()
         evaluate.final_report(args, policy, sft_model, reward_model, tokenizer, eval_rows, metrics_path)

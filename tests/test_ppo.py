@@ -246,7 +246,7 @@ def test_deepspeed_zero_trains_policy_and_critic_engines(tiny_models, tmp_path, 
 
 
 def test_zero3_generation_gathers_the_weights_once_and_samples_the_unsharded_tokens(tiny_models):
-    """Under a 2-process ZeRO-3 launch: generation inside harness.generation_weights gives the tokens of an
+    """Under a 2-process ZeRO-3 launch: generation inside harness.generation_model gives the tokens of an
     unsharded copy for the same seed, needs no synced_gpus, and its number of all-gathers does not grow with
     the number of generated tokens; sharded generation (the fallback) gives the same tokens, gathering
     again for every token. Needs `pip install deepspeed` (skipped otherwise)."""
