@@ -1,6 +1,6 @@
 """Data: every task as preference rows {prompt, chosen, rejected}, split for the three stages.
 
-Tasks (DESIGN §5):
+Tasks:
     chitchat   embedded default, offline: real conversations (`chitchat-dataset`), a VADER gold judge
     count      embedded, offline: "Count from a to b." with a gold judge that reads the whole response
     tldr       openai/summarize_from_feedback, config "comparisons" (Stiennon et al. 2020)
@@ -154,7 +154,7 @@ def load_chitchat(seed=SEED, only=None):
 
 
 # ---------------------------------------------------------------------------------------------
-# count: an embedded task whose success depends on the whole of a longer response (issue 11, H6)
+# count: an embedded task whose success depends on the whole of a longer response (the study's H6)
 # ---------------------------------------------------------------------------------------------
 # "Count from a to b." is answered " a, a+1, ..., b." (8-28 numbers, about 20-60 tokens: two to three
 # times chitchat's ~21). The demonstrations come from a careless counter: at each number it skips one or

@@ -54,10 +54,10 @@ class SFTArgs:
 
 
 # ---------------------------------------------------------------------------------------------
-# The tiny default model and its tokenizer (DESIGN §5)
+# The tiny default model and its tokenizer
 # ---------------------------------------------------------------------------------------------
 
-def train_tokenizer(texts, vocab_size=2000):
+def train_tokenizer(texts, vocab_size=2048):
     """A byte-level BPE tokenizer trained offline on `texts` (any unicode round-trips), with
     pad != eos. Wrapped as a fast HF tokenizer, so `return_offsets_mapping` works."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
@@ -71,7 +71,7 @@ def train_tokenizer(texts, vocab_size=2000):
 
 
 def tiny_gemma(tokenizer, hidden_size=128, num_layers=4, max_len=256):
-    """A small GemmaForCausalLM (~1.5M parameters at the defaults). head_dim is set explicitly:
+    """A small GemmaForCausalLM (~1.3M parameters at the defaults: 2048 tokens, hidden 128, 4 layers). head_dim is set explicitly:
     Gemma's default of 256 would make the tiny model mostly attention projections."""
     from transformers import GemmaConfig, GemmaForCausalLM
     heads = 4
@@ -103,7 +103,7 @@ def load_pretrained(source, bf16=False):
     from transformers import GgufConfig
     model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype, quantization_config=GgufConfig(dequantize=True),
                                                  **kwargs)
-    if getattr(model, "hf_quantizer", None) is not None:     # float weights now: trainable and savable
+    if getattr(model, "hf_quantizer", None) is not None:     # float weights: trainable and savable
         model.hf_quantizer.remove_quantization_config(model)
     return tokenizer, model
 

@@ -156,7 +156,7 @@ def test_lora_reference_is_the_sft_model_with_adapters_off(tiny_models):
     torch.manual_seed(0)
     for name, p in policy.named_parameters():
         if "lora_B" in name:
-            p.data.normal_()                                          # trained adapters: no longer a no-op
+            p.data.normal_()                                          # trained adapters: not a no-op
     tokenizer = data.load_tokenizer(tiny_models / "sft")
     ids, mask, _ = data.encode_prompts(tokenizer, ["\n\nHuman: hi there, how are you\n\nAssistant: fine"] * 2, 24)
     with torch.no_grad():
