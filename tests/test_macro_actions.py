@@ -132,6 +132,7 @@ print("alone ok")
 """
 
 
+@pytest.mark.launch
 def test_macro_actions_copied_alone_gives_the_paper_sum_and_the_released_mean(tmp_path):
     """The file is copyable: alone in a folder (no other file of the project importable), with torch only."""
     shutil.copy(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "macro_actions.py"), tmp_path)

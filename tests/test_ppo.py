@@ -11,18 +11,16 @@ import data
 import macro_actions as ma
 import ppo
 import sandbox
-import sft
 from reference import token_gae
-from stages import run_stage
+from stages import LAUNCH, run_stage
 
 PROMPTS = ["\n\nHuman: how are you\n\nAssistant:", "hi", "\n\nHuman: tell me about the quick brown fox please\n\nAssistant:",
            "\n\nHuman: The quick brown fox (a clever one) jumped over the lazy dog, then what?\n\nAssistant:"]
 
 
 @pytest.fixture(scope="module")
-def policy(tokenizer):
-    torch.manual_seed(0)
-    return sft.tiny_gemma(tokenizer, hidden_size=32, num_layers=2).eval()
+def policy(tiny_lm):
+    return tiny_lm
 
 
 def test_rollout_logprobs_equal_training_forward_so_the_first_ratio_is_one(policy, tokenizer):
@@ -120,6 +118,7 @@ def test_update_forward_builds_no_entropy(policy, tokenizer):
     {"sigma": "first"}, {"reward_agg": "mean"}, {"ratio": "macro"}, {"critic_path": "SFT"}, {"kl_estimator": "k3"},
     {"top_k": 5, "top_p": 0.9, "missing_eos_penalty": -1.0, "whiten_advantages": False, "ppo_epochs": 2},
 ])
+@pytest.mark.launch
 def test_every_flag_runs_one_iteration(tiny_models, tmp_path, flags):
     flags = {k: str(tiny_models / "sft") if v == "SFT" else v for k, v in flags.items()}
     args = ppo.PPOArgs(sft_path=str(tiny_models / "sft"), rm_path=str(tiny_models / "rm"), output_dir=str(tmp_path),
@@ -134,6 +133,7 @@ def test_every_flag_runs_one_iteration(tiny_models, tmp_path, flags):
         assert rows[0]["adv/l2_macro"] == pytest.approx(rows[0]["adv/l2"], rel=1e-4)
 
 
+@pytest.mark.launch
 @pytest.mark.parametrize("flags", [{"n": 10}, {"termination": "parsing"}])
 def test_code_task_uses_the_execution_reward(tiny_models, tmp_path, flags):
     """No reward model: the critic starts from the SFT model and the score is running the program."""
@@ -149,6 +149,7 @@ def test_code_task_uses_the_execution_reward(tiny_models, tmp_path, flags):
         assert 0.0 <= row["macro/parse_fallback"] <= 1.0
 
 
+@pytest.mark.launch
 def test_count_task_trains_on_its_gold_judge_and_generates_its_longer_default(tiny_models, tmp_path):
     """The long-horizon task with --reward gold: the training score is the gold judge reading each whole
     response against its own prompt, and the task's default response length (64) when --max_response_len
@@ -195,15 +196,12 @@ def comparable(row):
     return {k: v for k, v in row.items() if not k.startswith(("time/", "tokens_per_s", "eval/"))}
 
 
+@pytest.mark.launch
 def test_resume_continues_with_the_numbers_of_an_uninterrupted_run(tiny_models, tmp_path, uninterrupted):
     run_ppo(tiny_models, tmp_path / "split", "--steps", "3", "--save_every", "3", here=True)
     out, rest = run_ppo(tiny_models, tmp_path / "split", "--steps", "5", "--save_every", "3", "--resume", here=True)
     assert "resumed at iteration 3" in out
     assert [comparable(r) for r in rest] == [comparable(r) for r in uninterrupted[:5]]   # the same file, appended
-
-
-LAUNCH = (sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
-          "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no")
 
 
 @pytest.fixture(scope="module")
@@ -212,18 +210,21 @@ def launched(tiny_models, tmp_path_factory):
     return run_ppo(tiny_models, tmp_path_factory.mktemp("launched"), "--steps", "6", launch=LAUNCH)
 
 
+@pytest.mark.launch
 def test_two_cpu_processes_stay_in_sync(launched):
     out, rows = launched
     assert "2 process(es)" in out and "ranks in sync: True" in out
     assert len(rows) == 6                                            # one metrics line per iteration
 
 
+@pytest.mark.launch
 def test_two_cpu_processes_with_lora_stay_in_sync(tiny_models, tmp_path):
     out, rows = run_ppo(tiny_models, tmp_path / "ddp", "--steps", "3", "--lora_r", "4", launch=LAUNCH)
     assert "2 process(es)" in out and "ranks in sync: True" in out
     assert len(rows) == 3
 
 
+@pytest.mark.launch
 @pytest.mark.parametrize("stage", ["2", "3"])
 def test_deepspeed_zero_trains_policy_and_critic_engines(tiny_models, tmp_path, stage):
     """ZeRO-2/3 with two processes on CPU: one DeepSpeed engine per trained model, generation over
@@ -245,6 +246,7 @@ def test_deepspeed_zero_trains_policy_and_critic_engines(tiny_models, tmp_path, 
             assert not torch.equal(saved["model.embed_tokens.weight"], init["model.embed_tokens.weight"])
 
 
+@pytest.mark.launch
 def test_zero3_generation_gathers_the_weights_once_and_samples_the_unsharded_tokens(tiny_models):
     """Under a 2-process ZeRO-3 launch: generation inside harness.generation_model gives the tokens of an
     unsharded copy for the same seed, needs no synced_gpus, and its number of all-gathers does not grow with
@@ -267,6 +269,7 @@ def test_zero3_generation_gathers_the_weights_once_and_samples_the_unsharded_tok
         assert g["sharded_12"] > g["sharded_4"] > 0, g                  # sharded: again for every token
 
 
+@pytest.mark.launch
 def test_non_finite_rewards_stop_with_a_clear_message(tiny_models, tmp_path):
     args = ppo.PPOArgs(sft_path=str(tiny_models / "sft"), rm_path=str(tiny_models / "rm"), output_dir=str(tmp_path),
                        steps=1, rollout_batch_size=4, mini_batch_size=2, max_prompt_len=16, max_response_len=8,
@@ -275,6 +278,7 @@ def test_non_finite_rewards_stop_with_a_clear_message(tiny_models, tmp_path):
         ppo.main(args)
 
 
+@pytest.mark.launch
 def test_default_pipeline_builds_sft_and_rm_then_trains(tmp_path):
     """The zero-argument path, with small sizes: missing models are built by sft.py / reward_model.py."""
     small = "--max_prompt_len 16 --max_response_len 8 --batch_size 4 --max_steps 4 --eval_every 2 --n_eval 8"
@@ -294,6 +298,7 @@ def uninterrupted(tiny_models, tmp_path_factory):
 
 # SIGTERM here; SIGINT (Ctrl-C) takes the same path through harness.GracefulStop, tested end to end on
 # sft.py (one process and a 2-process launch, test_pipeline.py) and for both signals in test_harness.py
+@pytest.mark.launch
 @pytest.mark.parametrize("signame,code", [("SIGTERM", 143)])
 def test_sigterm_saves_a_checkpoint_that_resumes(tiny_models, tmp_path, uninterrupted, signame, code):
     import signal
@@ -321,6 +326,7 @@ def test_sigterm_saves_a_checkpoint_that_resumes(tiny_models, tmp_path, uninterr
     assert [comparable(r) for r in rows] == [comparable(r) for r in whole]     # the numbers, not only the steps
 
 
+@pytest.mark.launch
 def test_sigterm_to_a_two_process_launch_checkpoints_and_resumes_to_the_same_numbers(tiny_models, tmp_path, launched):
     """What SLURM / Kubernetes do before preempting: SIGTERM to the launcher, which passes it on to its
     workers; both stop at the end of the same iteration with one checkpoint, and --resume continues
