@@ -37,7 +37,7 @@ class PPOArgs:
     n: int = field(default=5, metadata={"help": "macro action length for --termination fixed: 1 = vanilla PPO, 0 = the whole response"})
     termination: str = field(default="fixed", metadata={"help": "fixed | randomized | parsing | ppl | entropy (paper §3.2.1)"})
     sigma: str = field(default="equal", metadata={"help": "macro value weights: equal | unit | position | first (App. D.1)"})
-    reward_agg: str = field(default="sum", metadata={"help": "macro reward: sum (the paper's equation) | mean (the released code: each macro action's KL penalty averaged, the RM score kept whole)"})
+    reward_agg: str = field(default="sum", metadata={"help": "macro reward: sum (the paper's equation) | mean (the released code: each macro action's KL penalty averaged, the score kept whole)"})
     ratio: str = field(default="token", metadata={"help": "token: per-token ratios with macro advantages (released code) | macro: pi(omega)/pi_old(omega)"})
     kl_estimator: str = field(default="k1", metadata={"help": "per-token KL: k1 = logp - logp_ref | k3 = (r - 1) - log r, r = p_ref/p"})
     beta: float = field(default=0.05, metadata={"help": "KL penalty coefficient"})
@@ -196,7 +196,7 @@ def resolve(args):
 class Iteration:
     """The tensors of one iteration that its metrics read; B rollouts of R response tokens."""
     score: torch.Tensor             # [B] the sequence score (RM, gold judge or execution)
-    passed: torch.Tensor            # [B] 1.0 where every test passed (code tasks), else None
+    passed: torch.Tensor | None     # [B] 1.0 where every test passed (code tasks), else None
     token_rewards: torch.Tensor     # [B, R] per-token rewards: KL rewards and the score (macro_rewards)
     kl: torch.Tensor                # [B, R] per-token KL estimate
     entropy: torch.Tensor           # [B, R] the policy's entropy at each response token
