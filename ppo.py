@@ -152,22 +152,24 @@ def macro_starts(termination, response_ids, response_mask, *, n=5, logprobs=None
     raise ValueError(f"unknown --termination {termination!r}")
 
 
-def ppo_losses(logp, old_logp, values, old_values, advantages, returns, mask, starts, *, clip=0.2, value_clip=0.2,
-               ratio="token"):
+def ppo_losses(logp, old_logp, values, old_values, advantages, returns, response_mask, starts, *,
+               clip=0.2, value_clip=0.2, ratio="token"):
     """6. Clipped policy loss (token or macro ratio) and clipped value loss, masked means, and their
-    stats. Every tensor [B, R]; `mask` the response mask (float), `starts` the macro actions' starts."""
-    log_ratio = (logp - old_logp) * mask
+    stats. Every tensor [B, R]; `response_mask` 1.0 on real response tokens, `starts` where macro
+    actions begin."""
+    log_ratio = (logp - old_logp) * response_mask
     if ratio == "macro":            # §3.3 MA-PPO: pi(omega)/pi_old(omega) = product of its token ratios
-        log_ratio = ma.macro_sum(log_ratio, starts) * mask
+        log_ratio = ma.macro_sum(log_ratio, starts) * response_mask
     ratios = log_ratio.exp()
     # §2 PPO clipped surrogate (Schulman et al. 2017, Eq. 7): max of the two negated terms = min of the objectives
     pg = torch.max(-advantages * ratios, -advantages * ratios.clamp(1 - clip, 1 + clip))
     # clipped value loss around the rollout's values (value clip 0.2, App. B.2 / Table 5)
     v_clipped = old_values + (values - old_values).clamp(-value_clip, value_clip)
     vf = 0.5 * torch.max((values - returns) ** 2, (v_clipped - returns) ** 2)
-    stats = {"policy/clipfrac": masked_mean(((ratios - 1).abs() > clip).float(), mask),
-             "policy/approxkl": masked_mean(0.5 * log_ratio ** 2, mask), "policy/ratio": masked_mean(ratios, mask)}
-    return masked_mean(pg, mask), masked_mean(vf, mask), stats
+    stats = {"policy/clipfrac": masked_mean(((ratios - 1).abs() > clip).float(), response_mask),
+             "policy/approxkl": masked_mean(0.5 * log_ratio ** 2, response_mask),
+             "policy/ratio": masked_mean(ratios, response_mask)}
+    return masked_mean(pg, response_mask), masked_mean(vf, response_mask), stats
 
 
 # ---------------------------------------------------------------------------------------------

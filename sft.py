@@ -71,8 +71,9 @@ def train_tokenizer(texts, vocab_size=2048):
 
 
 def tiny_gemma(tokenizer, hidden_size=128, num_layers=4, max_len=256):
-    """A small GemmaForCausalLM (~1.3M parameters at the defaults: 2048 tokens, hidden 128, 4 layers). head_dim is set explicitly:
-    Gemma's default of 256 would make the tiny model mostly attention projections."""
+    """A small GemmaForCausalLM (~1.3M parameters at the defaults: 2048 tokens, hidden 128, 4 layers).
+    head_dim is set explicitly: Gemma's default of 256 would make the tiny model mostly attention
+    projections."""
     from transformers import GemmaConfig, GemmaForCausalLM
     heads = 4
     config = GemmaConfig(vocab_size=len(tokenizer), hidden_size=hidden_size, intermediate_size=4 * hidden_size,
