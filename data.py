@@ -1,6 +1,6 @@
 """Data: every task as preference rows {prompt, chosen, rejected}, split for the three stages.
 
-Tasks (DESIGN §5):
+Tasks:
     chitchat   embedded default, offline: real conversations (`chitchat-dataset`), a VADER gold judge
     count      embedded, offline: "Count from a to b." with a gold judge that reads the whole response
     tldr       openai/summarize_from_feedback, config "comparisons" (Stiennon et al. 2020)
@@ -154,7 +154,7 @@ def load_chitchat(seed=SEED, only=None):
 
 
 # ---------------------------------------------------------------------------------------------
-# count: an embedded task whose success depends on the whole of a longer response (issue 11, H6)
+# count: an embedded task whose success depends on the whole of a longer response (the study's H6)
 # ---------------------------------------------------------------------------------------------
 # "Count from a to b." is answered " a, a+1, ..., b." (8-28 numbers, about 20-60 tokens: two to three
 # times chitchat's ~21). The demonstrations come from a careless counter: at each number it skips one or
@@ -264,6 +264,20 @@ def gold(task, prompts, texts):
 def response_len(task, flag):
     """--max_response_len: the flag, or when it is 0 the task's default."""
     return flag or MAX_RESPONSE_LEN.get(task, 32)
+
+
+def run_dir(task, stage):
+    """Where a stage of a task keeps its model by default: runs/<task>/<stage> (sft, rm, ppo_n5_fixed, ...)."""
+    return os.path.join("runs", task, stage)
+
+
+def resolve_paths(args, stage=None):
+    """The one place default paths are decided: the empty --sft_path, --rm_path and (for `stage`)
+    --output_dir of a stage's arguments become runs/<task>/sft, runs/<task>/rm, runs/<task>/<stage>."""
+    for name, default in (("sft_path", "sft"), ("rm_path", "rm"), ("output_dir", stage)):
+        if default and hasattr(args, name) and not getattr(args, name):
+            setattr(args, name, run_dir(args.task, default))
+    return args
 
 
 # ---------------------------------------------------------------------------------------------

@@ -79,7 +79,7 @@ def is_sharded(accelerator):
 
 
 @contextlib.contextmanager
-def generation_weights(accelerator, model, gather=True):
+def generation_model(accelerator, model, gather=True):
     """Yields (module to call generate() on, synced_gpus for generate()).
     Unsharded, ZeRO-2: the module as it is. ZeRO-3 / FSDP with `gather`: every parameter gathered once
     before generate() and released after, so each rank generates on its own from whole weights (the
@@ -115,7 +115,7 @@ def generation_weights(accelerator, model, gather=True):
 
 
 @contextlib.contextmanager
-def whole_weights():
+def loading_whole():
     """Loading context for frozen models: under ZeRO-3, transformers would partition them as they load
     (zero.Init), though no engine ever gathers them again. transformers decides that from one
     module-level DeepSpeed config, set aside here while they load."""
@@ -138,7 +138,7 @@ def accumulate(accelerator, policy, critic_accelerator, critic):
     return stack
 
 
-def full_weights(models):
+def whole_state_dicts(models):
     """{name: (accelerator, model)} -> {name: whole state dict}, gathered from ZeRO-3 / FSDP shards (a
     collective call: every rank must make it). A wrapper module's "model." prefix is dropped."""
     out = {}

@@ -7,9 +7,10 @@ Every function here works on response-only, right-padded tensors of shape [B, T]
     starts [B, T]  bool, True where a token begins a macro action
 
 A *termination* decides where macro actions begin (§3.2.1); `sigma_weights` says how the token
-values of a macro action combine into its value (App. D.1); `macro_advantages` runs GAE over macro
-actions and broadcasts the result back to the tokens (§3.3, Eq. 4-5). With one token per macro
-action this is exactly token-level PPO.
+values of a macro action combine into its value (App. D.1); `macro_rewards` builds the per-token
+rewards whose sum over a macro action is its reward R_tau (§3.3); `macro_advantages` runs GAE over
+macro actions and broadcasts the result back to the tokens (§3.3, Eq. 4-5). With one token per
+macro action this is exactly token-level PPO.
 
 The file imports only torch at module level; spaCy / nltk / redbaron are imported lazily by
 `parsing_starts`, so the n-gram, perplexity, entropy and GAE parts can be copied anywhere.
@@ -127,27 +128,38 @@ def sigma_weights(starts, mask, kind="equal"):
 # §3.3 Macro-level GAE
 # ---------------------------------------------------------------------------------------------
 
-def macro_advantages(values, rewards, mask, starts, gamma=1.0, lam=0.95, sigma="equal",
-                     reward_agg="sum"):
+def macro_rewards(kl_rewards, score, mask, starts, agg="sum"):
+    """Per-token rewards whose sum over a macro action is its reward R_tau ([B, T]).
+
+    kl_rewards [B, T]  -beta * KL of each response token (0 on padding);  score [B]  the sequence score
+    sum   the paper (§3.3): R_tau = the sum of its tokens' rewards, the score added at the last real token
+    mean  the released code: each macro action's KL rewards averaged (divided by its length), the score
+          added whole, never divided"""
+    if agg == "mean":
+        kl_rewards = kl_rewards / macro_sum(mask.to(kl_rewards.dtype), starts).clamp(min=1)
+    elif agg != "sum":
+        raise ValueError(f"unknown macro reward aggregation {agg!r}; choose sum or mean")
+    rewards = kl_rewards.clone()
+    last = (mask.long().sum(-1) - 1).clamp(min=0)                          # the last real token
+    rewards[torch.arange(len(last)), last] += score
+    return rewards
+
+
+def macro_advantages(values, rewards, mask, starts, gamma=1.0, lam=0.95, sigma="equal"):
     """GAE over macro actions, broadcast back to their tokens.
 
-    V_tau = sum_i sigma_i V_i;  R_tau = sum (or mean) of the macro's token rewards;
-    delta_tau = R_tau + gamma V_{tau+1} - V_tau (V = 0 after the last macro action);
-    A_tau = delta_tau + gamma lam A_{tau+1};  Q_tau = A_tau + V_tau.
-    `reward_agg="sum"` is the paper's equation; "mean" reproduces the released code, which
-    shrinks the per-token KL penalty about n-fold. Returns (advantages, returns), [B, T]."""
-    if reward_agg not in ("sum", "mean"):
-        raise ValueError(f"unknown reward_agg {reward_agg!r}; choose sum or mean")
+    V_tau = sum_i sigma_i V_i;  R_tau = the sum of the macro's token rewards (`macro_rewards` builds
+    them, the paper's sum or the released code's mean);  delta_tau = R_tau + gamma V_{tau+1} - V_tau
+    (V = 0 after the last macro action);  A_tau = delta_tau + gamma lam A_{tau+1};  Q_tau = A_tau + V_tau.
+    Returns (advantages, returns), [B, T]."""
     m = mask.to(values.dtype)
     ids = macro_ids(starts)
     B, T = values.shape
     zeros = torch.zeros_like(values)
     # §3.3 / App. D.1: V(s_tau) = sum_i sigma_i V(s_i) over the macro's tokens; slot tau of [B, T]
     v_macro = zeros.scatter_add(1, ids, sigma_weights(starts, mask, sigma).to(values.dtype) * values * m)
-    # §3.3: R_tau = the sum of the rewards of the macro action's tokens (the released code: the mean)
+    # §3.3: R_tau = the sum of the rewards of the macro action's tokens
     r_macro = zeros.scatter_add(1, ids, rewards.to(values.dtype) * m)
-    if reward_agg == "mean":
-        r_macro = r_macro / zeros.scatter_add(1, ids, m).clamp(min=1)
     n_macros = starts.sum(-1)                                               # [B]
     M = int(n_macros.max()) if B else 0
     valid = (torch.arange(T, device=values.device) < n_macros.unsqueeze(-1)).to(values.dtype)

@@ -27,17 +27,17 @@ import sandbox
 @dataclass
 class PPOArgs:
     task: str = field(default="chitchat", metadata={"help": "chitchat, count, tldr, tldr_carper, hh, webgpt, code, apps, or a local json/jsonl/parquet file"})
-    sft_path: str = field(default="", metadata={"help": "SFT model (policy init and frozen reference); default runs/<task>/sft, built on chitchat if missing"})
-    rm_path: str = field(default="", metadata={"help": "reward model (also the critic's init); default runs/<task>/rm, built on chitchat if missing; unused for code tasks"})
+    sft_path: str = field(default="", metadata={"help": "SFT model (policy init and frozen reference); default runs/<task>/sft, built if missing on chitchat, count and code"})
+    rm_path: str = field(default="", metadata={"help": "reward model (also the critic's init); default runs/<task>/rm, built if missing on chitchat and count; unused for code tasks"})
     reward: str = field(default="rm", metadata={"help": "the sequence score: rm (the reward model, the paper) | gold (the task's gold judge as a verifiable reward: chitchat, count); code tasks always run the program"})
     critic_path: str = field(default="", metadata={"help": "critic init: default the RM (App. B.2; the SFT model for code tasks); any causal LM or RM folder, a fresh value head on an LM"})
-    output_dir: str = field(default="", metadata={"help": "default runs/<task>/ppo_n<n>_<termination>"})
+    output_dir: str = field(default="", metadata={"help": "default runs/<task>/ppo_n<n>_fixed, or runs/<task>/ppo_<termination> for the other terminations"})
     sft_args: str = field(default="", metadata={"help": "extra sft.py flags used when the default SFT model is built, e.g. '--max_steps 600' (count: '--max_steps 1600 ...' when empty)"})
     rm_args: str = field(default="", metadata={"help": "extra reward_model.py flags used when the default RM is built (count: '--max_steps 1000 ...' when empty)"})
     n: int = field(default=5, metadata={"help": "macro action length for --termination fixed: 1 = vanilla PPO, 0 = the whole response"})
     termination: str = field(default="fixed", metadata={"help": "fixed | randomized | parsing | ppl | entropy (paper §3.2.1)"})
     sigma: str = field(default="equal", metadata={"help": "macro value weights: equal | unit | position | first (App. D.1)"})
-    reward_agg: str = field(default="sum", metadata={"help": "macro reward: sum (the paper's equation) | mean (the released code: each macro action's KL penalty averaged, the RM score kept whole)"})
+    reward_agg: str = field(default="sum", metadata={"help": "macro reward: sum (the paper's equation) | mean (the released code: each macro action's KL penalty averaged, the score kept whole)"})
     ratio: str = field(default="token", metadata={"help": "token: per-token ratios with macro advantages (released code) | macro: pi(omega)/pi_old(omega)"})
     kl_estimator: str = field(default="k1", metadata={"help": "per-token KL: k1 = logp - logp_ref | k3 = (r - 1) - log r, r = p_ref/p"})
     beta: float = field(default=0.05, metadata={"help": "KL penalty coefficient"})
@@ -78,12 +78,6 @@ class PPOArgs:
 
 
 # ---------------------------------------------------------------------------------------------
-# Small pure helpers
-# ---------------------------------------------------------------------------------------------
-
-
-
-# ---------------------------------------------------------------------------------------------
 # Small pure helpers (the math of one iteration)
 # ---------------------------------------------------------------------------------------------
 
@@ -97,29 +91,18 @@ def masked_whiten(x, mask):
     return (x - mean) * torch.rsqrt(var + 1e-8) * mask
 
 
-def token_rewards(kl_rewards, score, r_mask, starts, reward_agg="sum"):
-    """Per-token rewards whose sum over a macro action is its reward R_tau (§3.3: the sum of the
-    rewards of its tokens): the KL rewards with the sequence score added at the last real token.
-    `mean` reproduces the released code: each macro action's KL rewards are averaged (divided by its
-    length) and the score is never divided."""
-    if reward_agg == "mean":
-        kl_rewards = kl_rewards / ma.macro_sum(r_mask.to(kl_rewards.dtype), starts).clamp(min=1)
-    elif reward_agg != "sum":
-        raise ValueError(f"unknown --reward_agg {reward_agg!r}; choose sum or mean")
-    rewards = kl_rewards.clone()
-    last = (r_mask.long().sum(-1) - 1).clamp(min=0)
-    rewards[torch.arange(len(last)), last] += score
-    return rewards
-
-
-def response_logprobs(model, ids, mask, prompt_width, temperature):
-    """log pi(y_t | x, y_<t) of every response token under the sampling distribution (logits /
-    temperature), and the entropy there: both [B, R]."""
-    logits = model(input_ids=ids, attention_mask=mask, position_ids=data.position_ids(mask)).logits
+def response_logprobs(model, ids, attention_mask, prompt_width, temperature, with_entropy=False):
+    """(log pi(y_t | x, y_<t) of every response token under the sampling distribution (logits /
+    temperature), the entropy there or None): both [B, R]. The entropy is computed without a graph,
+    and only `with_entropy`: the update needs no [B, R, V] tensor kept alive for it."""
+    logits = model(input_ids=ids, attention_mask=attention_mask, position_ids=data.position_ids(attention_mask)).logits
     logits = logits[:, prompt_width - 1:-1].float() / temperature
     logp_all = logits.log_softmax(-1)
     logp = logp_all.gather(-1, ids[:, prompt_width:].unsqueeze(-1)).squeeze(-1)
-    entropy = -(logp_all.exp() * logp_all).sum(-1)
+    if not with_entropy:
+        return logp, None
+    with torch.no_grad():
+        entropy = -(logp_all.exp() * logp_all).sum(-1)
     return logp, entropy
 
 
@@ -131,95 +114,123 @@ class Critic(torch.nn.Module):
         super().__init__()
         self.model = model
 
-    def forward(self, ids, mask):
+    def forward(self, ids, attention_mask):
         model = self.model.get_base_model() if harness.is_lora(self.model) else self.model   # LoRA layers inside
-        return rm.token_values(model, ids, mask)
+        return rm.token_values(model, ids, attention_mask)
 
 
-def reference_logprobs(ref, accelerator, policy, ids, mask, prompt_width, temperature):
+def reference_logprobs(ref, accelerator, policy, ids, attention_mask, prompt_width, temperature):
     """log pi_ref of the response tokens: the frozen SFT model's, or under LoRA (ref None) the policy's
     with its adapters switched off, which is the SFT model."""
     if ref is not None:
-        return response_logprobs(ref, ids, mask, prompt_width, temperature)[0]
+        return response_logprobs(ref, ids, attention_mask, prompt_width, temperature)[0]
     with accelerator.unwrap_model(policy).disable_adapter():
-        return response_logprobs(policy, ids, mask, prompt_width, temperature)[0]
+        return response_logprobs(policy, ids, attention_mask, prompt_width, temperature)[0]
 
 
-def critic_values(critic, ids, mask, prompt_width):
+def critic_values(critic, ids, attention_mask, prompt_width):
     """V(s_t) for the state before each response token: the head at the preceding position [B, R]."""
-    return critic(ids, mask)[:, prompt_width - 1:-1]
+    return critic(ids, attention_mask)[:, prompt_width - 1:-1]
 
 
-def macro_starts(args, r_ids, r_mask, logprobs, entropy, tokenizer, generator):
-    """4. Which response tokens begin a macro action, and the parse fallback rate."""
-    if args.termination == "fixed":
-        return ma.fixed_ngram_starts(r_mask, args.n), 0.0
-    if args.termination == "randomized":
-        return ma.randomized_ngram_starts(r_mask, generator=generator), 0.0
-    if args.termination == "ppl":
-        return ma.perplexity_starts(logprobs, r_mask), 0.0
-    if args.termination == "entropy":
-        return ma.entropy_starts(entropy, r_mask, args.entropy_threshold), 0.0
-    if args.termination == "parsing":
-        language = "python" if args.task in data.CODE_TASKS else "text"
-        starts, fallback = ma.parsing_starts(r_ids, r_mask, tokenizer, args.cutoff, language, return_fallback=True)
+def macro_starts(termination, response_ids, response_mask, *, n=5, logprobs=None, entropy=None,
+                 entropy_threshold=2.0, tokenizer=None, cutoff=5, language="text", generator=None):
+    """4. Which response tokens begin a macro action ([B, R] bool), and the share of rows whose parse
+    fell back to n=1. ppl reads `logprobs`, entropy `entropy`, parsing `tokenizer` ([B, R] inputs)."""
+    if termination == "fixed":
+        return ma.fixed_ngram_starts(response_mask, n), 0.0
+    if termination == "randomized":
+        return ma.randomized_ngram_starts(response_mask, generator=generator), 0.0
+    if termination == "ppl":
+        return ma.perplexity_starts(logprobs, response_mask), 0.0
+    if termination == "entropy":
+        return ma.entropy_starts(entropy, response_mask, entropy_threshold), 0.0
+    if termination == "parsing":
+        starts, fallback = ma.parsing_starts(response_ids, response_mask, tokenizer, cutoff, language,
+                                             return_fallback=True)
         return starts, fallback.float().mean().item()
-    raise ValueError(f"unknown --termination {args.termination!r}")
+    raise ValueError(f"unknown --termination {termination!r}")
 
 
-def ppo_losses(args, logp, old_logp, values, old_values, advantages, returns, mask, starts):
-    """6. Clipped policy loss (token or macro ratio) and clipped value loss, masked means."""
-    log_ratio = (logp - old_logp) * mask
-    if args.ratio == "macro":       # §3.3 MA-PPO: pi(omega)/pi_old(omega) = product of its token ratios
-        log_ratio = ma.macro_sum(log_ratio, starts) * mask
-    ratio = log_ratio.exp()
+def ppo_losses(logp, old_logp, values, old_values, advantages, returns, response_mask, starts, *,
+               clip=0.2, value_clip=0.2, ratio="token"):
+    """6. Clipped policy loss (token or macro ratio) and clipped value loss, masked means, and their
+    stats. Every tensor [B, R]; `response_mask` 1.0 on real response tokens, `starts` where macro
+    actions begin."""
+    log_ratio = (logp - old_logp) * response_mask
+    if ratio == "macro":            # §3.3 MA-PPO: pi(omega)/pi_old(omega) = product of its token ratios
+        log_ratio = ma.macro_sum(log_ratio, starts) * response_mask
+    ratios = log_ratio.exp()
     # §2 PPO clipped surrogate (Schulman et al. 2017, Eq. 7): max of the two negated terms = min of the objectives
-    pg = torch.max(-advantages * ratio, -advantages * ratio.clamp(1 - args.clip, 1 + args.clip))
+    pg = torch.max(-advantages * ratios, -advantages * ratios.clamp(1 - clip, 1 + clip))
     # clipped value loss around the rollout's values (value clip 0.2, App. B.2 / Table 5)
-    v_clipped = old_values + (values - old_values).clamp(-args.value_clip, args.value_clip)
+    v_clipped = old_values + (values - old_values).clamp(-value_clip, value_clip)
     vf = 0.5 * torch.max((values - returns) ** 2, (v_clipped - returns) ** 2)
-    stats = {"policy/clipfrac": masked_mean(((ratio - 1).abs() > args.clip).float(), mask),
-             "policy/approxkl": masked_mean(0.5 * log_ratio ** 2, mask), "policy/ratio": masked_mean(ratio, mask)}
-    return masked_mean(pg, mask), masked_mean(vf, mask), stats
+    stats = {"policy/clipfrac": masked_mean(((ratios - 1).abs() > clip).float(), response_mask),
+             "policy/approxkl": masked_mean(0.5 * log_ratio ** 2, response_mask),
+             "policy/ratio": masked_mean(ratios, response_mask)}
+    return masked_mean(pg, response_mask), masked_mean(vf, response_mask), stats
 
 
 # ---------------------------------------------------------------------------------------------
 # Derived settings and the metrics of one iteration
 # ---------------------------------------------------------------------------------------------
 
+def run_name(args):
+    """ppo_n<n>_fixed for fixed n-grams, else ppo_<termination> (the other terminations ignore --n)."""
+    return f"ppo_n{args.n}_fixed" if args.termination == "fixed" else f"ppo_{args.termination}"
+
+
 def resolve(args):
-    """Derived settings, in one place: default paths, and what the task's reward is."""
-    args.sft_path = args.sft_path or f"runs/{args.task}/sft"
-    args.rm_path = args.rm_path or f"runs/{args.task}/rm"
-    args.output_dir = args.output_dir or f"runs/{args.task}/ppo_n{args.n}_{args.termination}"
+    """Derived settings, in one place: default paths, and whether the task's score is running its code."""
+    data.resolve_paths(args, run_name(args))
     args.max_response_len = data.response_len(args.task, args.max_response_len)
-    code = args.task in data.CODE_TASKS       # reward = running the program; critic from SFT (App. B.2)
+    code = args.task in data.CODE_TASKS       # score = running the program; critic from SFT (App. B.2)
     args.critic_path = args.critic_path or (args.sft_path if code else args.rm_path)
     if args.reward not in ("rm", "gold"):
         sys.exit(f"error: --reward {args.reward!r}: choose rm or gold")
     if args.reward == "gold" and args.task not in data.GOLD_JUDGES:
         sys.exit(f"error: --reward gold needs a task with a gold judge ({', '.join(data.GOLD_JUDGES)}), not {args.task!r}")
-    args.reward = "exec" if code else args.reward       # the name of the score in the metrics
     return args, code
 
 
-def iteration_metrics(t, reward):
-    """7. The metrics of one iteration from its tensors `t` (masked: no padding in any average)."""
-    m, starts = t["m"], t["starts"]
+@dataclass
+class Iteration:
+    """The tensors of one iteration that its metrics read; B rollouts of R response tokens."""
+    score: torch.Tensor             # [B] the sequence score (RM, gold judge or execution)
+    passed: torch.Tensor | None     # [B] 1.0 where every test passed (code tasks), else None
+    token_rewards: torch.Tensor     # [B, R] per-token rewards: KL rewards and the score (macro_rewards)
+    kl: torch.Tensor                # [B, R] per-token KL estimate
+    entropy: torch.Tensor           # [B, R] the policy's entropy at each response token
+    response_mask: torch.Tensor     # [B, R] 1.0 on real response tokens
+    starts: torch.Tensor            # [B, R] bool, where a macro action begins
+    old_values: torch.Tensor        # [B, R] V(s_t) at rollout time
+    advantages: torch.Tensor        # [B, R] macro advantages before whitening
+    returns: torch.Tensor           # [B, R] the critic's targets
+    has_eos: torch.Tensor           # [B] bool, the response ended with EOS
+    parse_fallback: float           # share of rows whose parse fell back to n=1
+    update_stats: list              # one dict of losses and ratio stats per minibatch
+
+
+def iteration_metrics(it, score_name):
+    """7. The metrics of one Iteration (masked: no padding in any average); the score is logged as
+    reward/<score_name> (rm, gold or exec)."""
+    m, starts = it.response_mask, it.starts
     n_macro = starts.sum(-1).clamp(min=1).float()
-    var_r = masked_mean((t["returns"] - masked_mean(t["returns"], m)) ** 2, m)
-    lengths = t["r_mask"].sum(-1)
-    return {f"reward/{reward}": t["score"].mean(),
-            **({"reward/pass_rate": t["passed"].mean()} if reward == "exec" else {}), "reward/total": t["rewards"].sum(-1).mean(),
-            "kl": (t["kl"] * m).sum(-1).mean(), "entropy": masked_mean(t["entropy"], m),
-            "value/explained_variance": 1 - masked_mean((t["returns"] - t["old_values"]) ** 2, m) / var_r.clamp(min=1e-8),
+    var_r = masked_mean((it.returns - masked_mean(it.returns, m)) ** 2, m)
+    lengths = m.sum(-1)
+    return {f"reward/{score_name}": it.score.mean(),
+            **({"reward/pass_rate": it.passed.mean()} if it.passed is not None else {}),
+            "reward/total": it.token_rewards.sum(-1).mean(),
+            "kl": (it.kl * m).sum(-1).mean(), "entropy": masked_mean(it.entropy, m),
+            "value/explained_variance": 1 - masked_mean((it.returns - it.old_values) ** 2, m) / var_r.clamp(min=1e-8),
             # Fig. 11: L2 norms per response, over tokens (a macro counted once per token) and over macro actions
-            "adv/l2": (t["raw_adv"] ** 2 * m).sum(-1).sqrt().mean(), "q/l2": (t["returns"] ** 2 * m).sum(-1).sqrt().mean(),
-            "adv/l2_macro": (t["raw_adv"] ** 2 * starts).sum(-1).sqrt().mean(),
-            "q/l2_macro": (t["returns"] ** 2 * starts).sum(-1).sqrt().mean(),
-            "macro/mean_len": (lengths / n_macro).mean(), "macro/parse_fallback": torch.tensor(t["fallback"]),
-            "response/len": lengths.float().mean(), "response/eos_rate": t["has_eos"].float().mean(),
-            **{k: torch.stack([s[k] for s in t["stats"]]).mean() for k in t["stats"][0]}}
+            "adv/l2": (it.advantages ** 2 * m).sum(-1).sqrt().mean(), "q/l2": (it.returns ** 2 * m).sum(-1).sqrt().mean(),
+            "adv/l2_macro": (it.advantages ** 2 * starts).sum(-1).sqrt().mean(),
+            "q/l2_macro": (it.returns ** 2 * starts).sum(-1).sqrt().mean(),
+            "macro/mean_len": (lengths / n_macro).mean(), "macro/parse_fallback": torch.tensor(it.parse_fallback),
+            "response/len": lengths.mean(), "response/eos_rate": it.has_eos.float().mean(),
+            **{k: torch.stack([s[k] for s in it.update_stats]).mean() for k in it.update_stats[0]}}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -227,8 +238,9 @@ def iteration_metrics(t, reward):
 # ---------------------------------------------------------------------------------------------
 
 def build_default(args, accelerator, code):
-    """chitchat / code with no paths given: run sft.py (and reward_model.py, not for code: its reward
-    is running the program) once on the main process, reuse them afterwards."""
+    """Embedded tasks (chitchat, count, code) with no model at the default paths: run sft.py (and
+    reward_model.py, not for code: its score is running the program) once on the main process, reuse
+    them afterwards."""
     env = {k: v for k, v in os.environ.items()
            if not k.startswith(("ACCELERATE_", "RANK", "WORLD_SIZE", "LOCAL_", "MASTER_", "OMP_"))}
     sft_args, rm_args = data.BUILD_ARGS.get(args.task, ("", ""))
@@ -267,13 +279,13 @@ def load_models(args, code):
     else:
         policy = AutoModelForCausalLM.from_pretrained(part("policy", args.sft_path), dtype=dtype)
         critic = Critic(rm.load_reward_model(part("critic", args.critic_path), args.bf16)[0])
-    with harness.whole_weights():       # the frozen models are never handed to a ZeRO-3 engine
+    with harness.loading_whole():       # the frozen models are never handed to a ZeRO-3 engine
         ref = None if args.lora_r else AutoModelForCausalLM.from_pretrained(args.sft_path, dtype=dtype).eval().requires_grad_(False)
-        reward = None if code else rm.load_reward_model(args.rm_path, args.bf16)[0].eval().requires_grad_(False)
+        reward_model = None if code else rm.load_reward_model(args.rm_path, args.bf16)[0].eval().requires_grad_(False)
     if args.gradient_checkpointing:
         policy.gradient_checkpointing_enable()
         critic.model.gradient_checkpointing_enable()
-    return tokenizer, policy, critic, ref, reward
+    return tokenizer, policy, critic, ref, reward_model
 
 
 def optimizers(args, policy, critic):
@@ -297,7 +309,8 @@ def main(args):
     harness.start("ppo", args, acc)
     log = acc.print
     build_default(args, acc, code)
-    tokenizer, policy, critic, ref, reward = load_models(args, code)
+    tokenizer, policy, critic, ref, reward_model = load_models(args, code)
+    score_name = "exec" if code else args.reward          # reward/<score_name> in the metrics
     splits = data.load_task(args.task, only=("ppo", "test"))
     problems = data.with_chat_template(data.first_row_per_prompt(splits["ppo"]), tokenizer, args.chat_template)
     eval_rows = data.with_chat_template(data.first_row_per_prompt(splits["test"])[:args.n_eval_prompts], tokenizer,
@@ -309,7 +322,7 @@ def main(args):
     policy, opts["policy_opt"], critic, opts["critic_opt"] = harness.prepare_pair(
         acc, critic_acc, policy, opts["policy_opt"], critic, opts["critic_opt"])
     sharded = harness.is_sharded(acc)   # ZeRO-3 / FSDP: every rank runs every forward, generate included
-    for frozen in (ref, reward):
+    for frozen in (ref, reward_model):
         if frozen is not None:
             frozen.to(acc.device)
     generator = torch.Generator().manual_seed(args.seed)       # minibatch order, randomized n-grams
@@ -331,7 +344,7 @@ def main(args):
             f.writelines(kept)
 
     def save(step):
-        weights = harness.full_weights({"policy": (acc, policy), "critic": (critic_acc, critic)}) if sharded else None
+        weights = harness.whole_state_dicts({"policy": (acc, policy), "critic": (critic_acc, critic)}) if sharded else None
         if acc.is_main_process:
             harness.save_checkpoint(args.output_dir, {"policy": acc.unwrap_model(policy),
                                                       "critic": critic_acc.unwrap_model(critic).model}, tokenizer,
@@ -347,49 +360,53 @@ def main(args):
             # 1. Rollout: sample responses to this rank's prompts; logprobs under the sampling distribution
             idx = harness.batch_indices(len(prompts), args.rollout_batch_size, step, args.seed, rank, world)
             policy.eval()
-            with harness.generation_weights(acc, policy, args.gather_for_generation) as (model, synced):
+            with harness.generation_model(acc, policy, args.gather_for_generation) as (model, synced):
                 p_ids, p_mask, r_ids, r_mask, n_cut = data.sample(
                     model, tokenizer, [prompts[i] for i in idx], args.max_prompt_len, args.max_response_len,
                     args.temperature, args.top_k, args.top_p, synced_gpus=synced)
             truncated += n_cut
             clock.lap("generate")
             P = p_ids.shape[1]
-            ids, mask = torch.cat([p_ids, r_ids], 1), torch.cat([p_mask, r_mask], 1)
-            m = r_mask.float()
+            ids, attention_mask = torch.cat([p_ids, r_ids], 1), torch.cat([p_mask, r_mask], 1)    # [B, P + R]
+            response_mask = r_mask.float()                                                        # [B, R]
             # 2. Score: old and reference logprobs, values V(s_t), the sequence score
             with torch.no_grad():
-                old_logp, entropy = response_logprobs(policy, ids, mask, P, args.temperature)
-                ref_logp = reference_logprobs(ref, acc, policy, ids, mask, P, args.temperature)
-                old_values = critic_values(critic, ids, mask, P) * m
-                if args.reward in ("exec", "gold"):      # scores of the decoded text
+                old_logp, entropy = response_logprobs(policy, ids, attention_mask, P, args.temperature, with_entropy=True)
+                ref_logp = reference_logprobs(ref, acc, policy, ids, attention_mask, P, args.temperature)
+                old_values = critic_values(critic, ids, attention_mask, P) * response_mask
+                if score_name in ("exec", "gold"):      # scores of the decoded text
                     texts = tokenizer.batch_decode(r_ids, skip_special_tokens=True)
                 if code:    # App. B.5: the compiler / test signal of running prefix + response
                     score, passed = map(torch.tensor, sandbox.execution_reward([problems[i] for i in idx], texts))
                     score = score.to(acc.device)
-                elif args.reward == "gold":     # a verifiable reward: the gold judge reads the whole response
+                elif score_name == "gold":     # a verifiable reward: the gold judge reads the whole response
                     score, passed = torch.tensor(data.gold(args.task, [prompts[i] for i in idx], texts),
                                                  device=acc.device), None
                 else:       # the RM's head at the last real token
-                    score, passed = rm.last_token(rm.token_values(reward, ids, mask), mask), None
-            has_eos = ((r_ids == tokenizer.eos_token_id) & r_mask.bool()).any(-1)
+                    score = rm.last_token(rm.token_values(reward_model, ids, attention_mask), attention_mask)
+                    passed = None
+            has_eos = ((r_ids == tokenizer.eos_token_id) & response_mask.bool()).any(-1)
             score = score + args.missing_eos_penalty * (~has_eos).float()
             # 3. Rewards (§2): r_t = -beta * KL_t per token, the score added at the last token (in step 5)
             log_r = old_logp - ref_logp
             kl = log_r if args.kl_estimator == "k1" else (torch.exp(-log_r) - 1) + log_r    # k1 or k3
-            kl_rewards = -args.beta * kl * m
+            kl_rewards = -args.beta * kl * response_mask
             if not (torch.isfinite(kl_rewards).all() and torch.isfinite(score).all()):
                 raise FloatingPointError(f"non-finite reward at iteration {step}; last good checkpoint in "
                                          f"{harness.checkpoint_dir(args.output_dir)}")
             clock.lap("forward")
             # 4. Macro actions (§3.2.1): which response tokens begin one
-            starts, fallback = macro_starts(args, r_ids, r_mask, old_logp, entropy, tokenizer, generator)
+            starts, fallback = macro_starts(args.termination, r_ids, response_mask, n=args.n, logprobs=old_logp,
+                                            entropy=entropy, entropy_threshold=args.entropy_threshold,
+                                            tokenizer=tokenizer, cutoff=args.cutoff, generator=generator,
+                                            language="python" if code else "text")
             # 5. Advantages (§3.3, Eq. 4-5): macro rewards R_tau, sigma-weighted macro values, macro GAE
-            rewards = token_rewards(kl_rewards, score, r_mask, starts, args.reward_agg)
-            advantages, returns = ma.macro_advantages(old_values, rewards, r_mask, starts, args.gamma, args.lam,
-                                                      args.sigma)
+            token_rewards = ma.macro_rewards(kl_rewards, score, response_mask, starts, args.reward_agg)
+            advantages, returns = ma.macro_advantages(old_values, token_rewards, response_mask, starts, args.gamma,
+                                                      args.lam, args.sigma)
             raw_adv = advantages
             if args.whiten_advantages:
-                advantages = masked_whiten(advantages, m)
+                advantages = masked_whiten(advantages, response_mask)
             clock.lap("macro")
             # 6. PPO update: epochs over minibatches, the policy and the critic each with its optimizer
             policy.train()
@@ -400,10 +417,11 @@ def main(args):
                 for k in range(0, len(idx), args.mini_batch_size):
                     mb = order[k:k + args.mini_batch_size]
                     with harness.accumulate(acc, policy, critic_acc, critic):
-                        logp, _ = response_logprobs(policy, ids[mb], mask[mb], P, args.temperature)
-                        values = critic_values(critic, ids[mb], mask[mb], P)
-                        pg_loss, vf_loss, s = ppo_losses(args, logp, old_logp[mb], values, old_values[mb],
-                                                         advantages[mb], returns[mb], m[mb], starts[mb])
+                        logp, _ = response_logprobs(policy, ids[mb], attention_mask[mb], P, args.temperature)
+                        values = critic_values(critic, ids[mb], attention_mask[mb], P)
+                        pg_loss, vf_loss, s = ppo_losses(logp, old_logp[mb], values, old_values[mb], advantages[mb],
+                                                         returns[mb], response_mask[mb], starts[mb], clip=args.clip,
+                                                         value_clip=args.value_clip, ratio=args.ratio)
                         if not (torch.isfinite(pg_loss) and torch.isfinite(vf_loss)):
                             raise FloatingPointError(f"non-finite loss at iteration {step}; last good checkpoint "
                                                      f"in {harness.checkpoint_dir(args.output_dir)}")
@@ -418,62 +436,68 @@ def main(args):
                 sched.step()
             clock.lap("update")
             # 7. Log (averaged over processes), evaluate on held-out prompts, checkpoint
-            local = iteration_metrics(dict(score=score, passed=passed, rewards=rewards, kl=kl, entropy=entropy, m=m,
-                                           returns=returns, old_values=old_values, raw_adv=raw_adv, starts=starts,
-                                           r_mask=r_mask, has_eos=has_eos, fallback=fallback, stats=stats), args.reward)
+            local = iteration_metrics(Iteration(score, passed, token_rewards, kl, entropy, response_mask, starts,
+                                                old_values, raw_adv, returns, has_eos, fallback, stats), score_name)
             keys = sorted(local)
             reduced = acc.reduce(torch.stack([local[k].float().to(acc.device) for k in keys]), "mean")
             metrics = {k: round(v, 5) for k, v in zip(keys, reduced.tolist())}
             metrics.update({"step": step + 1, "time/step": round(clock.total(), 3), "prompts/truncated": truncated,
                             **{f"time/{k}": round(v, 4 if k == "macro" else 3) for k, v in clock.laps.items()},
-                            "tokens_per_s": round(float(r_mask.sum()) * world / clock.total(), 1),
+                            "tokens_per_s": round(float(response_mask.sum()) * world / clock.total(), 1),
                             **({"memory/peak_gb": round(torch.cuda.max_memory_allocated() / 2 ** 30, 2)}
                                if torch.cuda.is_available() else {})})
             if (step + 1) % args.eval_every == 0 or step + 1 == args.steps:
-                evaluate_now(args, acc, policy, reward, tokenizer, eval_rows, sharded, code, metrics)
+                evaluate_now(args, metrics, accelerator=acc, policy=policy, reward_model=reward_model,
+                             tokenizer=tokenizer, eval_rows=eval_rows)
             if acc.is_main_process:
                 with open(metrics_path, "a") as f:
                     f.write(json.dumps(metrics) + "\n")
             if args.report_to != "none":
                 acc.log(metrics, step=step + 1)
-            bar.set_postfix(score=f"{metrics[f'reward/{args.reward}']:.2f}", kl=f"{metrics['kl']:.2f}")
+            bar.set_postfix(score=f"{metrics[f'reward/{score_name}']:.2f}", kl=f"{metrics['kl']:.2f}")
             stop.end_of_step(step + 1, args.steps, args.save_every, save)
-    finish(args, acc, critic_acc, policy, critic, reward, tokenizer, eval_rows, metrics_path, sharded, truncated)
+    finish(args, truncated, accelerators=(acc, critic_acc), policy=policy, critic=critic, reward_model=reward_model,
+           tokenizer=tokenizer, eval_rows=eval_rows)
 
 
-def evaluate_now(args, acc, policy, reward, tokenizer, eval_rows, sharded, code, metrics):
+def evaluate_now(args, metrics, *, accelerator, policy, reward_model, tokenizer, eval_rows):
     """7. Held-out score (and gold score / pass rate) of the current policy into `metrics`; a log line."""
+    acc, sharded, code = accelerator, harness.is_sharded(accelerator), args.task in data.CODE_TASKS
     if acc.is_main_process or sharded:               # sharded weights: every rank takes part
-        with harness.generation_weights(acc, policy, args.gather_for_generation) as (model, synced):
-            _, scores, second = evaluate.held_out(model.eval(), reward, tokenizer, eval_rows, args, args.seed, synced)
+        with harness.generation_model(acc, policy, args.gather_for_generation) as (model, synced):
+            _, scores, second = evaluate.held_out(model.eval(), reward_model, tokenizer, eval_rows, args, args.seed,
+                                                  synced)
     if acc.is_main_process:
         key, second_key = ("exec", "pass@1") if code else ("rm", "gold")
         metrics[f"eval/{key}"] = round(scores.mean().item(), 4)
         if second is not None:
             metrics[f"eval/{second_key}"] = round(second.mean().item(), 4)
         acc.print(f"[ppo] iteration {metrics['step']}: " + "  ".join(f"{k} {metrics[k]}" for k in (
-            f"reward/{args.reward}", "kl", f"eval/{key}", f"eval/{second_key}", "macro/mean_len") if k in metrics))
+            f"reward/{'exec' if code else args.reward}", "kl", f"eval/{key}", f"eval/{second_key}", "macro/mean_len") if k in metrics))
     acc.wait_for_everyone()
 
 
-def finish(args, acc, critic_acc, policy, critic, reward, tokenizer, eval_rows, metrics_path, sharded, truncated):
-    """After the last iteration: warnings, the rank-sync check, the final policy, the report."""
+def finish(args, truncated, *, accelerators, policy, critic, reward_model, tokenizer, eval_rows):
+    """After the last iteration: warnings, the rank-sync check, the final policy, the report.
+    `truncated`: prompts of this process that lost their beginning; `accelerators`: (policy's, critic's)."""
     from transformers import AutoModelForCausalLM
+    (acc, critic_acc), sharded = accelerators, harness.is_sharded(accelerators[0])
+    metrics_path = os.path.join(args.output_dir, "metrics.jsonl")
     if truncated:
         acc.print(f"[ppo] warning: {truncated} prompts (this process) were longer than {args.max_prompt_len} "
                   f"tokens and lost their beginning")
     if not sharded:
         acc.print(f"[ppo] ranks in sync: {harness.ranks_in_sync(acc, policy) and harness.ranks_in_sync(acc, critic)}")
-    weights = harness.full_weights({"model": (acc, policy)}) if sharded else None    # collective when sharded
+    weights = harness.whole_state_dicts({"model": (acc, policy)}) if sharded else None    # collective when sharded
     if acc.is_main_process:
         final = os.path.join(args.output_dir, "policy")      # LoRA adapters merged: a plain model
         harness.atomic_save(final, harness.merged(acc.unwrap_model(policy)), tokenizer, state_dicts=weights)
         # the report reads the saved policy back: whole weights on one process, whatever the sharding
         dtype = torch.bfloat16 if args.bf16 else torch.float32
-        with harness.whole_weights():
+        with harness.loading_whole():
             policy = AutoModelForCausalLM.from_pretrained(final, dtype=dtype).to(acc.device).eval()
             sft_model = AutoModelForCausalLM.from_pretrained(args.sft_path).eval()
-        evaluate.final_report(args, policy, sft_model, reward, tokenizer, eval_rows, metrics_path)
+        evaluate.final_report(args, policy, sft_model, reward_model, tokenizer, eval_rows, metrics_path)
     acc.wait_for_everyone()
     if args.report_to != "none":
         acc.end_training()

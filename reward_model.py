@@ -6,8 +6,8 @@
 The RM is `AutoModelForSequenceClassification(num_labels=1)` initialised from the SFT checkpoint;
 its loss is -log sigmoid(r(x, y+) - r(x, y-)) (Ouyang et al. 2022, Eq. 1), its score the head's
 output at the last real token of prompt + response. Reported: held-out pairwise accuracy, and on
-chitchat the agreement of the RM with the gold judge on pairs of SFT samples (the distribution
-PPO will show it). `score()` and `token_values()` are what ppo.py and evaluate.py use.
+tasks with a gold judge (chitchat, count) the agreement of the RM with it on pairs of SFT samples
+(the distribution PPO will show it). `score()` and `token_values()` are what ppo.py and evaluate.py use.
 """
 import os
 from dataclasses import dataclass, field
@@ -22,8 +22,8 @@ import harness
 @dataclass
 class RMArgs:
     task: str = field(default="chitchat", metadata={"help": "chitchat, count, tldr, tldr_carper, hh, webgpt, or a local json/jsonl/parquet file"})
-    sft_path: str = field(default="runs/chitchat/sft", metadata={"help": "SFT checkpoint (save_pretrained folder) or HF model id to start from"})
-    output_dir: str = field(default="runs/chitchat/rm", metadata={"help": "where the reward model + tokenizer are saved"})
+    sft_path: str = field(default="", metadata={"help": "SFT checkpoint (save_pretrained folder) or HF model id to start from; default runs/<task>/sft"})
+    output_dir: str = field(default="", metadata={"help": "where the reward model + tokenizer are saved; default runs/<task>/rm"})
     max_prompt_len: int = field(default=48, metadata={"help": "prompt tokens kept (truncated from the left)"})
     max_response_len: int = field(default=0, metadata={"help": "response tokens kept, EOS included; 0 = the task's default (64 for count, else 32)"})
     batch_size: int = field(default=32, metadata={"help": "preference pairs per process per micro-step"})
@@ -111,6 +111,7 @@ def gold_agreement(rm, policy, tokenizer, prompts, args):
 
 
 def main(args):
+    data.resolve_paths(args, "rm")
     args.max_response_len = data.response_len(args.task, args.max_response_len)
     accelerator = harness.make_accelerator(args.bf16, args.grad_accum)
     harness.start("rm", args, accelerator)

@@ -26,7 +26,7 @@ SPECIAL_TOKENS = {"pad_token": "<pad>", "eos_token": "<eos>", "bos_token": "<bos
 class SFTArgs:
     task: str = field(default="chitchat", metadata={"help": "chitchat, count, tldr, tldr_carper, hh, webgpt, code, apps, or a local json/jsonl/parquet file"})
     model: str = field(default="tiny", metadata={"help": "'tiny' builds a small Gemma + BPE tokenizer offline; otherwise an HF model id, a local folder, or a local .gguf file (dequantized; needs the gguf package)"})
-    output_dir: str = field(default="runs/chitchat/sft", metadata={"help": "where the final model + tokenizer are saved"})
+    output_dir: str = field(default="", metadata={"help": "where the final model + tokenizer are saved; default runs/<task>/sft"})
     max_prompt_len: int = field(default=48, metadata={"help": "prompt tokens kept (truncated from the left)"})
     max_response_len: int = field(default=0, metadata={"help": "response tokens kept, EOS included; 0 = the task's default (64 for count, else 32)"})
     batch_size: int = field(default=32, metadata={"help": "examples per process per micro-step"})
@@ -54,10 +54,10 @@ class SFTArgs:
 
 
 # ---------------------------------------------------------------------------------------------
-# The tiny default model and its tokenizer (DESIGN §5)
+# The tiny default model and its tokenizer
 # ---------------------------------------------------------------------------------------------
 
-def train_tokenizer(texts, vocab_size=2000):
+def train_tokenizer(texts, vocab_size=2048):
     """A byte-level BPE tokenizer trained offline on `texts` (any unicode round-trips), with
     pad != eos. Wrapped as a fast HF tokenizer, so `return_offsets_mapping` works."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
@@ -71,8 +71,9 @@ def train_tokenizer(texts, vocab_size=2000):
 
 
 def tiny_gemma(tokenizer, hidden_size=128, num_layers=4, max_len=256):
-    """A small GemmaForCausalLM (~1.5M parameters at the defaults). head_dim is set explicitly:
-    Gemma's default of 256 would make the tiny model mostly attention projections."""
+    """A small GemmaForCausalLM (~1.3M parameters at the defaults: 2048 tokens, hidden 128, 4 layers).
+    head_dim is set explicitly: Gemma's default of 256 would make the tiny model mostly attention
+    projections."""
     from transformers import GemmaConfig, GemmaForCausalLM
     heads = 4
     config = GemmaConfig(vocab_size=len(tokenizer), hidden_size=hidden_size, intermediate_size=4 * hidden_size,
@@ -103,7 +104,7 @@ def load_pretrained(source, bf16=False):
     from transformers import GgufConfig
     model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype, quantization_config=GgufConfig(dequantize=True),
                                                  **kwargs)
-    if getattr(model, "hf_quantizer", None) is not None:     # float weights now: trainable and savable
+    if getattr(model, "hf_quantizer", None) is not None:     # float weights: trainable and savable
         model.hf_quantizer.remove_quantization_config(model)
     return tokenizer, model
 
@@ -149,6 +150,7 @@ def split_holdout(rows, fraction=0.05, seed=data.SEED):
 
 
 def main(args):
+    data.resolve_paths(args, "sft")
     args.max_response_len = data.response_len(args.task, args.max_response_len)
     accelerator = harness.make_accelerator(args.bf16, args.grad_accum)
     harness.start("sft", args, accelerator)

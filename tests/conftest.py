@@ -1,5 +1,15 @@
 import pytest
 
+
+def pytest_collection_modifyitems(config, items):
+    """Slow tests run only when -m names them (python -m pytest -m slow); any other selection leaves them out."""
+    if "slow" in (config.getoption("markexpr") or ""):
+        return
+    slow = [item for item in items if "slow" in item.keywords]
+    if slow:
+        config.hook.pytest_deselected(items=slow)
+        items[:] = [item for item in items if "slow" not in item.keywords]
+
 SAMPLE_TEXT = [
     "The quick brown fox (a clever one) jumped over the lazy dog.\nThen it ran away, fast!",
     "Héllo wörld, naïve café [brackets] {braces} <angles> — unicode “quotes”.",
@@ -14,6 +24,15 @@ def tokenizer():
     """A real byte-level BPE tokenizer, trained offline in a fraction of a second."""
     from sft import train_tokenizer
     return train_tokenizer(SAMPLE_TEXT * 20, vocab_size=400)
+
+
+@pytest.fixture(scope="session")
+def tiny_lm(tokenizer):
+    """A random 2-layer Gemma in eval mode, read by the tests of losses and log-probabilities (never trained)."""
+    import torch
+    import sft
+    torch.manual_seed(0)
+    return sft.tiny_gemma(tokenizer, hidden_size=32, num_layers=2).eval()
 
 
 @pytest.fixture(scope="session")

@@ -43,7 +43,23 @@ def sigma_loop(n, kind):
     return [1.0 / ((n - i) * H) for i in range(n)]
 
 
-def macro_gae_loop(values, rewards, mask, starts, gamma=1.0, lam=0.95, sigma="equal", reward_agg="sum"):
+def macro_rewards_loop(kl_rewards, score, mask, starts, agg="sum"):
+    """Per-token rewards, one sample and one macro action at a time: the KL rewards (each macro
+    action's averaged for "mean"), the score added once at the last real token."""
+    out = torch.zeros(kl_rewards.shape)
+    for b in range(len(mask)):
+        length = int(mask[b].sum())
+        begin = 0
+        for n in macro_lengths(starts[b].tolist(), length):
+            for i in range(begin, begin + n):
+                out[b, i] = kl_rewards[b, i] / n if agg == "mean" else kl_rewards[b, i]
+            begin += n
+        if length:
+            out[b, length - 1] += score[b]
+    return out
+
+
+def macro_gae_loop(values, rewards, mask, starts, gamma=1.0, lam=0.95, sigma="equal"):
     """Macro-level GAE, one sample and one macro action at a time (batched tensors in and out)."""
     B, T = values.shape
     adv_out, ret_out = torch.zeros(B, T), torch.zeros(B, T)
@@ -54,8 +70,7 @@ def macro_gae_loop(values, rewards, mask, starts, gamma=1.0, lam=0.95, sigma="eq
         for n in lens:
             w = sigma_loop(n, sigma)
             V.append(sum(w[i] * float(values[b, begin + i]) for i in range(n)))
-            r = sum(float(rewards[b, begin + i]) for i in range(n))
-            R.append(r / n if reward_agg == "mean" else r)
+            R.append(sum(float(rewards[b, begin + i]) for i in range(n)))
             begin += n
         A, last = [0.0] * len(lens), 0.0
         for k in reversed(range(len(lens))):

@@ -4,8 +4,13 @@ process itself (signals, exit codes, accelerate launch, the zero-argument pipeli
 import contextlib
 import importlib
 import io
+import sys
 
 ARGS = {"sft": "SFTArgs", "reward_model": "RMArgs", "ppo": "PPOArgs"}
+
+# `accelerate launch` with two CPU processes (gloo), no config file: the multi-process tests' launcher
+LAUNCH = (sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
+          "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no")
 
 
 def run_stage(script, *argv):

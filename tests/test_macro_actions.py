@@ -1,10 +1,15 @@
-"""macro_actions.py, as a specification: DESIGN.md §3 and paper §3.2, App. D.1."""
+"""macro_actions.py, as a specification: paper §3.2, §3.3 and App. D.1."""
+
+import os
+import shutil
+import subprocess
+import sys
 
 import pytest
 import torch
 
 import macro_actions as ma
-from reference import (fixed_ngram_loop, macro_gae_loop, macro_lengths, perplexity_loop,
+from reference import (fixed_ngram_loop, macro_gae_loop, macro_lengths, macro_rewards_loop, perplexity_loop,
                        sigma_loop, token_gae)
 
 LENGTHS = [7, 1, 12, 0, 5]          # rows of different lengths, one empty
@@ -60,27 +65,81 @@ def test_whole_response_is_one_macro_action(n):
 
 
 @pytest.mark.parametrize("sigma", ["equal", "unit", "position", "first"])
-@pytest.mark.parametrize("reward_agg", ["sum", "mean"])
 @pytest.mark.parametrize("termination", ["n3", "randomized", "ppl", "entropy"])
-def test_macro_gae_matches_reference_loop(sigma, reward_agg, termination):
+def test_macro_gae_matches_reference_loop(sigma, termination):
     values, rewards, logprobs, mask = random_batch(seed=3)
     starts = all_terminations(mask, logprobs)[termination]
-    adv, ret = ma.macro_advantages(values, rewards, mask, starts, gamma=0.99, lam=0.9, sigma=sigma,
-                                   reward_agg=reward_agg)
-    ref_adv, ref_ret = macro_gae_loop(values, rewards, mask, starts, 0.99, 0.9, sigma, reward_agg)
+    adv, ret = ma.macro_advantages(values, rewards, mask, starts, gamma=0.99, lam=0.9, sigma=sigma)
+    ref_adv, ref_ret = macro_gae_loop(values, rewards, mask, starts, 0.99, 0.9, sigma)
     assert torch.allclose(adv, ref_adv, atol=1e-5) and torch.allclose(ret, ref_ret, atol=1e-5)
+
+
+# --- macro rewards ---------------------------------------------------------------------------
+
+@pytest.mark.parametrize("agg", ["sum", "mean"])
+@pytest.mark.parametrize("termination", ["n1", "n3", "whole", "randomized", "ppl"])
+def test_macro_rewards_match_reference_loop(agg, termination):
+    _, kl_rewards, logprobs, mask = random_batch(seed=4)
+    score = torch.randn(len(LENGTHS), generator=torch.Generator().manual_seed(2))
+    starts = all_terminations(mask, logprobs)[termination]
+    rewards = ma.macro_rewards(kl_rewards, score, mask, starts, agg)
+    assert torch.allclose(rewards * mask, macro_rewards_loop(kl_rewards, score, mask, starts, agg), atol=1e-6)
+
+
+def test_macro_rewards_sum_is_the_paper_and_mean_the_released_code_on_a_hand_case():
+    """Macro actions of 3 and 2 tokens, KL rewards -0.3 -0.6 -0.9 | -0.2 -0.4, score 2.
+    sum:  R = -1.8, 1.4 (the paper);  mean: R = -0.6, -0.3 + 2 = 1.7 (the released code)."""
+    mask = torch.ones(1, 5)
+    starts = torch.tensor([[True, False, False, True, False]])
+    kl_rewards, score = torch.tensor([[-0.3, -0.6, -0.9, -0.2, -0.4]]), torch.tensor([2.0])
+    zeros = torch.zeros(1, 5)
+    for agg, (r1, r2) in {"sum": (-1.8, 1.4), "mean": (-0.6, 1.7)}.items():
+        rewards = ma.macro_rewards(kl_rewards, score, mask, starts, agg)
+        assert torch.allclose(ma.macro_sum(rewards, starts)[0, [0, 3]], torch.tensor([r1, r2]))
+        adv, _ = ma.macro_advantages(zeros, rewards, mask, starts, gamma=1.0, lam=1.0)   # V = 0: A = sum of later R
+        assert torch.allclose(adv[0], torch.tensor([r1 + r2] * 3 + [r2] * 2))
+    with pytest.raises(ValueError, match="'max'"):
+        ma.macro_rewards(kl_rewards, score, mask, starts, "max")
 
 
 def test_reward_sum_preserves_total_and_mean_shrinks_it_n_fold():
     # KL-only rewards of -1 on every token, zero values: with gamma = lam = 1 the first token's
     # advantage is the total reward the policy sees.
     mask = torch.ones(1, 10, dtype=torch.long)
-    rewards, values = -torch.ones(1, 10), torch.zeros(1, 10)
+    kl_rewards, values, score = -torch.ones(1, 10), torch.zeros(1, 10), torch.zeros(1)
     starts = ma.fixed_ngram_starts(mask, 5)
-    a_sum, _ = ma.macro_advantages(values, rewards, mask, starts, lam=1.0, reward_agg="sum")
-    a_mean, _ = ma.macro_advantages(values, rewards, mask, starts, lam=1.0, reward_agg="mean")
+    a_sum, _ = ma.macro_advantages(values, ma.macro_rewards(kl_rewards, score, mask, starts, "sum"), mask, starts, lam=1.0)
+    a_mean, _ = ma.macro_advantages(values, ma.macro_rewards(kl_rewards, score, mask, starts, "mean"), mask, starts,
+                                    lam=1.0)
     assert a_sum[0, 0].item() == pytest.approx(-10.0)        # sum: the total reward is kept
     assert a_mean[0, 0].item() == pytest.approx(-2.0)        # the released code's mean: n-fold less
+
+
+ALONE = """
+import sys, torch
+import macro_actions as ma
+assert not set(sys.modules) & {"transformers", "spacy", "nltk", "data", "ppo", "harness"}, "imports beyond torch"
+mask = torch.ones(1, 5)
+starts = torch.tensor([[True, False, False, True, False]])
+kl = torch.tensor([[-0.3, -0.6, -0.9, -0.2, -0.4]])
+for agg, expected in [("sum", [-1.8, 1.4]), ("mean", [-0.6, 1.7])]:
+    R = ma.macro_sum(ma.macro_rewards(kl, torch.tensor([2.0]), mask, starts, agg), starts)[0, [0, 3]]
+    assert torch.allclose(R, torch.tensor(expected)), (agg, R)
+    adv, _ = ma.macro_advantages(torch.zeros(1, 5), ma.macro_rewards(kl, torch.tensor([2.0]), mask, starts, agg),
+                                 mask, starts, gamma=1.0, lam=1.0)
+    assert torch.allclose(adv[0, 0], torch.tensor(sum(expected))), (agg, adv)
+print("alone ok")
+"""
+
+
+@pytest.mark.launch
+def test_macro_actions_copied_alone_gives_the_paper_sum_and_the_released_mean(tmp_path):
+    """The file is copyable: alone in a folder (no other file of the project importable), with torch only."""
+    shutil.copy(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "macro_actions.py"), tmp_path)
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    proc = subprocess.run([sys.executable, "-I", "-c", f"import sys; sys.path.insert(0, {str(tmp_path)!r})\n{ALONE}"],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0 and "alone ok" in proc.stdout, proc.stderr[-2000:]
 
 
 def test_batch_rows_are_independent():

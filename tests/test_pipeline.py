@@ -10,7 +10,7 @@ import time
 import pytest
 import torch
 
-from stages import run_stage
+from stages import LAUNCH, run_stage
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 TINY = ["--hidden_size", "32", "--num_layers", "1", "--vocab_size", "300", "--batch_size", "4",
@@ -49,12 +49,14 @@ def sft_runs(tmp_path_factory):
     return whole, split, out, interrupted, resumed
 
 
+@pytest.mark.launch
 def test_sft_runs_end_to_end_and_reports_held_out_loss(sft_runs):
     whole, _, out, _, _ = sft_runs
     assert "held-out loss" in out and "sample:" in out
     assert os.path.exists(os.path.join(whole, "config.json")) and os.path.exists(os.path.join(whole, "tokenizer.json"))
 
 
+@pytest.mark.launch
 def test_ctrl_c_then_resume_gives_the_uninterrupted_weights(sft_runs):
     whole, split, _, interrupted, resumed = sft_runs
     assert "checkpoint saved" in interrupted and "resumed at step" in resumed
@@ -63,6 +65,7 @@ def test_ctrl_c_then_resume_gives_the_uninterrupted_weights(sft_runs):
     assert all(torch.equal(a[k], b[k]) for k in a)
 
 
+@pytest.mark.launch
 def test_reward_model_trains_from_the_sft_checkpoint(sft_runs, tmp_path):
     whole = sft_runs[0]
     out = run_stage("reward_model.py", "--sft_path", whole, "--output_dir", str(tmp_path / "rm"), "--batch_size", "4",
@@ -73,9 +76,6 @@ def test_reward_model_trains_from_the_sft_checkpoint(sft_runs, tmp_path):
     model = AutoModelForSequenceClassification.from_pretrained(tmp_path / "rm")
     assert model.config.num_labels == 1
 
-
-LAUNCH = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
-          "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no"]
 
 
 LAUNCHED = [*TINY, "--max_steps", "60", "--save_every", "5"]
@@ -91,6 +91,7 @@ def sft_launched(tmp_path_factory):
     return out, proc.stdout
 
 
+@pytest.mark.launch
 def test_sft_under_accelerate_launch_with_two_cpu_processes(sft_launched):
     out, stdout = sft_launched
     assert "2 process(es)" in stdout
@@ -133,6 +134,7 @@ def worker(launcher_pid, rank):
     raise AssertionError(f"no worker of rank {rank}")
 
 
+@pytest.mark.launch
 def test_ctrl_c_to_one_rank_under_accelerate_launch_stops_both_at_one_step_and_resumes_exactly(tmp_path, sft_launched):
     """SIGINT to rank 1 alone must also stop rank 0 at the same step (not leave it waiting for rank 1
     in a collective), and --resume then ends with the weights of an uninterrupted 2-process run. (A

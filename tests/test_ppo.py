@@ -11,18 +11,16 @@ import data
 import macro_actions as ma
 import ppo
 import sandbox
-import sft
 from reference import token_gae
-from stages import run_stage
+from stages import LAUNCH, run_stage
 
 PROMPTS = ["\n\nHuman: how are you\n\nAssistant:", "hi", "\n\nHuman: tell me about the quick brown fox please\n\nAssistant:",
            "\n\nHuman: The quick brown fox (a clever one) jumped over the lazy dog, then what?\n\nAssistant:"]
 
 
 @pytest.fixture(scope="module")
-def policy(tokenizer):
-    torch.manual_seed(0)
-    return sft.tiny_gemma(tokenizer, hidden_size=32, num_layers=2).eval()
+def policy(tiny_lm):
+    return tiny_lm
 
 
 def test_rollout_logprobs_equal_training_forward_so_the_first_ratio_is_one(policy, tokenizer):
@@ -69,7 +67,8 @@ def test_n1_is_exactly_token_level_ppo_loss_and_gradients():
     args = ppo.PPOArgs(n=1, whiten_advantages=False)
     starts = ma.fixed_ngram_starts(mask, 1)
     adv, ret = ma.macro_advantages(old_values, rewards, mask, starts, args.gamma, args.lam)
-    pg, vf, _ = ppo.ppo_losses(args, logp, old_logp, values, old_values, adv, ret, mask, starts)
+    pg, vf, _ = ppo.ppo_losses(logp, old_logp, values, old_values, adv, ret, mask, starts, clip=args.clip,
+                               value_clip=args.value_clip)
     ref_pg, ref_vf = reference_token_ppo(logp, old_logp, values, old_values, rewards, mask, args.clip,
                                          args.value_clip, args.gamma, args.lam)
     assert torch.allclose(pg, ref_pg, atol=1e-6) and torch.allclose(vf, ref_vf, atol=1e-6)
@@ -84,35 +83,33 @@ def test_macro_ratio_is_the_product_of_the_token_ratios_of_the_macro_action():
     old = torch.zeros(1, 5)
     logp = torch.tensor([[0.1, 0.2, -0.05, 0.3, 0.0]])
     adv = torch.ones(1, 5)
-    args = ppo.PPOArgs(ratio="macro", clip=10.0)
-    _, _, stats = ppo.ppo_losses(args, logp, old, old, old, adv, old, mask, starts)
+    _, _, stats = ppo.ppo_losses(logp, old, old, old, adv, old, mask, starts, clip=10.0, ratio="macro")
     expected = torch.tensor([0.25] * 3 + [0.3] * 2).exp().mean()
     assert torch.allclose(stats["policy/ratio"], expected)
 
 
-def test_reward_agg_mean_averages_each_macro_actions_kl_and_never_divides_the_score():
-    """Hand-computed: macro actions of 3 and 2 tokens, KL rewards -0.3 -0.6 -0.9 | -0.2 -0.4, score 2.
-    sum:  R = -1.8, 1.4 (the paper);  mean: R = -0.6, -0.3 + 2 = 1.7 (the released code)."""
-    mask = torch.ones(1, 5)
-    starts = torch.tensor([[True, False, False, True, False]])
-    kl_rewards, score = torch.tensor([[-0.3, -0.6, -0.9, -0.2, -0.4]]), torch.tensor([2.0])
-    zeros = torch.zeros(1, 5)
-    for agg, (r1, r2) in {"sum": (-1.8, 1.4), "mean": (-0.6, 1.7)}.items():
-        rewards = ppo.token_rewards(kl_rewards, score, mask, starts, agg)
-        assert torch.allclose(ma.macro_sum(rewards, starts)[0, [0, 3]], torch.tensor([r1, r2]))
-        adv, _ = ma.macro_advantages(zeros, rewards, mask, starts, gamma=1.0, lam=1.0)   # V = 0: A = sum of later R
-        assert torch.allclose(adv[0], torch.tensor([r1 + r2] * 3 + [r2] * 2))
-    with pytest.raises(ValueError, match="reward_agg"):
-        ppo.token_rewards(kl_rewards, score, mask, starts, "max")
-
-
 def test_macro_level_norms_count_each_macro_action_once():
-    """adv/l2 counts a macro advantage once per token; adv/l2_macro once per macro action."""
-    mask = torch.ones(1, 4)
+    """adv/l2 counts a macro advantage once per token; adv/l2_macro once per macro action (Fig. 11)."""
+    response_mask = torch.ones(1, 4)
     starts = torch.tensor([[True, False, False, True]])
-    adv = torch.tensor([[2.0, 2.0, 2.0, 1.0]])
-    assert (adv ** 2 * mask).sum(-1).sqrt().item() == pytest.approx(13 ** 0.5)
-    assert (adv ** 2 * starts).sum(-1).sqrt().item() == pytest.approx(5 ** 0.5)
+    adv, returns = torch.tensor([[2.0, 2.0, 2.0, 1.0]]), torch.tensor([[3.0, 3.0, 3.0, 0.0]])
+    it = ppo.Iteration(score=torch.zeros(1), passed=None, token_rewards=torch.zeros(1, 4), kl=torch.zeros(1, 4),
+                       entropy=torch.zeros(1, 4), response_mask=response_mask, starts=starts, old_values=torch.zeros(1, 4),
+                       advantages=adv, returns=returns, has_eos=torch.ones(1, dtype=torch.bool), parse_fallback=0.0,
+                       update_stats=[{"loss/policy": torch.tensor(0.0)}])
+    metrics = ppo.iteration_metrics(it, "rm")
+    assert metrics["adv/l2"].item() == pytest.approx(13 ** 0.5) and metrics["adv/l2_macro"].item() == pytest.approx(5 ** 0.5)
+    assert metrics["q/l2"].item() == pytest.approx(27 ** 0.5) and metrics["q/l2_macro"].item() == pytest.approx(3.0)
+    assert metrics["macro/mean_len"].item() == pytest.approx(2.0) and "reward/rm" in metrics
+
+
+def test_update_forward_builds_no_entropy(policy, tokenizer):
+    """The entropy is computed only where it is logged, and never with a graph."""
+    p_ids, p_mask, _ = data.encode_prompts(tokenizer, PROMPTS, 32)
+    logp, entropy = ppo.response_logprobs(policy, p_ids, p_mask, 4, 0.7)
+    assert entropy is None and logp.requires_grad
+    logp, entropy = ppo.response_logprobs(policy, p_ids, p_mask, 4, 0.7, with_entropy=True)
+    assert not entropy.requires_grad and entropy.shape == logp.shape and (entropy >= 0).all()
 
 
 @pytest.mark.parametrize("flags", [
@@ -121,6 +118,7 @@ def test_macro_level_norms_count_each_macro_action_once():
     {"sigma": "first"}, {"reward_agg": "mean"}, {"ratio": "macro"}, {"critic_path": "SFT"}, {"kl_estimator": "k3"},
     {"top_k": 5, "top_p": 0.9, "missing_eos_penalty": -1.0, "whiten_advantages": False, "ppo_epochs": 2},
 ])
+@pytest.mark.launch
 def test_every_flag_runs_one_iteration(tiny_models, tmp_path, flags):
     flags = {k: str(tiny_models / "sft") if v == "SFT" else v for k, v in flags.items()}
     args = ppo.PPOArgs(sft_path=str(tiny_models / "sft"), rm_path=str(tiny_models / "rm"), output_dir=str(tmp_path),
@@ -135,6 +133,7 @@ def test_every_flag_runs_one_iteration(tiny_models, tmp_path, flags):
         assert rows[0]["adv/l2_macro"] == pytest.approx(rows[0]["adv/l2"], rel=1e-4)
 
 
+@pytest.mark.launch
 @pytest.mark.parametrize("flags", [{"n": 10}, {"termination": "parsing"}])
 def test_code_task_uses_the_execution_reward(tiny_models, tmp_path, flags):
     """No reward model: the critic starts from the SFT model and the score is running the program."""
@@ -150,6 +149,7 @@ def test_code_task_uses_the_execution_reward(tiny_models, tmp_path, flags):
         assert 0.0 <= row["macro/parse_fallback"] <= 1.0
 
 
+@pytest.mark.launch
 def test_count_task_trains_on_its_gold_judge_and_generates_its_longer_default(tiny_models, tmp_path):
     """The long-horizon task with --reward gold: the training score is the gold judge reading each whole
     response against its own prompt, and the task's default response length (64) when --max_response_len
@@ -196,15 +196,12 @@ def comparable(row):
     return {k: v for k, v in row.items() if not k.startswith(("time/", "tokens_per_s", "eval/"))}
 
 
+@pytest.mark.launch
 def test_resume_continues_with_the_numbers_of_an_uninterrupted_run(tiny_models, tmp_path, uninterrupted):
     run_ppo(tiny_models, tmp_path / "split", "--steps", "3", "--save_every", "3", here=True)
     out, rest = run_ppo(tiny_models, tmp_path / "split", "--steps", "5", "--save_every", "3", "--resume", here=True)
     assert "resumed at iteration 3" in out
     assert [comparable(r) for r in rest] == [comparable(r) for r in uninterrupted[:5]]   # the same file, appended
-
-
-LAUNCH = (sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
-          "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no")
 
 
 @pytest.fixture(scope="module")
@@ -213,18 +210,21 @@ def launched(tiny_models, tmp_path_factory):
     return run_ppo(tiny_models, tmp_path_factory.mktemp("launched"), "--steps", "6", launch=LAUNCH)
 
 
+@pytest.mark.launch
 def test_two_cpu_processes_stay_in_sync(launched):
     out, rows = launched
     assert "2 process(es)" in out and "ranks in sync: True" in out
     assert len(rows) == 6                                            # one metrics line per iteration
 
 
+@pytest.mark.launch
 def test_two_cpu_processes_with_lora_stay_in_sync(tiny_models, tmp_path):
     out, rows = run_ppo(tiny_models, tmp_path / "ddp", "--steps", "3", "--lora_r", "4", launch=LAUNCH)
     assert "2 process(es)" in out and "ranks in sync: True" in out
     assert len(rows) == 3
 
 
+@pytest.mark.launch
 @pytest.mark.parametrize("stage", ["2", "3"])
 def test_deepspeed_zero_trains_policy_and_critic_engines(tiny_models, tmp_path, stage):
     """ZeRO-2/3 with two processes on CPU: one DeepSpeed engine per trained model, generation over
@@ -246,8 +246,9 @@ def test_deepspeed_zero_trains_policy_and_critic_engines(tiny_models, tmp_path, 
             assert not torch.equal(saved["model.embed_tokens.weight"], init["model.embed_tokens.weight"])
 
 
+@pytest.mark.launch
 def test_zero3_generation_gathers_the_weights_once_and_samples_the_unsharded_tokens(tiny_models):
-    """Under a 2-process ZeRO-3 launch: generation inside harness.generation_weights gives the tokens of an
+    """Under a 2-process ZeRO-3 launch: generation inside harness.generation_model gives the tokens of an
     unsharded copy for the same seed, needs no synced_gpus, and its number of all-gathers does not grow with
     the number of generated tokens; sharded generation (the fallback) gives the same tokens, gathering
     again for every token. Needs `pip install deepspeed` (skipped otherwise)."""
@@ -268,6 +269,7 @@ def test_zero3_generation_gathers_the_weights_once_and_samples_the_unsharded_tok
         assert g["sharded_12"] > g["sharded_4"] > 0, g                  # sharded: again for every token
 
 
+@pytest.mark.launch
 def test_non_finite_rewards_stop_with_a_clear_message(tiny_models, tmp_path):
     args = ppo.PPOArgs(sft_path=str(tiny_models / "sft"), rm_path=str(tiny_models / "rm"), output_dir=str(tmp_path),
                        steps=1, rollout_batch_size=4, mini_batch_size=2, max_prompt_len=16, max_response_len=8,
@@ -276,6 +278,7 @@ def test_non_finite_rewards_stop_with_a_clear_message(tiny_models, tmp_path):
         ppo.main(args)
 
 
+@pytest.mark.launch
 def test_default_pipeline_builds_sft_and_rm_then_trains(tmp_path):
     """The zero-argument path, with small sizes: missing models are built by sft.py / reward_model.py."""
     small = "--max_prompt_len 16 --max_response_len 8 --batch_size 4 --max_steps 4 --eval_every 2 --n_eval 8"
@@ -295,6 +298,7 @@ def uninterrupted(tiny_models, tmp_path_factory):
 
 # SIGTERM here; SIGINT (Ctrl-C) takes the same path through harness.GracefulStop, tested end to end on
 # sft.py (one process and a 2-process launch, test_pipeline.py) and for both signals in test_harness.py
+@pytest.mark.launch
 @pytest.mark.parametrize("signame,code", [("SIGTERM", 143)])
 def test_sigterm_saves_a_checkpoint_that_resumes(tiny_models, tmp_path, uninterrupted, signame, code):
     import signal
@@ -322,6 +326,7 @@ def test_sigterm_saves_a_checkpoint_that_resumes(tiny_models, tmp_path, uninterr
     assert [comparable(r) for r in rows] == [comparable(r) for r in whole]     # the numbers, not only the steps
 
 
+@pytest.mark.launch
 def test_sigterm_to_a_two_process_launch_checkpoints_and_resumes_to_the_same_numbers(tiny_models, tmp_path, launched):
     """What SLURM / Kubernetes do before preempting: SIGTERM to the launcher, which passes it on to its
     workers; both stop at the end of the same iteration with one checkpoint, and --resume continues

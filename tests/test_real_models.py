@@ -45,6 +45,7 @@ def tiny_llama(folder):
     return len(tokenizer)
 
 
+@pytest.mark.launch
 def test_a_llama_without_a_pad_token_goes_through_every_stage(tmp_path):
     from transformers import AutoModelForCausalLM, AutoTokenizer
     vocab = tiny_llama(tmp_path / "llama")
@@ -70,6 +71,7 @@ def test_a_missing_gguf_file_is_a_clear_error(tmp_path):
         sft.load_pretrained(str(tmp_path / "nothing.gguf"))
 
 
+@pytest.mark.launch
 @pytest.mark.slow
 def test_smollm2_gguf_runs_sft_rm_and_ma_ppo_with_parsing(tmp_path):
     """A real pretrained LM offline: SmolLM2-135M-Instruct as a 4-bit GGUF file (Llama architecture, pad = EOS)
@@ -127,6 +129,7 @@ def test_chat_template_renders_hh_dialogues_as_messages(tokenizer):
         data.with_chat_template(rows, tokenizer)                 # the tiny tokenizer has none
 
 
+@pytest.mark.launch
 def test_every_stage_runs_with_the_chat_template(tmp_path, tiny_models, capsys):
     import shutil
     from transformers import AutoTokenizer
@@ -156,7 +159,7 @@ def test_lora_reference_is_the_sft_model_with_adapters_off(tiny_models):
     torch.manual_seed(0)
     for name, p in policy.named_parameters():
         if "lora_B" in name:
-            p.data.normal_()                                          # trained adapters: no longer a no-op
+            p.data.normal_()                                          # trained adapters: not a no-op
     tokenizer = data.load_tokenizer(tiny_models / "sft")
     ids, mask, _ = data.encode_prompts(tokenizer, ["\n\nHuman: hi there, how are you\n\nAssistant: fine"] * 2, 24)
     with torch.no_grad():
@@ -167,6 +170,7 @@ def test_lora_reference_is_the_sft_model_with_adapters_off(tiny_models):
     assert not torch.allclose(adapted, expected)
 
 
+@pytest.mark.launch
 def test_ppo_with_lora_trains_only_the_adapters_and_resumes(tiny_models, tmp_path):
     from safetensors.torch import load_file
     common = ["ppo.py", "--sft_path", str(tiny_models / "sft"), "--rm_path", str(tiny_models / "rm"), "--output_dir",
@@ -183,6 +187,7 @@ def test_ppo_with_lora_trains_only_the_adapters_and_resumes(tiny_models, tmp_pat
     assert changed and all("q_proj" in k or "v_proj" in k for k in changed), changed
 
 
+@pytest.mark.launch
 def test_sft_with_lora_saves_a_merged_model(tmp_path):
     from transformers import AutoModelForCausalLM
     tiny_llama(tmp_path / "llama")

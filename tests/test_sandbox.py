@@ -122,7 +122,7 @@ def test_all_humaneval_canonical_solutions_pass_and_wrong_completions_fail():
     assert all(r.outcome in ("failed", "runtime_error") and r.reward < 0 for r in wrong)
 
 
-# ---------------------------------------------------------------- reward hacks and escapes (issue 12)
+# ---------------------------------------------------------------- reward hacks and escapes
 # Each program is written so that the damage stays bounded if containment fails: one marker file in a
 # folder of the test's own, a `sleep` of a few seconds, a connection to a listener of the test's own.
 
@@ -191,6 +191,7 @@ def sleepers(token):
     return found
 
 
+@pytest.mark.launch
 def test_the_trainers_environment_is_out_of_reach_even_through_proc():
     """A trainer started with a secret in its environment (/proc/PID/environ shows the environment a
     process was started with) runs a program that reads every environ in /proc it can."""
@@ -235,6 +236,7 @@ def test_plain_values_round_trip_and_anything_else_is_refused():
     assert sandbox.parse_line("__import__('os').system('true')") is None    # literals only
 
 
+@pytest.mark.launch
 def test_check_prints_the_layers_that_hold():
     import subprocess
     import sys
@@ -245,6 +247,7 @@ def test_check_prints_the_layers_that_hold():
         assert "network namespace" in proc.stdout and "probe (a program trying 127.0.0.1): passed" in proc.stdout
 
 
+@pytest.mark.launch
 def test_without_namespaces_the_first_run_warns_once_and_still_runs():
     """No unshare on PATH (as on macOS or in an unprivileged container): a warning naming the active layers."""
     import subprocess

@@ -12,9 +12,8 @@ RESPONSES = [" fine, thanks", " it ran away, fast!", " hello there, friend, how 
 
 
 @pytest.fixture(scope="module")
-def model(tokenizer):
-    torch.manual_seed(0)
-    return sft.tiny_gemma(tokenizer, hidden_size=32, num_layers=2).eval()
+def model(tiny_lm):
+    return tiny_lm
 
 
 def reference_loss(model, tokenizer, prompts, responses, max_prompt_len, max_response_len):

@@ -1,5 +1,5 @@
 """Run by test_ppo.py under a 2-process ZeRO-3 launch (through tests/deepspeed_cpu.py): generation from the
-partitioned policy, gathered once (harness.generation_weights) or sharded (synced_gpus), against an
+partitioned policy, gathered once (harness.generation_model) or sharded (synced_gpus), against an
 unsharded copy of the same weights, same seed. Prints one JSON line from rank 0.
 
     python tests/zero3_generation.py SFT_DIR
@@ -36,7 +36,7 @@ def count_all_gathers():
 
 def generate(acc, policy, tokenizer, gather, new_tokens, counter):
     before = counter["n"]
-    with harness.generation_weights(acc, policy, gather) as (model, synced):
+    with harness.generation_model(acc, policy, gather) as (model, synced):
         torch.manual_seed(7)
         ids = data.sample(model.eval(), tokenizer, PROMPTS[acc.process_index::acc.num_processes] * 2, 16, new_tokens,
                           temperature=1.0, synced_gpus=synced)[2]
@@ -52,7 +52,7 @@ def main(sft_dir):
     config["zero_optimization"]["stage3_param_persistence_threshold"] = 0   # the tiny model's weights would
     # all stay whole otherwise (small parameters are kept, not partitioned)
     policy, _ = acc.prepare(policy, torch.optim.AdamW(policy.parameters(), lr=1e-4))
-    with harness.whole_weights():
+    with harness.loading_whole():
         plain = AutoModelForCausalLM.from_pretrained(sft_dir).eval()
     torch.manual_seed(7)
     reference = data.sample(plain, tokenizer, PROMPTS[acc.process_index::acc.num_processes] * 2, 16, 12,
