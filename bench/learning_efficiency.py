@@ -48,6 +48,7 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+import data  # noqa: E402
 import evaluate  # noqa: E402
 
 # The score each task trains on first, then the second score reported beside it.
@@ -471,8 +472,8 @@ def main(argv=None):
                         help="extra ppo.py flags for the code task's runs (after --steps, so they win)")
     parser.add_argument("--count_args", default="--reward gold --policy_lr 1e-4 --critic_lr 3e-4",
                         help="extra ppo.py flags for the count task's runs (the gold judge is the reward: its RM is weak)")
-    parser.add_argument("--sft_path", default="runs/chitchat/sft", help="SFT model (built by ppo.py if missing)")
-    parser.add_argument("--rm_path", default="runs/chitchat/rm", help="reward model (built by ppo.py if missing)")
+    parser.add_argument("--sft_path", default=data.run_dir("chitchat", "sft"), help="SFT model (built by ppo.py if missing)")
+    parser.add_argument("--rm_path", default=data.run_dir("chitchat", "rm"), help="reward model (built by ppo.py if missing)")
     parser.add_argument("--seed_eval", type=int, default=4321, help="sampling seed of the final per-prompt scores")
     parser.add_argument("--jobs", type=int, default=1, help="runs at a time (each gets cores / jobs threads)")
     parser.add_argument("--quick", action="store_true", help="2 seeds x 12 iterations, small evaluations")
@@ -495,8 +496,8 @@ def main(argv=None):
             args.ppo_args += " --sft_args '--max_steps 120' --rm_args '--max_steps 60'"
     args.results_dir = args.results_dir or ("runs/study_quick/results" if args.quick else "docs/study")
     args.runs_dir = args.runs_dir or ("runs/study_quick" if args.quick else "runs/study")
-    args.models = {"chitchat": (args.sft_path, args.rm_path), "code": ("runs/code/sft", "runs/code/rm"),
-                   "count": ("runs/count/sft", "runs/count/rm")}
+    args.models = {"chitchat": (args.sft_path, args.rm_path),
+                   **{task: (data.run_dir(task, "sft"), data.run_dir(task, "rm")) for task in ("code", "count")}}
     seeds = [int(s) for s in args.seeds.split(",")]
     print(f"[study] {vars(args)}", flush=True)
     todo = [(config, seed) for h in names for config in HYPOTHESES[h].configs for seed in seeds]
