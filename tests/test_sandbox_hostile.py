@@ -47,7 +47,7 @@ def sandbox_processes():
             cmdline = open(f"/proc/{pid}/cmdline", "rb").read()
         except OSError:
             continue
-        if SCRIPT.encode() + b"\0--" in cmdline and int(pid) != os.getpid():
+        if sandbox.CHILD.encode() + b"\0--" in cmdline and int(pid) != os.getpid():
             found.append(int(pid))
     return found
 
