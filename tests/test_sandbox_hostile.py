@@ -224,6 +224,8 @@ def test_nothing_of_the_host_is_visible(what, path):
     ("sys.stdout.buffer", "import sys\nsys.stdout.buffer.write(b'3\\n')\n", "", "3"),
     ("deep recursion", "import sys\nsys.setrecursionlimit(10 ** 6)\ndef f(n):\n    return n if n == 0 else 1 + f(n - 1)\n"
      "print(f(100000))\n", "", "100000"),
+    ("deep recursion through lru_cache", "import sys\nfrom functools import lru_cache\nsys.setrecursionlimit(10 ** 6)\n"
+     "@lru_cache(None)\ndef f(n):\n    return n if n == 0 else 1 + f(n - 1)\nprint(f(100000))\n", "", "100000"),
     ("300 KB of output", "print('x' * 300000)\n", "", "x" * 300000),
     ("many lines of output", "print('\\n'.join(map(str, range(50000))))\n", "",
      "\n".join(map(str, range(50000)))),
@@ -231,3 +233,13 @@ def test_nothing_of_the_host_is_visible(what, path):
 def test_honest_idioms_pass(name, program, given, expected):
     r = sandbox.run(program, {"inputs": [given, given], "outputs": [expected, expected]}, PATIENT)
     assert r.outcome == "passed", (name, r)
+
+
+def test_check_names_every_layer_that_holds():
+    proc = subprocess.run([sys.executable, "sandbox.py", "--check"], capture_output=True, text=True, timeout=120,
+                          cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr
+    prefix, drop, kind, seccomp, layers = sandbox.isolation()
+    assert all(layer in proc.stdout for layer in layers)
+    assert ("per-run cgroup" in proc.stdout) == bool(kind) and ("seccomp filter" in proc.stdout) == seccomp
+    assert ("allowlisted root" in proc.stdout) == bool(prefix)
