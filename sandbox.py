@@ -25,17 +25,29 @@ untrusted program never holds an expected output, a test's result or the report 
   and come back as plain values;
 - an early exit, SystemExit, a crash or a timeout is never a pass.
 
-Isolation of the program's process, where the machine allows it (Linux as root, or unprivileged user
-namespaces): its own network namespace (no network, not even 127.0.0.1), mount namespace (a private tmpfs
-over /tmp, /var/tmp, /run/lock and /dev/shm is the only writable place), PID namespace (every process it
-starts dies with it; no other process is visible in /proc) and IPC namespace; as root, an unprivileged uid
-(65534) with no_new_privs, so RLIMIT_NPROC holds and nothing of root's is writable or readable through
-/proc. Always: limits on CPU time, address space, file size and processes, no core files, a wall-clock
-timeout that kills the whole process group, an environment of only PATH and LANG, captured output capped,
-and an in-process guard that removes fork/exec/kill/system, subprocess, ctypes and file deletion (an extra
-layer, not a boundary). Where a layer is unavailable the first run warns once and names the active ones.
-This is not a hardened jail (no seccomp filter, the kernel is shared): for untrusted code at scale, run
-the trainer in a container or VM as well.
+The trusted side is total: whatever bytes the program writes on whatever channel it can reach, `run`
+returns a verdict, never an exception. Every channel is read while the program runs under a byte cap
+(a channel over its cap is closed and the run fails), and only a report's last line is parsed, once.
+
+Isolation of the program's process, where the machine allows it (Linux as root; `--check` lists what holds):
+- a per-run cgroup (v1 memory / pids / freezer, or v2): memory (tmpfs, memfd and page cache included)
+  and tasks (threads included) capped for this run alone; everything in it killed and the cgroup
+  removed at the end;
+- namespaces: network (no network, not even 127.0.0.1), PID (its processes die with its first), IPC,
+  and mount, with a new root: a read-only tmpfs holding only the standard library (site-packages
+  hidden) and the shared libraries the interpreter maps, /dev/null, /dev/zero, /dev/urandom and a
+  private tmpfs /tmp; nothing else of the host;
+- a fresh session keyring; the unprivileged uid 65534 with no_new_privs, the parent-death signal
+  re-armed; a seccomp filter (libseccomp through ctypes) denying keyrings, ptrace, mount, namespaces,
+  bpf, perf_event_open, module / kexec loading, setsid / setpgid and more;
+- always: limits on CPU time, address space, file size and open files, no core files, a wall-clock
+  timeout that kills the whole process group, an environment of only PATH and LANG, captured output
+  capped, and an in-process guard that removes fork/exec/kill/system, subprocess, ctypes and file
+  deletion (an extra layer, not a boundary).
+Where a layer is unavailable the first run warns once and names the active ones. The program runs with
+a real fd 0 under sys.stdin, in a thread with a large stack (deep recursion works). The kernel is still
+shared and the filter is a denylist: for untrusted code at scale, run the trainer in a container or VM
+as well.
 """
 import marshal
 import os
@@ -44,7 +56,6 @@ import signal
 import sys
 
 OUTCOMES = ("passed", "failed", "runtime_error", "compile_error", "timeout")
-WRITABLE_DIRS = ("/tmp", "/var/tmp", "/run/lock", "/dev/shm")   # world-writable: covered by a private tmpfs
 NAMESPACES = ["--net", "--mount", "--pid", "--ipc", "--fork", "--kill-child"]
 
 
