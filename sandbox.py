@@ -694,10 +694,10 @@ def _seccomp():
     return lib.seccomp_load(ctx) == 0
 
 
-def _set_limits(limits, rlimit_nproc=True):
+def _set_limits(limits, rlimit_nproc=True, open_already=0):
     cpu = max(1, int(limits["cpu_seconds"]))
     memory, size, nproc = limits["memory_mb"] << 20, limits["output_bytes"], limits["processes"]
-    files = limits.get("open_files", 256)
+    files = limits.get("open_files", 256) + open_already          # the inputs' memfds do not count
     for name, value in [(resource.RLIMIT_CPU, (cpu, cpu + 1)), (resource.RLIMIT_AS, (memory, memory)),
                         (resource.RLIMIT_FSIZE, (size, size)), (resource.RLIMIT_CORE, (0, 0)),
                         (resource.RLIMIT_NOFILE, (files, files))] + (
@@ -818,7 +818,7 @@ def _start(argv):
     job = receive(sys.stdin.buffer)
     stdin = ([_stdin_file(given if isinstance(given, str) else "\n".join(map(str, given))) for given in job["inputs"]]
              if argv[0] == "--run" and not job.get("fn_name") else [])          # before the file size limit
-    _set_limits(job["limits"], rlimit_nproc=not argv[3])
+    _set_limits(job["limits"], rlimit_nproc=not argv[3], open_already=len(stdin))
     if sys.platform.startswith("linux"):
         ctypes, libc = _libc()
         if libc.prctl(38, 1, 0, 0, 0) != 0:                  # PR_SET_NO_NEW_PRIVS
@@ -869,6 +869,7 @@ def _with_a_large_stack(limits, fn, *args):
 def _program_child(argv):
     """--run: the program against each input; --serve: the program's function called over pipes. Only
     outputs and plain values leave this process; the verdict is not decided here."""
+    import _json  # noqa: F401 - the report's encoder, loaded before the program can use up every fd
     job, fds, stdin = _start(argv)
     report = os.fdopen(fds[0], "w", encoding="utf-8")
     try:

@@ -135,6 +135,13 @@ def test_memory_outside_the_address_space_is_charged_to_the_run():
     assert r.outcome != "passed", r
 
 
+def test_open_files_are_limited_per_run():
+    """1,000 descriptors of /dev/null (bounded memory in the kernel, but a cost outside every limit)."""
+    program = "import os\nfds = [os.open('/dev/null', os.O_RDONLY) for _ in range(1000)]\nprint('held')\n"
+    r = sandbox.run(program, says("held"), PATIENT)
+    assert r.outcome == "runtime_error" and "Too many open files" in r.detail, r
+
+
 def test_a_run_holding_its_threads_cannot_make_a_concurrent_run_fail():
     """Run A starts threads until it cannot (at most 150) and holds them for 6 s; run B, starting its
     threads 2 s in, must still pass."""
