@@ -128,11 +128,15 @@ def test_no_forked_process_outlives_its_run():
 # ---------------------------------------------------------------- limits per run
 
 def test_memory_outside_the_address_space_is_charged_to_the_run():
-    """Up to 320 memfds of 1 MiB (below RLIMIT_FSIZE each, outside RLIMIT_AS) under a 128 MiB run."""
+    """Up to 320 memfds of 1 MiB (below RLIMIT_FSIZE each, outside RLIMIT_AS) under a 128 MiB run, open-files
+    limit raised: the run's memory cgroup must stop it."""
     program = ("import os\nfds = []\nfor i in range(320):\n    fd = os.memfd_create('m')\n"
                "    os.write(fd, b'x' * (1 << 20))\n    fds.append(fd)\nprint('held')\n")
-    r = sandbox.run(program, says("held"), sandbox.Limits(timeout=30, cpu_seconds=20, memory_mb=128))
+    limits = sandbox.Limits(timeout=30, cpu_seconds=20, memory_mb=128, open_files=1024)   # memory, not fds, stops it
+    r = sandbox.run(program, says("held"), limits)
     assert r.outcome != "passed", r
+    r = sandbox.run(program.replace("320", "64"), says("held"), limits)
+    assert r.outcome == "passed", r                                   # 64 MiB of them is within the run's memory
 
 
 def test_open_files_are_limited_per_run():
