@@ -34,6 +34,15 @@ SILENCE = ("null = os.open('/dev/null', os.O_RDONLY)\nfor fd in range(3, 30):\n 
            "            os.fstat(fd)\n            os.dup2(null, fd)\n        except OSError:\n            pass\n")
 
 
+def need(*layers):
+    """Skip where a layer this test relies on does not hold on the machine (`sandbox.py --check` names them)."""
+    prefix, drop, kind, seccomp, _ = sandbox.isolation()
+    held = {"namespaces": bool(prefix), "uid": drop, "cgroup": bool(kind), "seccomp": seccomp}
+    missing = [layer for layer in layers if not held[layer]]
+    if missing:
+        pytest.skip("needs " + ", ".join(missing))
+
+
 def says(text):
     """Tests under which a program that prints `text` passes."""
     return {"inputs": [""], "outputs": [text]}
@@ -107,6 +116,7 @@ def test_a_flood_on_the_report_channel_costs_the_trusted_side_one_parse(monkeypa
 def test_no_process_outlives_its_run_after_leaving_the_process_group():
     """The program tries to leave the process group (setpgrp through a fresh `posix`) and spins for at
     most 10 s; the run times out after 1.5 s, and nothing of it may be left."""
+    need('cgroup')
     program = ("import sys, time\ndel sys.modules['posix']\nimport posix\ntry:\n    posix.setpgrp()\n"
                "except OSError:\n    pass\nt = time.time()\nwhile time.time() - t < 10:\n    pass\n")
     r = sandbox.run(program, says("x"), sandbox.Limits(timeout=1.5, cpu_seconds=20))
@@ -117,6 +127,7 @@ def test_no_process_outlives_its_run_after_leaving_the_process_group():
 
 def test_no_forked_process_outlives_its_run():
     """fork restored by a fresh `posix`, the child in a session of its own, spinning for at most 10 s."""
+    need('namespaces')
     program = ("import sys, time\ndel sys.modules['posix']\nimport posix\n"
                "if posix.fork() == 0:\n    try:\n        posix.setsid()\n    except OSError:\n        pass\n    t = time.time()\n"
                "    while time.time() - t < 10:\n        pass\n")
@@ -130,6 +141,7 @@ def test_no_forked_process_outlives_its_run():
 def test_memory_outside_the_address_space_is_charged_to_the_run():
     """Up to 320 memfds of 1 MiB (below RLIMIT_FSIZE each, outside RLIMIT_AS) under a 128 MiB run, open-files
     limit raised: the run's memory cgroup must stop it."""
+    need('cgroup')
     program = ("import os\nfds = []\nfor i in range(320):\n    fd = os.memfd_create('m')\n"
                "    os.write(fd, b'x' * (1 << 20))\n    fds.append(fd)\nprint('held')\n")
     limits = sandbox.Limits(timeout=30, cpu_seconds=20, memory_mb=128, open_files=1024)   # memory, not fds, stops it
@@ -149,6 +161,7 @@ def test_open_files_are_limited_per_run():
 def test_a_run_holding_its_threads_cannot_make_a_concurrent_run_fail():
     """Run A starts threads until it cannot (at most 150) and holds them for 6 s; run B, starting its
     threads 2 s in, must still pass."""
+    need('cgroup')
     hog = ("import threading, time\nthreading.stack_size(1 << 16)\nhold = threading.Event()\nn = 0\nfor _ in range(150):\n    try:\n"
            "        threading.Thread(target=hold.wait, args=(6,), daemon=True).start()\n        n += 1\n"
            "    except RuntimeError:\n        break\ntime.sleep(6)\nprint(n)\n")
@@ -176,6 +189,7 @@ KEY_NOTE = (CTYPES + "KEYCTL_SEARCH = 10\n"
 def test_no_note_kept_in_a_keyring_reaches_a_later_run():
     """A deterministic program keeps a note in the sandbox uid's user keyring; a later run reads it (and
     removes it). Both runs must fail to reach the keyring."""
+    need('seccomp')
     first = sandbox.run(KEY_NOTE, says("added"), PATIENT)
     second = sandbox.run(KEY_NOTE, says("found"), PATIENT)
     assert first.outcome != "passed" and second.outcome != "passed", (first, second)
@@ -183,6 +197,7 @@ def test_no_note_kept_in_a_keyring_reaches_a_later_run():
 
 def test_the_trainers_session_keyring_is_out_of_reach():
     """A trainer keeps a secret in its session keyring; the program searches its session keyring."""
+    need('namespaces')
     steal = (CTYPES + "key = libc.syscall(250, 10, -3, b'user', b'trainer_secret', 0)\n"
              "buf = ctypes.create_string_buffer(64)\nn = libc.syscall(250, 11, key, buf, 64) if key > 0 else -1\n"
              "print(buf.raw[:n].decode() if n > 0 else 'no')\n")
@@ -204,6 +219,7 @@ def test_the_trainers_session_keyring_is_out_of_reach():
 ])
 def test_syscalls_a_test_program_never_needs_are_denied(name, call):
     """Each syscall's own return value: 0 (or, for perf_event_open, any return but EPERM) is a pass."""
+    need('seccomp')
     program = CTYPES + f"r = {call}\nerr = ctypes.get_errno()\nprint('ok' if r == 0 and err != 1 else 'denied')\n"
     r = sandbox.run(program, says("ok"), PATIENT)
     assert r.outcome != "passed", (name, r)
@@ -220,6 +236,7 @@ def test_syscalls_a_test_program_never_needs_are_denied(name, call):
     ("the host's /etc", "/etc"),
 ])
 def test_nothing_of_the_host_is_visible(what, path):
+    need('namespaces')
     program = f"import os\np = {path!r}\nprint('seen' if os.path.isdir(p) and os.listdir(p) or open(p).read(1) else 'no')\n"
     r = sandbox.run(program, says("seen"), PATIENT)
     assert r.outcome != "passed", (what, r)
