@@ -203,7 +203,7 @@ _ISOLATION = None
 # which would compile all of it again in every child (20 ms)
 CHILD = (f"import sys; sys.path.insert(0, {os.path.dirname(os.path.abspath(__file__))!r}); import sandbox; "
          "del sys.path[0]; sys.exit(sandbox.main(sys.argv[1:]))")
-CGROUP_PARENT = "ma_sandbox"           # each run's cgroup: <hierarchy>/ma_sandbox/<trainer pid>_<n>
+CGROUP_PARENT = "ma_sandbox"           # each run's cgroup: <hierarchy>/ma_sandbox/<trainer pid>_<n>_<its PID ns>
 CGROUP_ROOT = "/sys/fs/cgroup"
 _RUN_NUMBERS = iter(range(1 << 62))
 
@@ -233,7 +233,7 @@ class _Cgroup:
     every task in it, waits until it is empty and removes it."""
 
     def __init__(self, kind, limits):
-        name = f"{CGROUP_PARENT}/{os.getpid()}_{next(_RUN_NUMBERS)}"
+        name = f"{CGROUP_PARENT}/{os.getpid()}_{next(_RUN_NUMBERS)}_{_pid_namespace()}"
         memory, tasks = str(limits.memory_mb << 20), str(limits.processes)
         if kind == "v1":
             self.dirs = [f"{CGROUP_ROOT}/{c}/{name}" for c in ("memory", "pids", "freezer")]
@@ -263,10 +263,13 @@ class _Cgroup:
         self.procs = [f"{folder}/cgroup.procs" for folder in self.dirs]
 
     def _tasks(self):
-        try:
-            return [int(pid) for pid in open(f"{self.dirs[-1 if self.kind == 'v1' else 0]}/cgroup.procs").read().split()]
-        except OSError:
-            return []
+        tasks = set()
+        for folder in self.dirs:
+            try:
+                tasks.update(int(pid) for pid in open(f"{folder}/cgroup.procs").read().split())
+            except OSError:
+                pass
+        return sorted(tasks)
 
     def kill(self):
         import time
@@ -302,6 +305,34 @@ class _Cgroup:
                     time.sleep(0.002)
 
 
+def _pid_namespace():
+    """This process's PID namespace (its inode): trainer pids are only comparable within one."""
+    try:
+        return str(os.stat("/proc/self/ns/pid").st_ino)
+    except OSError:
+        return "0"
+
+
+def _remove_stale_cgroups(kind):
+    """Cgroups of trainers that are gone (killed mid-run): everything in them killed, the folders removed."""
+    parents = ([f"{CGROUP_ROOT}/{c}/{CGROUP_PARENT}" for c in ("memory", "pids", "freezer")] if kind == "v1"
+               else [f"{CGROUP_ROOT}/{CGROUP_PARENT}"])
+    stale = set()
+    for parent in parents:
+        for name in os.listdir(parent) if os.path.isdir(parent) else []:
+            owner, _, namespace = name.partition("_")[0], None, name.rpartition("_")[2]
+            if owner.isdigit() and namespace == _pid_namespace() and not os.path.exists(f"/proc/{owner}"):
+                stale.add(name)                      # a trainer of this PID namespace, and it is gone
+    for name in stale:
+        group = _Cgroup.__new__(_Cgroup)
+        group.kind = kind
+        group.dirs = [f"{parent}/{name}" for parent in parents]
+        try:
+            group.kill()
+        except OSError:
+            pass
+
+
 def isolation():
     """(unshare command prefix or [], drop to an unprivileged uid?, cgroup kind or None, seccomp?, the layers
     that hold), probed once."""
@@ -314,6 +345,8 @@ def isolation():
         unshare = shutil.which("unshare")
         # the real start of a child (cgroup, mounts, then the uid), tried from the most isolated setting down
         kinds = [_cgroup_kind(), None] if _cgroup_kind() else [None]
+        if kinds[0]:
+            _remove_stale_cgroups(kinds[0])
         candidates = ([(NAMESPACES, True), (NAMESPACES, False)] if root else []) + [
             (["--user", "--map-root-user", *NAMESPACES], False)]
         linux = sys.platform.startswith("linux")

@@ -271,3 +271,30 @@ def test_check_names_every_layer_that_holds():
     assert all(layer in proc.stdout for layer in layers)
     assert ("per-run cgroup" in proc.stdout) == bool(kind) and ("seccomp filter" in proc.stdout) == seccomp
     assert ("allowlisted root" in proc.stdout) == bool(prefix)
+
+
+def test_cgroups_of_a_trainer_that_is_gone_are_removed():
+    """A trainer killed mid-run leaves its runs' cgroups (a process of it inside); the next trainer of the
+    same PID namespace removes them, and leaves a live trainer's alone."""
+    need("cgroup")
+    kind = sandbox.isolation()[2]
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    stale = sandbox._Cgroup(kind, sandbox.Limits())
+    namespace = sandbox._pid_namespace()
+    renamed = [d.replace(f"/{os.getpid()}_", f"/{dead.pid}_") for d in stale.dirs]
+    for old, new in zip(stale.dirs, renamed):
+        os.rename(old, new)
+    spinner = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    try:
+        for folder in renamed:
+            sandbox._write(folder + "/cgroup.procs", str(spinner.pid))
+        live = sandbox._Cgroup(kind, sandbox.Limits())
+        sandbox._remove_stale_cgroups(kind)
+        assert not any(os.path.exists(d) for d in renamed) and renamed[0].endswith(namespace)
+        assert spinner.wait(timeout=10) == -9                           # what was in it was killed
+        assert all(os.path.isdir(d) for d in live.dirs)
+        live.kill()
+    finally:
+        spinner.kill()
+        spinner.wait()
