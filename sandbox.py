@@ -502,7 +502,7 @@ def run(program, tests, limits=None):
             for role, payload, fds in jobs:
                 started.append(_spawn(role, payload, fds, limits))
         finally:
-            for _, _, fds in jobs:                          # the children hold their ends now
+            for _, _, fds in jobs:                          # the children hold their ends
                 for fd in fds:
                     os.close(fd)
         caps = {fd: report_bytes(limits) for fd in reads}

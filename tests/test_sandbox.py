@@ -122,7 +122,7 @@ def test_all_humaneval_canonical_solutions_pass_and_wrong_completions_fail():
     assert all(r.outcome in ("failed", "runtime_error") and r.reward < 0 for r in wrong)
 
 
-# ---------------------------------------------------------------- reward hacks and escapes (issue 12)
+# ---------------------------------------------------------------- reward hacks and escapes
 # Each program is written so that the damage stays bounded if containment fails: one marker file in a
 # folder of the test's own, a `sleep` of a few seconds, a connection to a listener of the test's own.
 
