@@ -25,17 +25,29 @@ untrusted program never holds an expected output, a test's result or the report 
   and come back as plain values;
 - an early exit, SystemExit, a crash or a timeout is never a pass.
 
-Isolation of the program's process, where the machine allows it (Linux as root, or unprivileged user
-namespaces): its own network namespace (no network, not even 127.0.0.1), mount namespace (a private tmpfs
-over /tmp, /var/tmp, /run/lock and /dev/shm is the only writable place), PID namespace (every process it
-starts dies with it; no other process is visible in /proc) and IPC namespace; as root, an unprivileged uid
-(65534) with no_new_privs, so RLIMIT_NPROC holds and nothing of root's is writable or readable through
-/proc. Always: limits on CPU time, address space, file size and processes, no core files, a wall-clock
-timeout that kills the whole process group, an environment of only PATH and LANG, captured output capped,
-and an in-process guard that removes fork/exec/kill/system, subprocess, ctypes and file deletion (an extra
-layer, not a boundary). Where a layer is unavailable the first run warns once and names the active ones.
-This is not a hardened jail (no seccomp filter, the kernel is shared): for untrusted code at scale, run
-the trainer in a container or VM as well.
+The trusted side is total: whatever bytes the program writes on whatever channel it can reach, `run`
+returns a verdict, never an exception. Every channel is read while the program runs under a byte cap
+(a channel over its cap is closed and the run fails), and only a report's last line is parsed, once.
+
+Isolation of the program's process, where the machine allows it (Linux as root; `--check` lists what holds):
+- a per-run cgroup (v1 memory / pids / freezer, or v2): memory (tmpfs, memfd and page cache included)
+  and tasks (threads included) capped for this run alone; everything in it killed and the cgroup
+  removed at the end;
+- namespaces: network (no network, not even 127.0.0.1), PID (its processes die with its first), IPC,
+  and mount, with a new root: a read-only tmpfs holding only the standard library (site-packages
+  hidden) and the shared libraries the interpreter maps, /dev/null, /dev/zero, /dev/urandom and a
+  private tmpfs /tmp; nothing else of the host;
+- a fresh session keyring; the unprivileged uid 65534 with no_new_privs, the parent-death signal
+  re-armed; a seccomp filter (libseccomp through ctypes) denying keyrings, ptrace, mount, namespaces,
+  bpf, perf_event_open, module / kexec loading, setsid / setpgid and more;
+- always: limits on CPU time, address space, file size and open files, no core files, a wall-clock
+  timeout that kills the whole process group, an environment of only PATH and LANG, captured output
+  capped, and an in-process guard that removes fork/exec/kill/system, subprocess, ctypes and file
+  deletion (an extra layer, not a boundary).
+Where a layer is unavailable the first run warns once and names the active ones. The program runs with
+a real fd 0 under sys.stdin, in a thread with a large stack (deep recursion works). The kernel is still
+shared and the filter is a denylist: for untrusted code at scale, run the trainer in a container or VM
+as well.
 """
 import marshal
 import os
@@ -44,8 +56,7 @@ import signal
 import sys
 
 OUTCOMES = ("passed", "failed", "runtime_error", "compile_error", "timeout")
-WRITABLE_DIRS = ("/tmp", "/var/tmp", "/run/lock", "/dev/shm")   # world-writable: covered by a private tmpfs
-NAMESPACES = ["--net", "--mount", "--pid", "--ipc", "--fork", "--kill-child", "--mount-proc"]
+NAMESPACES = ["--net", "--mount", "--pid", "--ipc", "--fork", "--kill-child"]
 
 
 class Result:
@@ -72,19 +83,22 @@ class Result:
 
 
 class Limits:
-    def __init__(self, timeout=4.0, cpu_seconds=4, memory_mb=1024, output_bytes=1 << 20, processes=64, uid=65534):
+    def __init__(self, timeout=4.0, cpu_seconds=4, memory_mb=1024, output_bytes=1 << 20, processes=64, uid=65534,
+                 open_files=256):
         self.timeout = timeout              # wall-clock seconds for the whole program and all its tests
         self.cpu_seconds = cpu_seconds
-        self.memory_mb = memory_mb          # address space
+        self.memory_mb = memory_mb          # address space per process, and the memory of the run's cgroup
         self.output_bytes = output_bytes    # per captured stream, and the largest file the program may write
-        self.processes = processes          # RLIMIT_NPROC: all of the sandbox uid's tasks, threads included
+        self.processes = processes          # tasks (threads included) of the run's cgroup, else RLIMIT_NPROC
+        self.open_files = open_files        # RLIMIT_NOFILE
         self.uid = uid                      # the unprivileged user programs run as (when this process is root)
 
 
 # Messages between processes. Trusted -> untrusted (the job, the check's calls): marshal, framed by its
 # length (fast, and only ever read by the side that cannot be harmed by it). Untrusted -> trusted (outputs,
-# values): one line of Python literal syntax, read with ast.literal_eval (safe on any text) and then
-# `decode` (strict). Neither side needs json, whose import alone costs a child 10 ms.
+# values): one line of JSON, read with json.loads (linear in its length whatever the bytes, unlike
+# ast.literal_eval, which spends seconds on a megabyte of small literals) and then `decode` (strict).
+# The children write it with _json's C string encoder and never import the json package (10 ms each).
 
 def send(stream, value):
     data = marshal.dumps(value)
@@ -100,11 +114,11 @@ def receive(stream):
 
 
 def parse_line(line):
-    """One untrusted literal line -> its value, or None when it is not a literal."""
-    import ast
+    """One untrusted JSON line -> its value, or None when it is not JSON (any text, never an exception)."""
+    import json
     try:
-        return ast.literal_eval(line)
-    except (ValueError, SyntaxError, TypeError, MemoryError, RecursionError):
+        return json.loads(line)
+    except (ValueError, TypeError, MemoryError, RecursionError):
         return None
 
 
@@ -131,9 +145,25 @@ def encode(x):
     raise NotPlain(f"a {kind.__name__} is not a plain value")
 
 
+def _json_text(x):
+    """An encoded plain value (None, bool, int, float, str, list, dict with str keys) as JSON text."""
+    import _json
+    if x is None:
+        return "null"
+    if x is True or x is False:
+        return "true" if x else "false"
+    if type(x) in (int, float):
+        return repr(x)                         # finite floats only: encode tags the others
+    if type(x) is str:
+        return _json.encode_basestring(x)
+    if type(x) is list:
+        return "[" + ",".join(map(_json_text, x)) + "]"
+    return "{" + ",".join(_json.encode_basestring(k) + ":" + _json_text(v) for k, v in x.items()) + "}"
+
+
 def _line(value):
-    """An encoded plain value as one line of literal syntax (repr of exact builtin types)."""
-    return repr(value) + "\n"                  # repr escapes newlines: always one line
+    """An encoded plain value as one line of JSON (newlines in strings are escaped: always one line)."""
+    return _json_text(value) + "\n"
 
 
 def decode(x):
@@ -169,111 +199,288 @@ def _same_value(got, expected):
 # ---------------------------------------------------------------- the trusted side
 
 _ISOLATION = None
+# a child's interpreter imports this module (its cached bytecode) rather than running this file as a script,
+# which would compile all of it again in every child (20 ms)
+CHILD = (f"import sys; sys.path.insert(0, {os.path.dirname(os.path.abspath(__file__))!r}); import sandbox; "
+         "del sys.path[0]; sys.exit(sandbox.main(sys.argv[1:]))")
+CGROUP_PARENT = "ma_sandbox"           # each run's cgroup: <hierarchy>/ma_sandbox/<trainer pid>_<n>_<its PID ns>
+CGROUP_ROOT = "/sys/fs/cgroup"
+_RUN_NUMBERS = iter(range(1 << 62))
+
+
+def _write(path, text):
+    with open(path, "w") as f:
+        f.write(text)
+
+
+def _cgroup_kind():
+    """"v2" (a unified hierarchy with memory and pids), "v1" (memory, pids and freezer hierarchies) or None."""
+    if not sys.platform.startswith("linux") or os.geteuid() != 0:
+        return None
+    try:
+        if {"memory", "pids"} <= set(open(f"{CGROUP_ROOT}/cgroup.controllers").read().split()):
+            return "v2"
+    except OSError:
+        pass
+    if all(os.path.exists(f"{CGROUP_ROOT}/{c}/cgroup.procs") for c in ("memory", "pids", "freezer")):
+        return "v1"
+    return None
+
+
+class _Cgroup:
+    """One child's cgroup: memory (page cache, tmpfs and memfd pages included, no swap) and tasks (threads
+    included) capped for this run alone. The child joins it before anything else; `kill` freezes it, kills
+    every task in it, waits until it is empty and removes it."""
+
+    def __init__(self, kind, limits):
+        name = f"{CGROUP_PARENT}/{os.getpid()}_{next(_RUN_NUMBERS)}_{_pid_namespace()}"
+        memory, tasks = str(limits.memory_mb << 20), str(limits.processes)
+        if kind == "v1":
+            self.dirs = [f"{CGROUP_ROOT}/{c}/{name}" for c in ("memory", "pids", "freezer")]
+            settings = [(self.dirs[0], "memory.limit_in_bytes", memory), (self.dirs[0], "memory.memsw.limit_in_bytes", memory),
+                        (self.dirs[1], "pids.max", tasks)]
+        else:
+            parent = f"{CGROUP_ROOT}/{CGROUP_PARENT}"
+            if not os.path.isdir(parent):
+                os.makedirs(parent, exist_ok=True)
+                _write(f"{parent}/cgroup.subtree_control", "+memory +pids")
+            self.dirs = [f"{CGROUP_ROOT}/{name}"]
+            settings = [(self.dirs[0], "memory.max", memory), (self.dirs[0], "memory.swap.max", "0"),
+                        (self.dirs[0], "pids.max", tasks)]
+        self.kind = kind
+        try:
+            for folder in self.dirs:
+                os.makedirs(folder)
+            for folder, knob, value in settings:
+                try:
+                    _write(f"{folder}/{knob}", value)
+                except OSError:
+                    if "swap" not in knob and "memsw" not in knob:     # no swap accounting: no swap to limit
+                        raise
+        except BaseException:
+            self.kill()
+            raise
+        self.procs = [f"{folder}/cgroup.procs" for folder in self.dirs]
+
+    def _tasks(self):
+        tasks = set()
+        for folder in self.dirs:
+            try:
+                tasks.update(int(pid) for pid in open(f"{folder}/cgroup.procs").read().split())
+            except OSError:
+                pass
+        return sorted(tasks)
+
+    def kill(self):
+        import time
+        folder = self.dirs[-1] if self.kind == "v1" else self.dirs[0]
+        if os.path.isdir(folder) and self._tasks():
+            if self.kind == "v2" and os.path.exists(f"{folder}/cgroup.kill"):
+                _write(f"{folder}/cgroup.kill", "1")
+            else:                                                     # frozen: nothing forks while it is killed
+                freeze, frozen, thawed = (("freezer.state", "FROZEN", "THAWED") if self.kind == "v1"
+                                          else ("cgroup.freeze", "1", "0"))
+                _write(f"{folder}/{freeze}", frozen)
+                for pid in self._tasks():
+                    try:
+                        os.kill(pid, signal.SIGKILL)
+                    except ProcessLookupError:
+                        pass
+                _write(f"{folder}/{freeze}", thawed)
+        end = time.monotonic() + 10
+        for folder in reversed(self.dirs):
+            while os.path.isdir(folder):
+                try:
+                    os.rmdir(folder)
+                except FileNotFoundError:
+                    break
+                except OSError:                                          # tasks still exiting
+                    if time.monotonic() > end:
+                        raise
+                    for pid in self._tasks():
+                        try:
+                            os.kill(pid, signal.SIGKILL)
+                        except ProcessLookupError:
+                            pass
+                    time.sleep(0.002)
+
+
+def _pid_namespace():
+    """This process's PID namespace (its inode): trainer pids are only comparable within one."""
+    try:
+        return str(os.stat("/proc/self/ns/pid").st_ino)
+    except OSError:
+        return "0"
+
+
+def _remove_stale_cgroups(kind):
+    """Cgroups of trainers that are gone (killed mid-run): everything in them killed, the folders removed."""
+    parents = ([f"{CGROUP_ROOT}/{c}/{CGROUP_PARENT}" for c in ("memory", "pids", "freezer")] if kind == "v1"
+               else [f"{CGROUP_ROOT}/{CGROUP_PARENT}"])
+    stale = set()
+    for parent in parents:
+        for name in os.listdir(parent) if os.path.isdir(parent) else []:
+            owner, _, namespace = name.partition("_")[0], None, name.rpartition("_")[2]
+            if owner.isdigit() and namespace == _pid_namespace() and not os.path.exists(f"/proc/{owner}"):
+                stale.add(name)                      # a trainer of this PID namespace, and it is gone
+    for name in stale:
+        group = _Cgroup.__new__(_Cgroup)
+        group.kind = kind
+        group.dirs = [f"{parent}/{name}" for parent in parents]
+        try:
+            group.kill()
+        except OSError:
+            pass
 
 
 def isolation():
-    """(unshare command prefix or [], drop to an unprivileged uid?, the layers that hold), probed once."""
+    """(unshare command prefix or [], drop to an unprivileged uid?, cgroup kind or None, seccomp?, the layers
+    that hold), probed once."""
     global _ISOLATION
     if _ISOLATION is None:
         import shutil
         import subprocess
         root = os.geteuid() == 0
-        prefix, drop = [], False
+        prefix, drop, kind, seccomp = [], False, None, False
         unshare = shutil.which("unshare")
-        # the real start of a child (mounts, then the uid), tried from the most isolated setting down
+        # the real start of a child (cgroup, mounts, then the uid), tried from the most isolated setting down
+        kinds = [_cgroup_kind(), None] if _cgroup_kind() else [None]
+        if kinds[0]:
+            _remove_stale_cgroups(kinds[0])
         candidates = ([(NAMESPACES, True), (NAMESPACES, False)] if root else []) + [
             (["--user", "--map-root-user", *NAMESPACES], False)]
-        for flags, with_uid in (candidates if unshare and sys.platform.startswith("linux") else []):
-            probe = [unshare, *flags, sys.executable, "-I", "-S", os.path.abspath(__file__), "--probe", "ns",
-                     str(Limits().uid if with_uid else -1)]
+        linux = sys.platform.startswith("linux")
+        for (flags, with_uid), cg_kind in [(c, k) for c in (candidates if unshare and linux else []) for k in kinds]:
+            group = None
             try:
-                ok = subprocess.run(probe, capture_output=True, timeout=20, cwd="/").stdout.strip() == b"isolated"
+                group = _Cgroup(cg_kind, Limits()) if cg_kind else None
+                probe = [unshare, *flags, sys.executable, "-I", "-S", "-c", CHILD, "--probe", "ns",
+                         str(Limits().uid if with_uid else -1), ":".join(group.procs) if group else ""]
+                out = subprocess.run(probe, capture_output=True, timeout=20, cwd="/").stdout.split()
             except (OSError, subprocess.TimeoutExpired):
-                ok = False
-            if ok:
-                prefix, drop = [unshare, *flags], with_uid
+                out = []
+            finally:
+                if group:
+                    group.kill()
+            if out[:1] == [b"isolated"]:
+                prefix, drop, kind, seccomp = [unshare, *flags], with_uid, cg_kind, b"seccomp" in out
                 break
-        layers = (["network namespace: no network, not even 127.0.0.1",
-                   "mount namespace: a private tmpfs is the only writable place",
-                   "PID namespace: every process of the program dies with it; no other process in /proc",
-                   "IPC namespace"] if prefix else [])
-        layers += ([f"unprivileged uid {Limits().uid} with no_new_privs: RLIMIT_NPROC holds, root's files and /proc "
-                    "entries out of reach"] if drop else [])
-        layers += ["rlimits: CPU time, address space, file size, processes (not for root), no core files",
+        if not prefix:
+            kind = _cgroup_kind()
+            seccomp = linux and _libseccomp() is not None
+        layers = ([f"per-run cgroup ({kind}): memory (tmpfs, memfd and page cache included) and tasks (threads "
+                   "included) capped per run; everything the run started is killed and the cgroup removed"]
+                  if kind else [])
+        layers += (["network namespace: no network, not even 127.0.0.1",
+                    "mount namespace with an allowlisted root: the interpreter and its standard library read-only, "
+                    "/dev/null, /dev/zero, /dev/urandom and a private tmpfs /tmp; nothing else of the host",
+                    "PID namespace: no other process in /proc; its processes die with its first",
+                    "IPC namespace; a fresh session keyring"] if prefix else [])
+        layers += ([f"unprivileged uid {Limits().uid} with no_new_privs and the parent-death signal re-armed"]
+                   if drop else [])
+        layers += (["seccomp filter: keyrings, ptrace, mount, namespaces, bpf, perf_event_open, module and kexec "
+                    "loading, setsid / setpgid and more denied"] if seccomp else [])
+        layers += ["rlimits: CPU time, address space, file size, open files, no core files" +
+                   ("" if kind else ", processes (per uid: not for root)"),
                    "wall-clock timeout; the whole process group is killed",
+                   "trusted side reads every channel while the program runs, each capped, and always ends in a verdict",
                    "environment scrubbed to PATH and LANG; output capped",
                    "in-process guard: fork/exec/kill/system, subprocess, ctypes, file deletion removed"]
-        _ISOLATION = (prefix, drop, layers)
-        if not prefix or not drop:
-            print("[sandbox] warning: " + ("no namespaces on this machine (needs Linux with unshare, as root or "
-                  "with unprivileged user namespaces)" if not prefix else "programs keep this process's uid") +
-                  "; active layers: " + "; ".join(layers), file=sys.stderr)
+        _ISOLATION = (prefix, drop, kind, seccomp, layers)
+        missing = [name for name, held in [("namespaces", prefix), ("an unprivileged uid", drop),
+                                          ("per-run cgroups", kind), ("seccomp", seccomp)] if not held]
+        if missing:
+            print("[sandbox] warning: no " + ", no ".join(missing) + " on this machine (namespaces need Linux with "
+                  "unshare, as root or with unprivileged user namespaces; cgroups need root; seccomp needs "
+                  "libseccomp.so.2); active layers: " + "; ".join(layers), file=sys.stderr)
     return _ISOLATION
 
 
 def _spawn(role, job, fds, limits):
-    """Start `sandbox.py <role>` in its own session (and namespaces), send it `job` on stdin; returns
-    (process, stdout path, stderr path, its folder)."""
+    """Start `sandbox.py <role>` in its own session (cgroup and namespaces), send it `job` on stdin; returns
+    (process, its cgroup or None, its folder or None)."""
     import subprocess
     import tempfile
-    prefix, drop, _ = isolation()
-    folder = tempfile.mkdtemp(prefix=f"sandbox_{os.getpid()}_")        # whose it is, for leak checks
-    out_path, err_path = os.path.join(folder, ".stdout"), os.path.join(folder, ".stderr")
-    argv = [sys.executable, "-I", "-S", os.path.abspath(__file__), role, "ns" if prefix else "plain",
-            str(limits.uid if drop else -1), *map(str, fds)]
-    with open(out_path, "wb") as out, open(err_path, "wb") as err:
-        # no preexec_fn (unsafe with run_many's threads): the child sets its own limits first thing
-        proc = subprocess.Popen(prefix + argv, stdin=subprocess.PIPE, stdout=out, stderr=err, cwd=folder,
-                                pass_fds=fds, env={"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8"}, start_new_session=True)
+    prefix, drop, kind, _, _ = isolation()
+    group = _Cgroup(kind, limits) if kind else None
+    folder = None if prefix else tempfile.mkdtemp(prefix=f"sandbox_{os.getpid()}_")   # whose it is, for leak checks
+    argv = [sys.executable, "-I", "-S", "-c", CHILD, role, "ns" if prefix else "plain",
+            str(limits.uid if drop else -1), ":".join(group.procs) if group else "", *map(str, fds)]
+    try:
+        # no preexec_fn (unsafe with run_many's threads): the child joins its cgroup and sets its limits first
+        proc = subprocess.Popen(prefix + argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                cwd=folder or "/", pass_fds=fds, env={"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8"},
+                                start_new_session=True)
+    except BaseException:
+        _end([(None, group, folder)])
+        raise
     try:
         send(proc.stdin, {**job, "limits": vars(limits)})
         proc.stdin.close()
     except BrokenPipeError:
         pass
-    return proc, out_path, err_path, folder
+    return proc, group, folder
 
 
-def _finish(procs, deadline):
-    """Wait for every process until the deadline, then kill each whole group; True if all ended in time."""
-    import subprocess
+def _collect(caps, closers, deadline):
+    """Read every channel ({fd: byte cap}) while the children run, until each ends or the deadline. A channel
+    over its cap is closed at once (closers[fd]; its writer gets EPIPE). Returns ({fd: bytes}, in time?, the
+    fds over their cap)."""
+    import selectors
     import time
-    in_time = True
-    for proc in procs:
-        try:
-            proc.wait(timeout=max(0.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            in_time = False
-    for proc in procs:
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)          # whatever it left running goes too
-        except (ProcessLookupError, PermissionError):
-            pass
-        proc.wait()
-    return in_time
+    data, over = {fd: bytearray() for fd in caps}, set()
+    with selectors.DefaultSelector() as selector:
+        for fd in caps:
+            os.set_blocking(fd, False)
+            selector.register(fd, selectors.EVENT_READ)
+        while selector.get_map():
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                return data, False, over
+            for key, _ in selector.select(remaining):
+                try:
+                    chunk = os.read(key.fd, 1 << 16)
+                except BlockingIOError:
+                    continue
+                if chunk and len(data[key.fd]) + len(chunk) <= caps[key.fd]:
+                    data[key.fd] += chunk
+                    continue
+                selector.unregister(key.fd)
+                if chunk:
+                    over.add(key.fd)
+                    closers[key.fd]()
+    return data, True, over
 
 
-def _read_last_record(fd):
-    """The last dict on a pipe, one literal per line (or None)."""
-    os.set_blocking(fd, False)
-    chunks = []
-    while True:
+def _end(started):
+    """Kill everything each child started (its cgroup, then its process group), reap, remove its folder."""
+    import shutil
+    for proc, group, folder in started:
         try:
-            chunk = os.read(fd, 1 << 16)
-        except BlockingIOError:
-            break
-        if not chunk:
-            break
-        chunks.append(chunk)
-    for line in reversed(b"".join(chunks).decode(errors="replace").splitlines()):
-        record = parse_line(line)
-        if isinstance(record, dict):
-            return record
-    return None
+            if group:
+                group.kill()
+        finally:
+            if proc:
+                try:
+                    os.killpg(proc.pid, signal.SIGKILL)
+                except (ProcessLookupError, PermissionError):
+                    pass
+                proc.wait()
+                for stream in (proc.stdout, proc.stderr):
+                    stream.close()
+            if folder:
+                shutil.rmtree(folder, ignore_errors=True)
+
+
+def _last_record(data):
+    """The last line of a channel as a dict, or None: one parse, whatever came before it."""
+    line = bytes(data).rstrip(b"\n").rpartition(b"\n")[2]
+    record = parse_line(line.decode(errors="replace")) if line else None
+    return record if isinstance(record, dict) else None
 
 
 def run(program, tests, limits=None):
     """Run one program against its tests; never raises for anything the program does."""
-    import shutil
     import time
     limits = limits or Limits()
     humaneval = "entry_point" in tests
@@ -288,32 +495,57 @@ def run(program, tests, limits=None):
         jobs = [("--run", {"program": program, "inputs": tests["inputs"], "fn_name": tests.get("fn_name")},
                  (result_w,))]
         reads = [result_r]
-    started, folders = [], []
+    started, closed = [], set()
     deadline = time.monotonic() + limits.timeout
     try:
-        for role, payload, fds in jobs:
-            proc, _, err_path, folder = _spawn(role, payload, fds, limits)
-            started.append((proc, err_path))
-            folders.append(folder)
-        for _, _, fds in jobs:                              # the children hold their ends now
-            for fd in fds:
-                os.close(fd)
-        in_time = _finish([p for p, _ in started], deadline)
-        record = _read_last_record(result_r)
-        check = _read_last_record(check_r) if humaneval else None
-        stderr = open(started[0][1], "rb").read(4000).decode(errors="replace")
+        try:
+            for role, payload, fds in jobs:
+                started.append(_spawn(role, payload, fds, limits))
+        finally:
+            for _, _, fds in jobs:                          # the children hold their ends
+                for fd in fds:
+                    os.close(fd)
+        caps = {fd: report_bytes(limits) for fd in reads}
+        closers = {fd: lambda fd=fd: (closed.add(fd), os.close(fd)) for fd in reads}
+        for proc, _, _ in started:                          # what the children print: kept up to output_bytes
+            for stream in (proc.stdout, proc.stderr):
+                caps[stream.fileno()], closers[stream.fileno()] = limits.output_bytes, stream.close
+        stderr_fd = started[0][0].stderr.fileno()
+        data, in_time, over = _collect(caps, closers, deadline)
+        for proc, _, _ in started:
+            try:
+                proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+            except Exception:  # noqa: BLE001 - subprocess.TimeoutExpired
+                in_time = False
+        codes = [proc.returncode for proc, _, _ in started]
+        stderr = bytes(data[stderr_fd][:4000]).decode(errors="replace")
     finally:
-        for fd in reads:
-            os.close(fd)
-        for folder in folders:
-            shutil.rmtree(folder, ignore_errors=True)
-    code = started[0][0].returncode
-    if record and "compile_error" in record:
-        return Result("compile_error", detail=str(record["compile_error"]))
+        try:
+            _end(started)
+        finally:
+            for fd in set(reads) - closed:
+                os.close(fd)
+    try:                                      # whatever bytes came back, a verdict and never an exception
+        return _decide(data, reads, over, in_time, codes[0], stderr, tests, limits)
+    except Exception as err:  # noqa: BLE001
+        return Result("runtime_error", detail=f"unreadable report: {_error(err)}")
+
+
+def report_bytes(limits):
+    """The cap on a report channel: every output of a run, JSON-escaped (at most 6 bytes a character)."""
+    return 6 * limits.output_bytes + (1 << 16)
+
+
+def _decide(data, reads, over, in_time, code, stderr, tests, limits):
+    record = _last_record(data[reads[0]])
+    if isinstance(record, dict) and "compile_error" in record:
+        return Result("compile_error", detail=str(record["compile_error"])[:2000])
     if not in_time or code in (-signal.SIGXCPU, 128 + signal.SIGXCPU):
         return Result("timeout", detail=f"killed after {limits.timeout} s (wall clock) or {limits.cpu_seconds} s (CPU)")
-    if humaneval:
-        return _check_verdict(check)
+    if over & set(reads):
+        return Result("runtime_error", detail=f"output limit exceeded (report over {report_bytes(limits)} bytes)")
+    if "entry_point" in tests:
+        return _check_verdict(_last_record(data[reads[1]]))
     return _verdict(record, tests, f"the program died (exit {code}): {stderr[-500:]}")
 
 
@@ -365,49 +597,143 @@ def run_many(jobs, limits=None, workers=None):
 
 # ---------------------------------------------------------------- inside the children
 
-def _isolate(uid):
-    """In the new namespaces, still root there: a private tmpfs over every world-writable folder, a
-    working folder in it, then (as root on the host) the unprivileged uid with no_new_privs."""
+def _libc():
     import ctypes
     libc = ctypes.CDLL(None, use_errno=True)
+    libc.syscall.restype = ctypes.c_long
+    return ctypes, libc
 
-    def mount(source, target, fstype, flags, options):
+
+def _mounted_library_dirs():
+    """The folders of every shared library this process has mapped (the dynamic loader, libc, libpython,
+    libffi, ...): what extension modules of the standard library need, and nothing else of the system."""
+    folders = set()
+    for line in open("/proc/self/maps"):
+        path = line.split(maxsplit=5)[-1].strip() if line.count(" ") >= 5 else ""
+        if path.startswith("/") and ".so" in path:
+            folders.add(os.path.dirname(os.path.realpath(path)))
+    return folders
+
+
+def _isolate(uid, cgroup_procs):
+    """In the new namespaces, still root there: join the run's cgroup, a fresh session keyring, then a new
+    root: a tmpfs holding only the standard library and the shared libraries read-only, /dev/null, /dev/zero,
+    /dev/urandom and a private tmpfs /tmp with the working folder; then (as root on the host) the
+    unprivileged uid with no_new_privs and the parent-death signal re-armed."""
+    ctypes, libc = _libc()
+    for path in filter(None, cgroup_procs.split(":")):
+        _write(path, str(os.getpid()))                       # before anything else: all it starts is in it
+
+    def mount(source, target, fstype, flags, options=None):
         if libc.mount(source and source.encode(), target.encode(), fstype and fstype.encode(), flags,
                       options and options.encode()) != 0:
             raise OSError(ctypes.get_errno(), f"mount {source} on {target}")
-    nosuid_nodev, bind = 2 | 4, 4096 | 16384                # MS_NOSUID | MS_NODEV, MS_BIND | MS_REC
-    for folder in WRITABLE_DIRS:
-        if os.path.isdir(folder):
-            mount("tmpfs", folder, "tmpfs", nosuid_nodev, "size=64m,mode=1777")
-    os.mkdir("/tmp/work", 0o700)
+    rdonly, nosuid, nodev, remount, bind, recursive = 1, 2, 4, 32, 4096, 16384
+    if libc.syscall(250, 1, None) < 0:                       # keyctl(KEYCTL_JOIN_SESSION_KEYRING, NULL)
+        raise OSError(ctypes.get_errno(), "a fresh session keyring")
+    stdlib = os.path.dirname(os.path.realpath(os.__file__))
+    visible = sorted({stdlib, *_mounted_library_dirs()})
+    hidden = [os.path.join(stdlib, name) for name in ("site-packages", "dist-packages")]
+    root = "/tmp"                                            # any folder: a tmpfs over it becomes the new root
+    mount("tmpfs", root, "tmpfs", nosuid | nodev, "size=1m,mode=755")
+
+    def show(path, flags):
+        target = root + path
+        if os.path.isdir(path):
+            os.makedirs(target, exist_ok=True)
+        else:
+            os.makedirs(os.path.dirname(target), exist_ok=True)
+            open(target, "w").close()
+        mount(path, target, None, bind | recursive)
+        mount(None, target, None, remount | bind | rdonly | flags)
+    for path in visible:
+        if not any(path == other or path.startswith(other + os.sep) for other in visible if other != path):
+            show(path, nosuid | nodev)
+    for path in hidden:
+        if os.path.isdir(root + path):
+            mount("tmpfs", root + path, "tmpfs", rdonly | nosuid | nodev, "size=4k")
+    for device in ("/dev/null", "/dev/zero", "/dev/urandom"):
+        show(device, nosuid)
+    for link in ("/lib", "/lib64", "/bin"):                  # merged-/usr symlinks, as on the host
+        if os.path.islink(link):
+            os.symlink(os.readlink(link), root + link)
+    os.mkdir(root + "/tmp")
+    mount("tmpfs", root + "/tmp", "tmpfs", nosuid | nodev, "size=64m,mode=1777")
+    os.mkdir(root + "/tmp/work", 0o700)
+    os.chdir(root)
+    if libc.syscall(155, b".", b".") != 0:                   # pivot_root(".", "."): the old root on top
+        raise OSError(ctypes.get_errno(), "pivot_root")
+    if libc.umount2(b".", 2) != 0:                           # MNT_DETACH: and gone
+        raise OSError(ctypes.get_errno(), "umount the old root")
+    os.chdir("/")
+    mount(None, "/", None, remount | rdonly | nosuid | nodev)
     if uid >= 0:
-        # the interpreter may live where the sandbox uid cannot go (/root/.pyenv under a 0700 /root): a
-        # tmpfs over the first folder it cannot traverse (hiding the rest of it), the path made again
-        # in it, the interpreter's own folder bound back in; programs can import the standard library
-        prefix = os.path.realpath(sys.base_prefix)
-        parts = prefix.split(os.sep)
-        closed = next((os.sep.join(parts[:i]) for i in range(2, len(parts) + 1)
-                       if not os.stat(os.sep.join(parts[:i])).st_mode & 0o001), None)
-        if closed:
-            os.mkdir("/tmp/.prefix", 0o755)
-            mount(prefix, "/tmp/.prefix", None, bind, None)
-            mount("tmpfs", closed, "tmpfs", nosuid_nodev, "size=1m,mode=755")
-            os.makedirs(prefix, 0o755, exist_ok=True)
-            mount("/tmp/.prefix", prefix, None, bind, None)
         os.chown("/tmp/work", uid, uid)
         os.setgroups([])
         os.setresgid(uid, uid, uid)
         os.setresuid(uid, uid, uid)
-        if libc.prctl(38, 1, 0, 0, 0) != 0:                  # PR_SET_NO_NEW_PRIVS
-            raise OSError(ctypes.get_errno(), "prctl(PR_SET_NO_NEW_PRIVS)")
+        if libc.prctl(1, signal.SIGKILL, 0, 0, 0) != 0:      # PR_SET_PDEATHSIG, cleared by the uid change
+            raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG)")
     os.chdir("/tmp/work")
 
 
-def _set_limits(limits, rlimit_nproc=True):
+# syscalls a test program never needs; keyrings first (state shared across runs and with the trainer)
+DENIED_SYSCALLS = ("add_key", "request_key", "keyctl", "ptrace", "mount", "umount2", "pivot_root", "chroot", "bpf",
+                   "perf_event_open", "unshare", "setns", "kexec_load", "kexec_file_load", "init_module",
+                   "finit_module", "delete_module", "reboot", "swapon", "swapoff", "process_vm_readv",
+                   "process_vm_writev", "userfaultfd", "open_by_handle_at", "name_to_handle_at", "fsopen", "fsmount",
+                   "fspick", "fsconfig", "move_mount", "open_tree", "mount_setattr", "acct", "quotactl", "syslog",
+                   "iopl", "ioperm", "personality", "setsid", "setpgid", "lookup_dcookie", "vhangup", "settimeofday",
+                   "clock_settime", "adjtimex", "sethostname", "setdomainname", "io_uring_setup")
+NAMESPACE_FLAGS = (0x00020000, 0x02000000, 0x04000000, 0x08000000, 0x10000000, 0x20000000, 0x40000000, 0x00000080)
+
+
+def _libseccomp():
+    import ctypes
+    try:
+        return ctypes.CDLL("libseccomp.so.2")
+    except OSError:
+        return None
+
+
+def _seccomp():
+    """Deny DENIED_SYSCALLS, clone() with a namespace flag, and clone3 (ENOSYS: libc falls back to clone);
+    True where the filter is loaded (needs libseccomp.so.2 and no_new_privs or root)."""
+    import ctypes
+    lib = _libseccomp()
+    if lib is None:
+        return False
+    lib.seccomp_init.restype = ctypes.c_void_p
+    lib.seccomp_syscall_resolve_name.argtypes = [ctypes.c_char_p]
+    lib.seccomp_rule_add_array.argtypes = [ctypes.c_void_p, ctypes.c_uint32, ctypes.c_int, ctypes.c_uint, ctypes.c_void_p]
+    lib.seccomp_load.argtypes = [ctypes.c_void_p]
+
+    class Compare(ctypes.Structure):                         # struct scmp_arg_cmp
+        _fields_ = [("arg", ctypes.c_uint), ("op", ctypes.c_int), ("a", ctypes.c_uint64), ("b", ctypes.c_uint64)]
+    allow, eperm, enosys = 0x7FFF0000, 0x00050000 | 1, 0x00050000 | 38
+    ctx = lib.seccomp_init(allow)
+    if not ctx:
+        return False
+    for name in DENIED_SYSCALLS:
+        number = lib.seccomp_syscall_resolve_name(name.encode())
+        if number >= 0 and lib.seccomp_rule_add_array(ctx, eperm, number, 0, None) != 0:
+            return False
+    clone, clone3 = (lib.seccomp_syscall_resolve_name(name) for name in (b"clone", b"clone3"))
+    for flag in NAMESPACE_FLAGS:                             # SCMP_CMP_MASKED_EQ on the flags argument
+        if lib.seccomp_rule_add_array(ctx, eperm, clone, 1, ctypes.byref(Compare(0, 7, flag, flag))) != 0:
+            return False
+    if clone3 >= 0 and lib.seccomp_rule_add_array(ctx, enosys, clone3, 0, None) != 0:
+        return False
+    return lib.seccomp_load(ctx) == 0
+
+
+def _set_limits(limits, rlimit_nproc=True, open_already=0):
     cpu = max(1, int(limits["cpu_seconds"]))
     memory, size, nproc = limits["memory_mb"] << 20, limits["output_bytes"], limits["processes"]
+    files = limits.get("open_files", 256) + open_already          # the inputs' memfds do not count
     for name, value in [(resource.RLIMIT_CPU, (cpu, cpu + 1)), (resource.RLIMIT_AS, (memory, memory)),
-                        (resource.RLIMIT_FSIZE, (size, size)), (resource.RLIMIT_CORE, (0, 0))] + (
+                        (resource.RLIMIT_FSIZE, (size, size)), (resource.RLIMIT_CORE, (0, 0)),
+                        (resource.RLIMIT_NOFILE, (files, files))] + (
                        [(resource.RLIMIT_NPROC, (nproc, nproc))] if rlimit_nproc else []):
         try:
             resource.setrlimit(name, value)
@@ -416,26 +742,50 @@ def _set_limits(limits, rlimit_nproc=True):
 
 
 class _CappedOutput:
-    """stdout for the program: text up to `limit` characters, then an error (a flood of output)."""
+    """stdout for the program: text up to `limit` characters, then an error (a flood of output); bytes
+    written to its `buffer` are decoded as UTF-8."""
+    encoding, errors = "utf-8", "strict"
 
     def __init__(self, limit):
         self.parts, self.size, self.limit = [], 0, limit
+        self.buffer = _BytesOutput(self)
 
     def write(self, text):
+        if type(text) is not str:
+            raise TypeError(f"write() argument must be str, not {type(text).__name__}")
         self.size += len(text)
         if self.size > self.limit:
             raise RuntimeError(f"output limit of {self.limit} characters exceeded")
         self.parts.append(text)
         return len(text)
 
+    def writelines(self, lines):
+        for line in lines:
+            self.write(line)
+
     def flush(self):
         pass
+
+    def isatty(self):
+        return False
 
     def getvalue(self):
         return "".join(self.parts)
 
 
-def _guard(workdir):
+class _BytesOutput:
+    def __init__(self, text):
+        self.text = text
+
+    def write(self, data):
+        self.text.write(bytes(data).decode("utf-8", "replace"))
+        return len(data)
+
+    def flush(self):
+        pass
+
+
+def _guard(workdir, memory_mb=1024):
     """Remove the process, signal and file-system calls generated code never needs (an extra layer)."""
     import builtins
     import io
@@ -448,7 +798,7 @@ def _guard(workdir):
                      "execvpe", "execl", "execle", "execlp", "execlpe", "spawnv", "spawnve", "spawnvp", "spawnvpe",
                      "spawnl", "spawnle", "posix_spawn", "posix_spawnp", "remove", "unlink", "rmdir", "removedirs",
                      "rename", "renames", "replace", "truncate", "chmod", "chown", "lchown", "fchmod", "fchown",
-                     "setuid", "setgid", "setsid", "putenv", "unsetenv", "register_at_fork", "symlink", "link"):
+                     "setuid", "setgid", "setsid", "setpgrp", "setpgid", "putenv", "unsetenv", "register_at_fork", "symlink", "link"):
             if hasattr(module, name):          # deleted, not set to None: code that asks hasattr()
                 delattr(module, name)           # (random's register_at_fork) carries on without it
     for module, names in [(signal, ("pthread_kill", "pthread_sigmask")),
@@ -456,8 +806,9 @@ def _guard(workdir):
                           (shutil_, ("rmtree", "move"))]:
         for name in names:
             delattr(module, name)
-    set_limit = sys.setrecursionlimit                   # deep but bounded: a recursion bomb ends in
-    sys.setrecursionlimit = lambda n: set_limit(min(n, 20000))      # RecursionError, not a crash
+    set_limit = sys.setrecursionlimit                   # deep but bounded (the program runs on a large stack,
+    cap = min(10 ** 6, 1000 * memory_mb)                # frames take memory): a bomb ends in RecursionError
+    sys.setrecursionlimit = lambda n: set_limit(min(n, cap))
     for name in ("ctypes", "_ctypes", "multiprocessing", "_posixsubprocess", "pty"):
         sys.modules[name] = None
     real_open, real_os_open = builtins.open, os.open
@@ -490,33 +841,97 @@ def _error(err):
 
 
 def _start(argv):
-    """Common start of a child: isolation, limits, the job. argv: role, "ns" | "plain", uid, fds..."""
+    """Common start of a child: cgroup, isolation, the job, stdin files, limits, seccomp.
+    argv: role, "ns" | "plain", uid, cgroup.procs paths joined by ":", fds..."""
     if argv[1] == "ns":
-        _isolate(int(argv[2]))
+        _isolate(int(argv[2]), argv[3])
+    else:
+        for path in filter(None, argv[3].split(":")):
+            _write(path, str(os.getpid()))
     job = receive(sys.stdin.buffer)
-    _set_limits(job["limits"])
-    return job, [int(fd) for fd in argv[3:]]
+    stdin = ([_stdin_file(given if isinstance(given, str) else "\n".join(map(str, given))) for given in job["inputs"]]
+             if argv[0] == "--run" and not job.get("fn_name") else [])          # before the file size limit
+    _set_limits(job["limits"], rlimit_nproc=not argv[3], open_already=len(stdin))
+    if sys.platform.startswith("linux"):
+        ctypes, libc = _libc()
+        if libc.prctl(38, 1, 0, 0, 0) != 0:                  # PR_SET_NO_NEW_PRIVS
+            raise OSError(ctypes.get_errno(), "prctl(PR_SET_NO_NEW_PRIVS)")
+        if not _seccomp() and _libseccomp() is not None:
+            raise OSError("the seccomp filter did not load")
+    return job, [int(fd) for fd in argv[4:]], stdin
+
+
+def _stdin_file(text):
+    """A memfd holding one input, read from its start (None where there are no memfds: a StringIO then)."""
+    if not hasattr(os, "memfd_create"):
+        return None
+    fd, data = os.memfd_create("stdin"), text.encode("utf-8", "surrogateescape")
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view):]
+    os.lseek(fd, 0, os.SEEK_SET)
+    return fd
+
+
+def _use_stdin(fd, text):
+    """sys.stdin for one input: a text wrapper over a real fd 0 (so .buffer, open(0) and readline work)."""
+    import io
+    if fd is None:
+        return io.StringIO(text)
+    os.dup2(fd, 0)
+    os.close(fd)
+    return io.TextIOWrapper(io.BufferedReader(io.FileIO(0, "rb", closefd=False)), encoding="utf-8",
+                            errors="surrogateescape", newline="\n")
+
+
+def _with_a_large_stack(limits, fn, *args):
+    """fn(*args) in a thread with a stack of a quarter of the address space limit (at most 256 MiB), so deep
+    recursion through C (lru_cache, __eq__, sorted keys) ends at the recursion limit, not in a crash."""
+    import threading
+    try:
+        threading.stack_size(min(256 << 20, (limits["memory_mb"] << 20) // 4) & ~0xFFFF)
+        thread = threading.Thread(target=fn, args=args)
+        thread.start()
+    except (ValueError, RuntimeError, MemoryError):
+        return fn(*args)
+    finally:
+        threading.stack_size(0)                              # the program's own threads: the default
+    thread.join()
 
 
 def _program_child(argv):
     """--run: the program against each input; --serve: the program's function called over pipes. Only
     outputs and plain values leave this process; the verdict is not decided here."""
-    import io
-    job, fds = _start(argv)
-    report = os.fdopen(fds[0], "w")
+    import _json  # noqa: F401 - the report's encoder, loaded before the program can use up every fd
+    job, fds, stdin = _start(argv)
+    report = os.fdopen(fds[0], "w", encoding="utf-8")
     try:
         code = compile(job["program"], "<program>", "exec")
     except (SyntaxError, ValueError, OverflowError, MemoryError, RecursionError) as err:
         report.write(_line({"compile_error": _error(err)}))
         report.flush()
         return
-    real_stdout, real_stdin = sys.stdout, sys.stdin
     channels = [os.fdopen(fd, mode) for fd, mode in zip(fds[1:], ("rb", "w"))]
-    _guard(os.path.realpath(os.getcwd()))
+    _guard(os.path.realpath(os.getcwd()), job["limits"]["memory_mb"])
     if argv[0] == "--serve":
-        return _serve(code, job, *channels)
+        return _with_a_large_stack(job["limits"], _serve, code, job, *channels)
     results = []
-    for given in job["inputs"]:
+    _with_a_large_stack(job["limits"], _run_inputs, code, job, stdin, results)
+    room, pieces = 6 * job["limits"]["output_bytes"], []      # within the trusted side's cap on this channel
+    for result in results:
+        piece = _json_text(result)
+        room -= len(piece.encode("utf-8", "surrogateescape"))
+        if room < 0:
+            pieces.append(_json_text({"error": "RuntimeError: output limit exceeded (all outputs of the run)"}))
+            break
+        pieces.append(piece)
+    report.write('{"results":[' + ",".join(pieces) + "]}\n")
+    report.flush()
+
+
+def _run_inputs(code, job, stdin, results):
+    real_stdout, real_stdin = sys.stdout, sys.stdin
+    for i, given in enumerate(job["inputs"]):
         out = _CappedOutput(job["limits"]["output_bytes"])
         namespace = {"__name__": "__main__" if not job["fn_name"] else "program"}
         sys.stdout = out
@@ -535,7 +950,7 @@ def _program_child(argv):
                 except NotPlain as err:                      # compared as a wrong answer by the parent
                     results.append({"out": {"not_plain": str(err)}})
             else:
-                sys.stdin = io.StringIO(given if isinstance(given, str) else "\n".join(map(str, given)))
+                sys.stdin = _use_stdin(stdin[i], given if isinstance(given, str) else "\n".join(map(str, given)))
                 try:
                     exec(code, namespace)
                 except SystemExit as stop:
@@ -547,8 +962,6 @@ def _program_child(argv):
             results.append({"error": _error(err)})
             break
         sys.stdout, sys.stdin = real_stdout, real_stdin
-    report.write(_line({"results": results}))
-    report.flush()
 
 
 def _serve(code, job, calls, replies):
@@ -578,7 +991,7 @@ class _CandidateError(Exception):
 def _check_child(argv):
     """--check: the dataset's prompt and test code (trusted text only) and check(candidate), where
     candidate is a proxy to the program's process. Reports {ok} / {assertion} / an error."""
-    job, fds = _start(argv)
+    job, fds, _ = _start(argv)
     report, calls, replies = os.fdopen(fds[0], "w"), os.fdopen(fds[1], "wb"), os.fdopen(fds[2], "r")
 
     def candidate(*args):
@@ -610,7 +1023,7 @@ def _check_child(argv):
 
 def main(argv):
     if argv[:1] == ["--check"]:
-        prefix, drop, layers = isolation()
+        prefix, _, _, _, layers = isolation()
         print("sandbox isolation layers on this machine:\n" + "\n".join(f"  - {layer}" for layer in layers))
         probe = run("import socket\ntry:\n    socket.create_connection(('127.0.0.1', 9), timeout=1)\n"
                     "    print('network')\nexcept OSError:\n    print('no network')\n",
@@ -621,10 +1034,11 @@ def main(argv):
         return _program_child(argv)
     if argv[:1] == ["--check-child"]:
         return _check_child(argv)
-    if argv[:1] == ["--probe"]:                  # isolation(): can a child isolate itself (and import) here?
-        _isolate(int(argv[2]))
-        import math, shutil, subprocess  # noqa: E401,F401 - the standard library is still importable
-        print("isolated")
+    if argv[:1] == ["--probe"]:      # isolation(): can a child isolate itself (and import, and filter) here?
+        _isolate(int(argv[2]), argv[3])
+        import hashlib, math, shutil, subprocess  # noqa: E401,F401 - the standard library is still importable
+        _libc()[1].prctl(38, 1, 0, 0, 0)
+        print("isolated", "seccomp" if _seccomp() else "")
         return 0
     print(__doc__)
 

@@ -262,12 +262,13 @@ def test_without_namespaces_the_first_run_warns_once_and_still_runs():
 
 @pytest.fixture(scope="module", autouse=True)
 def nothing_is_left_behind():
-    """After every test of this file: no temporary folder of the sandbox, no process of a program. Only this
-    process's folders and this checkout's sandbox.py count (a study may run sandboxes beside the tests)."""
+    """After every test of this file: no temporary folder of the sandbox, no process of a program, no cgroup of
+    a run. Only this process's folders and cgroups and this checkout's children count (a study may run
+    sandboxes beside the tests)."""
     import glob
     import tempfile
     pattern = os.path.join(tempfile.gettempdir(), f"sandbox_{os.getpid()}_*")
-    script = os.path.abspath(sandbox.__file__).encode()
+    script = sandbox.CHILD.encode()
     before = set(glob.glob(pattern))
     yield
     time.sleep(0.5)
@@ -281,3 +282,5 @@ def nothing_is_left_behind():
         if script + b"\0--" in cmdline and pid != str(os.getpid()):
             mine.append(pid)
     assert not mine, f"processes of the sandbox left running: {mine}"
+    assert not glob.glob(f"/sys/fs/cgroup/*/{sandbox.CGROUP_PARENT}/{os.getpid()}_*") + glob.glob(
+        f"/sys/fs/cgroup/{sandbox.CGROUP_PARENT}/{os.getpid()}_*"), "a cgroup of a run was left behind"

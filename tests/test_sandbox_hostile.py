@@ -1,0 +1,300 @@
+"""sandbox.py against a hostile program, class by class: the trusted side always ends in a verdict at a
+bounded cost, a run dies whole, limits are per run, nothing is shared between runs or with the trainer,
+and nothing of the host is visible. Honest idioms of contest code pass.
+
+Every hostile program stays harmless if containment fails: fork and thread loops are capped, memory
+attempts are modest and short-lived, no file is written outside the program's own tmp, and the only
+network peer is none (the network tests live in test_sandbox.py). Syscall numbers are x86-64."""
+import os
+import platform
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+
+import sandbox
+
+pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux") or platform.machine() != "x86_64",
+                                reason="syscall numbers and namespaces of Linux x86-64")
+
+ADD = {"fn_name": "add", "inputs": [[1, 2], [3, 4]], "outputs": [[3], [7]]}
+PATIENT = sandbox.Limits(timeout=30.0, cpu_seconds=20, memory_mb=256)
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SCRIPT = os.path.abspath(sandbox.__file__)
+CGROUP_PARENT = getattr(sandbox, "CGROUP_PARENT", "ma_sandbox")
+# ctypes back, past the in-process guard (which is an extra layer, not a boundary)
+CTYPES = ("import sys\nfor m in ('ctypes', '_ctypes'):\n    sys.modules.pop(m, None)\nimport ctypes\n"
+          "libc = ctypes.CDLL(None, use_errno=True)\nlibc.syscall.restype = ctypes.c_long\n")
+
+
+# every fd from 3 on pointed at /dev/null, read-only: whatever the sandbox's own code writes after the program is lost
+SILENCE = ("null = os.open('/dev/null', os.O_RDONLY)\nfor fd in range(3, 30):\n    if fd != null:\n        try:\n"
+           "            os.fstat(fd)\n            os.dup2(null, fd)\n        except OSError:\n            pass\n")
+
+
+def need(*layers):
+    """Skip where a layer this test relies on does not hold on the machine (`sandbox.py --check` names them)."""
+    prefix, drop, kind, seccomp, _ = sandbox.isolation()
+    held = {"namespaces": bool(prefix), "uid": drop, "cgroup": bool(kind), "seccomp": seccomp}
+    missing = [layer for layer in layers if not held[layer]]
+    if missing:
+        pytest.skip("needs " + ", ".join(missing))
+
+
+def says(text):
+    """Tests under which a program that prints `text` passes."""
+    return {"inputs": [""], "outputs": [text]}
+
+
+def sandbox_processes():
+    """Processes of this checkout's sandbox children (whatever uid they run as)."""
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            cmdline = open(f"/proc/{pid}/cmdline", "rb").read()
+        except OSError:
+            continue
+        if sandbox.CHILD.encode() + b"\0--" in cmdline and int(pid) != os.getpid():
+            found.append(int(pid))
+    return found
+
+
+def key_count(uid):
+    """Keys the kernel holds for `uid` (/proc/key-users: 'uid: usage nkeys/nikeys ...')."""
+    for line in open("/proc/key-users"):
+        head, _, rest = line.partition(":")
+        if head.strip() == str(uid):
+            return int(rest.split()[1].split("/")[0])
+    return 0
+
+
+@pytest.fixture(scope="module", autouse=True)
+def nothing_is_left_behind():
+    """After the module: no process of the sandbox, no cgroup, tmp folder or key of this process's runs."""
+    import glob
+    import tempfile
+    uid = sandbox.Limits().uid
+    keys = key_count(uid)
+    folders = set(glob.glob(os.path.join(tempfile.gettempdir(), f"sandbox_{os.getpid()}_*")))
+    yield
+    time.sleep(0.5)
+    assert not sandbox_processes(), "a process of the sandbox outlived its run"
+    assert set(glob.glob(os.path.join(tempfile.gettempdir(), f"sandbox_{os.getpid()}_*"))) <= folders
+    assert not glob.glob(f"/sys/fs/cgroup/*/{CGROUP_PARENT}/{os.getpid()}_*") + glob.glob(
+        f"/sys/fs/cgroup/{CGROUP_PARENT}/{os.getpid()}_*"), "a cgroup of a run was left behind"
+    assert key_count(uid) <= keys, "a key of the sandbox uid was left behind"
+
+
+# ---------------------------------------------------------------- the trusted side is total
+
+def test_bytes_on_the_report_channel_end_in_a_verdict_never_an_exception():
+    """A line that parses as a literal but decodes to an unhashable dict key, on every fd the program
+    holds, which then all point to /dev/null, so that this line is the last one."""
+    forged = "{'results': [{'out': {'dict': [[[1], 2]]}}, {'out': {'dict': [[[1], 2]]}}]}"
+    program = ("import os, signal\nfor fd in range(1, 30):\n    try:\n"
+               f"        os.write(fd, b\"{forged}\\n\")\n    except OSError:\n        pass\n" + SILENCE)
+    r = sandbox.run(program, ADD, PATIENT)
+    assert r.outcome != "passed" and r.reward < 0, r
+
+
+def test_a_flood_on_the_report_channel_costs_the_trusted_side_one_parse(monkeypatch):
+    """30,000 short lines, then silence: parsing may not grow with what the program writes."""
+    calls = []
+    real = sandbox.parse_line
+    monkeypatch.setattr(sandbox, "parse_line", lambda line: calls.append(1) or real(line))
+    program = ("import os, signal\nfor fd in range(3, 30):\n    try:\n        os.write(fd, b'0\\n' * 30000)\n"
+               "    except OSError:\n        pass\n" + SILENCE)
+    r = sandbox.run(program, says("x"), PATIENT)
+    assert r.outcome != "passed", r
+    assert len(calls) <= 2, f"{len(calls)} lines parsed"
+
+
+# ---------------------------------------------------------------- one kill for everything a run started
+
+def test_no_process_outlives_its_run_after_leaving_the_process_group():
+    """The program tries to leave the process group (setpgrp through a fresh `posix`) and spins for at
+    most 10 s; the run times out after 1.5 s, and nothing of it may be left."""
+    need('cgroup')
+    program = ("import sys, time\ndel sys.modules['posix']\nimport posix\ntry:\n    posix.setpgrp()\n"
+               "except OSError:\n    pass\nt = time.time()\nwhile time.time() - t < 10:\n    pass\n")
+    r = sandbox.run(program, says("x"), sandbox.Limits(timeout=1.5, cpu_seconds=20))
+    assert r.outcome == "timeout"
+    time.sleep(0.3)
+    assert not sandbox_processes(), "a process of the program outlived its run"
+
+
+def test_no_forked_process_outlives_its_run():
+    """fork restored by a fresh `posix`, the child in a session of its own, spinning for at most 10 s."""
+    need('namespaces')
+    program = ("import sys, time\ndel sys.modules['posix']\nimport posix\n"
+               "if posix.fork() == 0:\n    try:\n        posix.setsid()\n    except OSError:\n        pass\n    t = time.time()\n"
+               "    while time.time() - t < 10:\n        pass\n")
+    sandbox.run(program, says("x"), PATIENT)
+    time.sleep(0.3)
+    assert not sandbox_processes(), "a forked process of the program outlived its run"
+
+
+# ---------------------------------------------------------------- limits per run
+
+def test_memory_outside_the_address_space_is_charged_to_the_run():
+    """Up to 320 memfds of 1 MiB (below RLIMIT_FSIZE each, outside RLIMIT_AS) under a 128 MiB run, open-files
+    limit raised: the run's memory cgroup must stop it."""
+    need('cgroup')
+    program = ("import os\nfds = []\nfor i in range(320):\n    fd = os.memfd_create('m')\n"
+               "    os.write(fd, b'x' * (1 << 20))\n    fds.append(fd)\nprint('held')\n")
+    limits = sandbox.Limits(timeout=30, cpu_seconds=20, memory_mb=128, open_files=1024)   # memory, not fds, stops it
+    r = sandbox.run(program, says("held"), limits)
+    assert r.outcome != "passed", r
+    r = sandbox.run(program.replace("320", "64"), says("held"), limits)
+    assert r.outcome == "passed", r                                   # 64 MiB of them is within the run's memory
+
+
+def test_open_files_are_limited_per_run():
+    """1,000 descriptors of /dev/null (bounded memory in the kernel, but a cost outside every limit)."""
+    program = "import os\nfds = [os.open('/dev/null', os.O_RDONLY) for _ in range(1000)]\nprint('held')\n"
+    r = sandbox.run(program, says("held"), PATIENT)
+    assert r.outcome == "runtime_error" and "Too many open files" in r.detail, r
+
+
+def test_a_run_holding_its_threads_cannot_make_a_concurrent_run_fail():
+    """Run A starts threads until it cannot (at most 150) and holds them for 6 s; run B, starting its
+    threads 2 s in, must still pass."""
+    need('cgroup')
+    hog = ("import threading, time\nthreading.stack_size(1 << 16)\nhold = threading.Event()\nn = 0\nfor _ in range(150):\n    try:\n"
+           "        threading.Thread(target=hold.wait, args=(6,), daemon=True).start()\n        n += 1\n"
+           "    except RuntimeError:\n        break\ntime.sleep(6)\nprint(n)\n")
+    honest = ("import threading, time\ntime.sleep(2)\nout = []\n"
+              "ts = [threading.Thread(target=out.append, args=(i,)) for i in range(8)]\n"
+              "[t.start() for t in ts]\n[t.join() for t in ts]\nprint(len(out))\n")
+    limits = sandbox.Limits(timeout=30, cpu_seconds=20, memory_mb=512)
+    results = {}
+    hog_thread = threading.Thread(target=lambda: results.update(hog=sandbox.run(hog, says("x"), limits)))
+    hog_thread.start()
+    time.sleep(0.5)
+    results["honest"] = sandbox.run(honest, says("8"), limits)
+    hog_thread.join()
+    assert results["honest"].outcome == "passed", results["honest"]
+
+
+# ---------------------------------------------------------------- nothing shared
+
+KEY_NOTE = (CTYPES + "KEYCTL_SEARCH = 10\n"
+            "found = libc.syscall(250, KEYCTL_SEARCH, -4, b'user', b'sandbox_note', 0)\n"
+            "if found > 0:\n    print('found')\n    libc.syscall(250, 9, -4, found)\n"       # KEYCTL_UNLINK
+            "else:\n    print('added' if libc.syscall(248, b'user', b'sandbox_note', b'1', 1, -4) > 0 else 'no')\n")
+
+
+def test_no_note_kept_in_a_keyring_reaches_a_later_run():
+    """A deterministic program keeps a note in the sandbox uid's user keyring; a later run reads it (and
+    removes it). Both runs must fail to reach the keyring."""
+    need('seccomp')
+    first = sandbox.run(KEY_NOTE, says("added"), PATIENT)
+    second = sandbox.run(KEY_NOTE, says("found"), PATIENT)
+    assert first.outcome != "passed" and second.outcome != "passed", (first, second)
+
+
+def test_the_trainers_session_keyring_is_out_of_reach():
+    """A trainer keeps a secret in its session keyring; the program searches its session keyring."""
+    need('namespaces')
+    steal = (CTYPES + "key = libc.syscall(250, 10, -3, b'user', b'trainer_secret', 0)\n"
+             "buf = ctypes.create_string_buffer(64)\nn = libc.syscall(250, 11, key, buf, 64) if key > 0 else -1\n"
+             "print(buf.raw[:n].decode() if n > 0 else 'no')\n")
+    trainer = ("import ctypes, sys\nlibc = ctypes.CDLL(None)\nlibc.syscall.restype = ctypes.c_long\n"
+               "assert libc.syscall(250, 1, None) > 0\n"                        # a session keyring of its own
+               "assert libc.syscall(248, b'user', b'trainer_secret', b'hunter2', 7, -3) > 0\n"
+               "import sandbox\nr = sandbox.run(sys.argv[1], {'inputs': [''], 'outputs': ['hunter2']},"
+               " sandbox.Limits(timeout=30, cpu_seconds=20))\nprint(r.outcome)\n")
+    proc = subprocess.run([sys.executable, "-c", trainer, steal], capture_output=True, text=True, timeout=120,
+                          cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.strip().splitlines()[-1] != "passed"
+
+
+@pytest.mark.parametrize("name, call", [
+    ("unshare(CLONE_NEWUSER)", "libc.syscall(272, 0x10000000)"),
+    ("ptrace(PTRACE_TRACEME)", "libc.syscall(101, 0, 0, 0, 0)"),
+    ("perf_event_open", "libc.syscall(298, ctypes.create_string_buffer(128), 0, -1, -1, 0) * 0"),
+])
+def test_syscalls_a_test_program_never_needs_are_denied(name, call):
+    """Each syscall's own return value: 0 (or, for perf_event_open, any return but EPERM) is a pass."""
+    need('seccomp')
+    program = CTYPES + f"r = {call}\nerr = ctypes.get_errno()\nprint('ok' if r == 0 and err != 1 else 'denied')\n"
+    r = sandbox.run(program, says("ok"), PATIENT)
+    assert r.outcome != "passed", (name, r)
+
+
+# ---------------------------------------------------------------- nothing of the host is visible
+
+@pytest.mark.parametrize("what, path", [
+    ("the project's own files", SCRIPT),
+    ("the interpreter's site-packages", os.path.join(sys.base_prefix, "lib",
+                                                     f"python{sys.version_info[0]}.{sys.version_info[1]}",
+                                                     "site-packages")),
+    ("the virtual environment", sys.prefix),
+    ("the host's /etc", "/etc"),
+])
+def test_nothing_of_the_host_is_visible(what, path):
+    need('namespaces')
+    program = f"import os\np = {path!r}\nprint('seen' if os.path.isdir(p) and os.listdir(p) or open(p).read(1) else 'no')\n"
+    r = sandbox.run(program, says("seen"), PATIENT)
+    assert r.outcome != "passed", (what, r)
+
+
+# ---------------------------------------------------------------- honest idioms of contest code pass
+
+@pytest.mark.parametrize("name, program, given, expected", [
+    ("sys.stdin.buffer", "import sys\na, b = map(int, sys.stdin.buffer.read().split())\nprint(a + b)\n",
+     "1 2\n", "3"),
+    ("open(0)", "a, b = map(int, open(0).read().split())\nprint(a + b)\n", "1 2\n", "3"),
+    ("readline, then input", "import sys\nn = int(sys.stdin.readline())\nprint(n + int(input()))\n", "1\n2\n", "3"),
+    ("sys.stdout.buffer", "import sys\nsys.stdout.buffer.write(b'3\\n')\n", "", "3"),
+    ("deep recursion", "import sys\nsys.setrecursionlimit(10 ** 6)\ndef f(n):\n    return n if n == 0 else 1 + f(n - 1)\n"
+     "print(f(100000))\n", "", "100000"),
+    ("deep recursion through lru_cache", "import sys\nfrom functools import lru_cache\nsys.setrecursionlimit(10 ** 6)\n"
+     "@lru_cache(None)\ndef f(n):\n    return n if n == 0 else 1 + f(n - 1)\nprint(f(100000))\n", "", "100000"),
+    ("300 KB of output", "print('x' * 300000)\n", "", "x" * 300000),
+    ("many lines of output", "print('\\n'.join(map(str, range(50000))))\n", "",
+     "\n".join(map(str, range(50000)))),
+])
+def test_honest_idioms_pass(name, program, given, expected):
+    r = sandbox.run(program, {"inputs": [given, given], "outputs": [expected, expected]}, PATIENT)
+    assert r.outcome == "passed", (name, r)
+
+
+def test_check_names_every_layer_that_holds():
+    proc = subprocess.run([sys.executable, "sandbox.py", "--check"], capture_output=True, text=True, timeout=120,
+                          cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr
+    prefix, drop, kind, seccomp, layers = sandbox.isolation()
+    assert all(layer in proc.stdout for layer in layers)
+    assert ("per-run cgroup" in proc.stdout) == bool(kind) and ("seccomp filter" in proc.stdout) == seccomp
+    assert ("allowlisted root" in proc.stdout) == bool(prefix)
+
+
+def test_cgroups_of_a_trainer_that_is_gone_are_removed():
+    """A trainer killed mid-run leaves its runs' cgroups (a process of it inside); the next trainer of the
+    same PID namespace removes them, and leaves a live trainer's alone."""
+    need("cgroup")
+    kind = sandbox.isolation()[2]
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    stale = sandbox._Cgroup(kind, sandbox.Limits())
+    namespace = sandbox._pid_namespace()
+    renamed = [d.replace(f"/{os.getpid()}_", f"/{dead.pid}_") for d in stale.dirs]
+    for old, new in zip(stale.dirs, renamed):
+        os.rename(old, new)
+    spinner = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    try:
+        for folder in renamed:
+            sandbox._write(folder + "/cgroup.procs", str(spinner.pid))
+        live = sandbox._Cgroup(kind, sandbox.Limits())
+        sandbox._remove_stale_cgroups(kind)
+        assert not any(os.path.exists(d) for d in renamed) and renamed[0].endswith(namespace)
+        assert spinner.wait(timeout=10) == -9                           # what was in it was killed
+        assert all(os.path.isdir(d) for d in live.dirs)
+        live.kill()
+    finally:
+        spinner.kill()
+        spinner.wait()
