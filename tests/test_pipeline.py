@@ -49,12 +49,14 @@ def sft_runs(tmp_path_factory):
     return whole, split, out, interrupted, resumed
 
 
+@pytest.mark.launch
 def test_sft_runs_end_to_end_and_reports_held_out_loss(sft_runs):
     whole, _, out, _, _ = sft_runs
     assert "held-out loss" in out and "sample:" in out
     assert os.path.exists(os.path.join(whole, "config.json")) and os.path.exists(os.path.join(whole, "tokenizer.json"))
 
 
+@pytest.mark.launch
 def test_ctrl_c_then_resume_gives_the_uninterrupted_weights(sft_runs):
     whole, split, _, interrupted, resumed = sft_runs
     assert "checkpoint saved" in interrupted and "resumed at step" in resumed
@@ -63,6 +65,7 @@ def test_ctrl_c_then_resume_gives_the_uninterrupted_weights(sft_runs):
     assert all(torch.equal(a[k], b[k]) for k in a)
 
 
+@pytest.mark.launch
 def test_reward_model_trains_from_the_sft_checkpoint(sft_runs, tmp_path):
     whole = sft_runs[0]
     out = run_stage("reward_model.py", "--sft_path", whole, "--output_dir", str(tmp_path / "rm"), "--batch_size", "4",
@@ -91,6 +94,7 @@ def sft_launched(tmp_path_factory):
     return out, proc.stdout
 
 
+@pytest.mark.launch
 def test_sft_under_accelerate_launch_with_two_cpu_processes(sft_launched):
     out, stdout = sft_launched
     assert "2 process(es)" in stdout
@@ -133,6 +137,7 @@ def worker(launcher_pid, rank):
     raise AssertionError(f"no worker of rank {rank}")
 
 
+@pytest.mark.launch
 def test_ctrl_c_to_one_rank_under_accelerate_launch_stops_both_at_one_step_and_resumes_exactly(tmp_path, sft_launched):
     """SIGINT to rank 1 alone must also stop rank 0 at the same step (not leave it waiting for rank 1
     in a collective), and --resume then ends with the weights of an uninterrupted 2-process run. (A
