@@ -220,6 +220,7 @@ def test_logprob_mode_takes_the_most_probable_letter_not_the_text(server):
     assert evaluate.letter_probabilities([{"token": "Sure", "logprob": -0.1}]) is None
 
 
+@pytest.mark.launch
 def test_no_usable_judge_answers_is_a_clear_error_and_valid_json(tiny_models, tmp_path, server, capsys):
     server.behaviour = "ramble"
     common = ["--sft_path", str(tiny_models / "sft"), "--rm_path", str(tiny_models / "rm"), "--n_prompts", "6",
@@ -238,6 +239,7 @@ def test_no_usable_judge_answers_is_a_clear_error_and_valid_json(tiny_models, tm
     assert matrix["llm"]["llm"] == 1.0 and 0.0 <= matrix["llm"]["gold"] <= 1.0
 
 
+@pytest.mark.launch
 def test_every_command_runs_from_the_command_line(tiny_models, tmp_path, server, capsys):
     common = ["--sft_path", str(tiny_models / "sft"), "--rm_path", str(tiny_models / "rm"), "--n_prompts", "8",
               "--max_prompt_len", "16", "--max_response_len", "6", "--output_dir", str(tmp_path)]
@@ -261,6 +263,7 @@ def test_every_command_runs_from_the_command_line(tiny_models, tmp_path, server,
     assert "40.0%" in main(capsys, "passk", "--results", str(rows), "--ks", "1", "--output_dir", str(tmp_path))
 
 
+@pytest.mark.launch
 def test_curves_command_and_a_clear_error_for_missing_runs(tmp_path):
     for seed, offset in [(1, 0.0), (2, 1.0)]:
         d = tmp_path / "runs" / f"seed{seed}"
@@ -273,6 +276,7 @@ def test_curves_command_and_a_clear_error_for_missing_runs(tmp_path):
         evaluate.main(["curves", "--runs", f"x={tmp_path}/nothing*"])
 
 
+@pytest.mark.launch
 def test_passk_samples_code_policies_through_the_sandbox(tiny_models, tmp_path):
     out = cli("passk", "--task", "code", "--sft_path", str(tiny_models / "sft"), "--policies", "sft",
               "--samples", "3", "--ks", "1,3", "--n_prompts", "6", "--max_response_len", "6",
