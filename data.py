@@ -15,11 +15,13 @@ Splits (paper App. B.2): the training part is split by source document / convers
 into SFT 20% / RM 40% / PPO 40%; `test` is the dataset's own test split (or a held-out 5% of the
 documents when it has none). Rows of one document never appear in two splits.
 """
+import contextlib
 import hashlib
 import json
 import os
 import random
 import re
+import warnings
 
 import torch
 
@@ -212,7 +214,8 @@ def count_gold(prompts, texts):
         if match is None:
             raise DataError(f"count: prompt {prompt[-60:]!r} does not ask 'Count from a to b.'")
         target = list(range(int(match.group(1)), int(match.group(2)) + 1))
-        items = [int(w) if w.lstrip("-").isdigit() else w for w in COUNT_ITEM.findall(text)]
+        # isdecimal, not isdigit: '²' or '③' are digits int() refuses; they count as words (errors)
+        items = [int(w) if w.lstrip("-").isdecimal() else w for w in COUNT_ITEM.findall(text)]
         scores.append(max(0.0, 1.0 - COUNT_ERROR_COST * count_errors(items, target)))
     return scores
 
@@ -617,7 +620,13 @@ def with_chat_template(rows, tokenizer, enabled=True):
     if not getattr(tokenizer, "chat_template", None):
         raise SystemExit("error: --chat_template: this tokenizer has no chat template (a base model's); "
                          "leave the flag off to use the raw prompt formats")
-    return [{**row, "prompt": chat_prompt(tokenizer, row["prompt"])} for row in rows]
+    return [{**row, "prompt": chat_prompt(tokenizer, row["prompt"]), "raw_prompt": row["prompt"]} for row in rows]
+
+
+def judged_prompts(rows):
+    """The prompts a gold judge reads: the raw ones (a judge parses the task's own format, not a chat
+    template's rendering)."""
+    return [r.get("raw_prompt", r["prompt"]) for r in rows]
 
 
 def load_tokenizer(path):
@@ -696,18 +705,62 @@ def cut_after_eos(ids, eos_id, pad_id):
     return ids.masked_fill(mask == 0, pad_id), mask
 
 
+# Settings of a model's saved generation_config.json that would reshape the sampling distribution
+# (generate() fills every setting its generation config leaves unset from that file).
+NEUTRAL_GENERATION = {"repetition_penalty": 1.0, "encoder_repetition_penalty": 1.0, "no_repeat_ngram_size": 0,
+                      "encoder_no_repeat_ngram_size": 0, "min_length": 0, "min_new_tokens": 0, "typical_p": 1.0,
+                      "min_p": None, "epsilon_cutoff": 0.0, "eta_cutoff": 0.0, "bad_words_ids": None,
+                      "suppress_tokens": None, "begin_suppress_tokens": None, "sequence_bias": None,
+                      "forced_bos_token_id": None, "forced_eos_token_id": None, "exponential_decay_length_penalty": None,
+                      "renormalize_logits": False, "guidance_scale": None, "watermarking_config": None,
+                      "num_beams": 1, "num_beam_groups": 1, "diversity_penalty": 0.0, "penalty_alpha": None,
+                      "top_h": None, "length_penalty": 1.0}
+
+
+def generation_config(model, max_new_tokens, temperature, top_k, top_p, greedy, pad_id, eos_id):
+    """The one generation config of a rollout, built from our flags only: sampling at `temperature`
+    (top-k / top-p only when asked for), every other setting at generate()'s neutral default (see
+    saved_generation_config_off). The model's own saved settings
+    that would change the distribution (say repetition_penalty: 1.3) are ignored, with a warning: PPO's
+    logprobs assume exactly this distribution (the first ratio is 1)."""
+    from transformers import GenerationConfig
+    saved = getattr(model, "generation_config", None)
+    ignored = {k: getattr(saved, k, v) for k, v in NEUTRAL_GENERATION.items() if getattr(saved, k, v) not in (v, None)}
+    if ignored:
+        warnings.warn(f"the model's saved generation_config sets {ignored}: ignored (sampling uses temperature, "
+                      f"top_k and top_p from the command line only, the distribution PPO's logprobs assume)")
+    return GenerationConfig(max_new_tokens=max_new_tokens, do_sample=not greedy,
+                            temperature=None if greedy else temperature, top_k=None if greedy else top_k,
+                            top_p=None if greedy else top_p, pad_token_id=pad_id, eos_token_id=eos_id)
+
+
+@contextlib.contextmanager
+def saved_generation_config_off(model):
+    """generate() reads defaults from the model's generation_config for every unset field: a blank one
+    meanwhile, so nothing outside our own config decides how tokens are sampled."""
+    from transformers import GenerationConfig
+    inner = model.get_base_model() if hasattr(model, "get_base_model") else model     # a peft model's LM
+    saved = inner.generation_config
+    inner.generation_config = GenerationConfig()
+    try:
+        yield
+    finally:
+        inner.generation_config = saved
+
+
 @torch.no_grad()
 def sample(model, tokenizer, prompts, max_prompt_len, max_new_tokens, temperature=1.0, top_k=0,
            top_p=1.0, greedy=False, synced_gpus=False):
     """Sample responses; returns (prompt_ids, prompt_mask, response_ids, response_mask, n_truncated):
-    prompts left-padded (tokenized once here), responses right-padded and cut after the first EOS."""
+    prompts left-padded (tokenized once here), responses right-padded and cut after the first EOS.
+    One explicit generation config (generation_config above) decides the sampling distribution."""
     p_ids, p_mask, truncated = encode_prompts(tokenizer, prompts, max_prompt_len)
     device = next(model.parameters()).device
     p_ids, p_mask = p_ids.to(device), p_mask.to(device)
-    out = model.generate(input_ids=p_ids, attention_mask=p_mask, max_new_tokens=max_new_tokens,
-                         do_sample=not greedy, temperature=temperature if not greedy else None,
-                         top_k=top_k if not greedy else None, top_p=top_p if not greedy else None,
-                         pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
-                         synced_gpus=synced_gpus)
+    config = generation_config(model, max_new_tokens, temperature, top_k, top_p, greedy, tokenizer.pad_token_id,
+                               tokenizer.eos_token_id)
+    with saved_generation_config_off(model):
+        out = model.generate(input_ids=p_ids, attention_mask=p_mask, generation_config=config,
+                             synced_gpus=synced_gpus)
     r_ids, r_mask = cut_after_eos(out[:, p_ids.shape[1]:], tokenizer.eos_token_id, tokenizer.pad_token_id)
     return p_ids, p_mask, r_ids, r_mask, truncated

@@ -336,7 +336,7 @@ def held_out(policy, reward_model, tokenizer, rows, args, seed, synced_gpus=Fals
     if args.task in data.CODE_TASKS:
         return (texts, *map(torch.tensor, sandbox.execution_reward(rows, texts)))
     scores = rm.score(reward_model, tokenizer, prompts, texts, args.max_prompt_len, args.max_response_len)
-    gold = torch.tensor(data.gold(args.task, prompts, texts)) if args.task in data.GOLD_JUDGES else None
+    gold = torch.tensor(data.gold(args.task, data.judged_prompts(rows), texts)) if args.task in data.GOLD_JUDGES else None
     return texts, scores, gold
 
 
@@ -417,7 +417,7 @@ class Context:
     def gold(self, texts, prompts=None):
         if self.args.task not in data.GOLD_JUDGES:
             raise SystemExit(f"error: only the embedded tasks {', '.join(data.GOLD_JUDGES)} have a gold judge")
-        return data.gold(self.args.task, self.prompts if prompts is None else prompts, texts)
+        return data.gold(self.args.task, data.judged_prompts(self.rows) if prompts is None else prompts, texts)
 
     def verdicts(self, judge, a, b):
         if judge == "rm":

@@ -39,11 +39,27 @@ def deepspeed_launch():
     return os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true"
 
 
-def make_accelerator(bf16=False, grad_accum=1, **kwargs):
+def deepspeed_plugin(micro_batch_size):
+    """A DeepSpeedPlugin from the launch config, told what accelerate cannot infer here: the micro-batch
+    (no dataloader is prepared), and under ZeRO-3 to gather whole weights for saving (every save of ours
+    is a from_pretrained folder, never a sharded DeepSpeed checkpoint)."""
+    from accelerate.utils import DeepSpeedPlugin
+    plugin = DeepSpeedPlugin()
+    plugin.deepspeed_config["train_micro_batch_size_per_gpu"] = micro_batch_size
+    zero = plugin.deepspeed_config.get("zero_optimization", {})
+    if zero.get("stage") == 3:
+        zero["stage3_gather_16bit_weights_on_model_save"] = True
+    return plugin
+
+
+def make_accelerator(bf16=False, grad_accum=1, micro_batch_size=1, **kwargs):
     """Accelerator(cpu=True) without a GPU: `accelerate launch --multi_gpu --num_processes 2` on a
     CPU then runs two synchronised gloo processes instead of two independent ones. (Not under a
-    DeepSpeed launch: cpu=True would silently turn DeepSpeed off.)"""
+    DeepSpeed launch: cpu=True would silently turn DeepSpeed off.) `micro_batch_size`: examples per
+    process per micro-step, which a DeepSpeed engine must be told."""
     from accelerate import Accelerator
+    if deepspeed_launch() and "deepspeed_plugins" not in kwargs:
+        kwargs["deepspeed_plugins"] = deepspeed_plugin(micro_batch_size)
     return Accelerator(cpu=not torch.cuda.is_available() and not deepspeed_launch(),
                        gradient_accumulation_steps=grad_accum, mixed_precision="bf16" if bf16 else "no", **kwargs)
 
@@ -56,10 +72,7 @@ def make_accelerators(bf16, grad_accum, micro_batch_size, **kwargs):
         accelerator = make_accelerator(bf16, grad_accum, **kwargs)
         return accelerator, accelerator
     from accelerate import Accelerator
-    from accelerate.utils import DeepSpeedPlugin
-    plugins = {"policy": DeepSpeedPlugin(), "critic": DeepSpeedPlugin()}
-    for plugin in plugins.values():   # no dataloader is prepared, so DeepSpeed is told the micro-batch
-        plugin.deepspeed_config["train_micro_batch_size_per_gpu"] = micro_batch_size
+    plugins = {"policy": deepspeed_plugin(micro_batch_size), "critic": deepspeed_plugin(micro_batch_size)}
     accelerator = make_accelerator(bf16, grad_accum, deepspeed_plugins=plugins, **kwargs)
     return accelerator, Accelerator(gradient_accumulation_steps=grad_accum)
 
@@ -149,12 +162,44 @@ def whole_state_dicts(models):
     return out
 
 
+def final_model(accelerator, model):
+    """The trained model as a whole module to save_pretrained: on the main process (None elsewhere), a
+    collective call. Sharded weights (ZeRO-3 / FSDP) are gathered into a fresh copy; LoRA adapters are
+    merged into the weights (W + alpha / r * B A, peft's merge) from whole weights: a plain model whose
+    keys any from_pretrained reads."""
+    weights = whole_state_dicts({"m": (accelerator, model)})["m"] if is_sharded(accelerator) else None
+    unwrapped = accelerator.unwrap_model(model)
+    if not accelerator.is_main_process:
+        return None
+    if weights is None:
+        return merged(unwrapped)
+    base = unwrapped.get_base_model() if is_lora(unwrapped) else unwrapped
+    with loading_whole():
+        copy = type(base)(base.config).to(next(iter(weights.values())).dtype)
+    if getattr(base, "generation_config", None) is not None:
+        copy.generation_config = base.generation_config
+    if is_lora(unwrapped):
+        from peft import get_peft_model
+        copy = get_peft_model(copy, unwrapped.peft_config[unwrapped.active_adapter])
+    missing, unexpected = copy.load_state_dict(weights, strict=False)
+    tied = set(getattr(copy.get_base_model() if is_lora(copy) else copy, "_tied_weights_keys", None) or ())
+    if unexpected or set(missing) - {k for k in missing if k.split("base_model.model.")[-1] in tied}:
+        raise RuntimeError(f"gathered weights do not fit the model: missing {missing}, unexpected {unexpected}")
+    return merged(copy)
+
+
+def parameter_checksums(model):
+    """[n_tensors, 3] float64: per parameter tensor its sum, L2 norm and the sum of every 7th element
+    (order-sensitive). Reductions over views: no copy of the weights, frozen ones included."""
+    rows = [torch.stack([p.sum(dtype=torch.float64), torch.linalg.vector_norm(p, dtype=torch.float64),
+                         p.flatten()[::7].sum(dtype=torch.float64)]) for p in model.parameters()]
+    return torch.stack(rows)
+
+
 @torch.no_grad()
 def ranks_in_sync(accelerator, model):
-    """True when every process holds the same parameters (a checksum gathered over ranks)."""
-    flat = torch.cat([p.detach().float().flatten() for p in accelerator.unwrap_model(model).parameters()])
-    checksum = torch.stack([flat.sum(), (flat * torch.arange(len(flat), device=flat.device) % 7).sum()])
-    every = accelerator.gather(checksum.unsqueeze(0))
+    """True when every process holds the same parameters (per-tensor checksums gathered over ranks)."""
+    every = accelerator.gather(parameter_checksums(accelerator.unwrap_model(model)).unsqueeze(0))
     return bool((every == every[0]).all())
 
 
@@ -397,12 +442,15 @@ def set_rng_state(state):
 
 def batch_indices(n_rows, batch_size, step, seed, rank=0, world=1):
     """Row indices of this process's batch at micro-step `step`: a seeded permutation per epoch, so a
-    resumed run sees exactly the batches an uninterrupted one would have."""
+    resumed run sees exactly the batches an uninterrupted one would have. Every rank gets a full batch:
+    with fewer rows than batch_size x world, the permutation wraps around (rows repeat)."""
+    if n_rows < 1:
+        raise ValueError("batch_indices: no rows to draw batches from")
     per_epoch = max(1, n_rows // (batch_size * world))
     epoch, k = divmod(step, per_epoch)
     order = torch.randperm(n_rows, generator=torch.Generator().manual_seed(seed + epoch))
     start = (k * world + rank) * batch_size
-    return order[start:start + batch_size].tolist()
+    return order[torch.arange(start, start + batch_size) % n_rows].tolist()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -412,7 +460,8 @@ def batch_indices(n_rows, batch_size, step, seed, rank=0, world=1):
 class Trainer:
     """The optimizer and cosine schedule, resuming, micro-batches with accumulation, held-out
     evaluation, atomic checkpoints every `save_every` steps and on Ctrl-C / SIGTERM, and a stop on a
-    non-finite loss. `loss_fn(rows) -> loss`, `evaluate() -> (value, text)`."""
+    non-finite loss. `loss_fn(rows) -> loss`, `evaluate() -> (value, text)`. After `fit`, `final` is the
+    saved model as one whole module on the main process (None on the others)."""
 
     def __init__(self, name, accelerator, model, tokenizer, args, n_rows, resume=False):
         from transformers import get_cosine_schedule_with_warmup
@@ -430,10 +479,14 @@ class Trainer:
             accelerator.print(f"[{name}] resumed at step {self.start}")
 
     def save(self, step):
-        if self.accelerator.is_main_process:
-            save_checkpoint(self.args.output_dir, {"model": self.accelerator.unwrap_model(self.model)}, self.tokenizer,
-                            step, self.args, {"optimizer": self.optimizer}, {"scheduler": self.scheduler})
-        self.accelerator.wait_for_everyone()
+        acc = self.accelerator
+        sharded = is_sharded(acc)   # ZeRO / FSDP: whole weights gathered (collective); optimizer state is per rank
+        weights = whole_state_dicts({"model": (acc, self.model)}) if sharded else None
+        if acc.is_main_process:
+            save_checkpoint(self.args.output_dir, {"model": acc.unwrap_model(self.model)}, self.tokenizer, step,
+                            self.args, {} if sharded else {"optimizer": self.optimizer}, {"scheduler": self.scheduler},
+                            weights)
+        acc.wait_for_everyone()
 
     def fit(self, rows, loss_fn, evaluate):
         """Train to the last step, then save the final model; returns the last evaluation value."""
@@ -466,8 +519,9 @@ class Trainer:
                     acc.print(f"[{name}] step {step + 1}/{self.steps}  train loss {loss.item():.3f}  {text}  "
                               f"({time.time() - t0:.0f}s)")
                 stop.end_of_step(step + 1, self.steps, args.save_every, self.save)
+        self.final = final_model(acc, self.model)       # whole, LoRA merged; on the main process
         if acc.is_main_process:
-            atomic_save(args.output_dir, merged(acc.unwrap_model(self.model)), self.tokenizer, keep=(CHECKPOINT,))
+            atomic_save(args.output_dir, self.final, self.tokenizer, keep=(CHECKPOINT,))
         acc.wait_for_everyone()
         acc.print(f"[{name}] saved {args.output_dir}")
         return value

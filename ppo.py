@@ -49,9 +49,9 @@ class PPOArgs:
     lora_alpha: int = field(default=16, metadata={"help": "LoRA scale alpha (the update is scaled by alpha / r)"})
     lora_target_modules: str = field(default="all-linear", metadata={"help": "LoRA: all-linear, or module names separated by commas (e.g. q_proj,v_proj)"})
     chat_template: bool = field(default=False, metadata={"help": "render prompts with the tokenizer's own chat template (instruct models); off: the raw HH / TL;DR formats of the paper's base models. Use the same choice in every stage"})
-    temperature: float = field(default=0.8, metadata={"help": "sampling temperature (logprobs are taken under the same distribution)"})
-    top_k: int = field(default=0, metadata={"help": "top-k sampling, 0 = off"})
-    top_p: float = field(default=1.0, metadata={"help": "nucleus sampling, 1 = off"})
+    temperature: float = field(default=0.8, metadata={"help": "sampling temperature; logprobs are taken at the same temperature, so they follow the sampling distribution only while --top_k and --top_p are off"})
+    top_k: int = field(default=0, metadata={"help": "top-k sampling, 0 = off; on, the logprobs are no longer those of the sampling distribution (a warning says so)"})
+    top_p: float = field(default=1.0, metadata={"help": "nucleus sampling, 1 = off; on, the logprobs are no longer those of the sampling distribution (a warning says so)"})
     cutoff: int = field(default=5, metadata={"help": "parsing termination: largest node kept as one macro action"})
     entropy_threshold: float = field(default=2.0, metadata={"help": "entropy termination: a token above this entropy (nats) starts a macro action"})
     max_prompt_len: int = field(default=48, metadata={"help": "prompt tokens kept (truncated from the left, counted)"})
@@ -308,6 +308,9 @@ def main(args):
                                                 log_with=None if args.report_to == "none" else args.report_to)
     harness.start("ppo", args, acc)
     log = acc.print
+    if args.top_k or args.top_p < 1:
+        log("[ppo] warning: --top_k / --top_p truncate the sampling distribution; the logprobs (temperature only) "
+            "do not: the first ratio is not 1 and the KL is off-policy")
     build_default(args, acc, code)
     tokenizer, policy, critic, ref, reward_model = load_models(args, code)
     score_name = "exec" if code else args.reward          # reward/<score_name> in the metrics
@@ -380,7 +383,7 @@ def main(args):
                     score, passed = map(torch.tensor, sandbox.execution_reward([problems[i] for i in idx], texts))
                     score = score.to(acc.device)
                 elif score_name == "gold":     # a verifiable reward: the gold judge reads the whole response
-                    score, passed = torch.tensor(data.gold(args.task, [prompts[i] for i in idx], texts),
+                    score, passed = torch.tensor(data.gold(args.task, data.judged_prompts([problems[i] for i in idx]), texts),
                                                  device=acc.device), None
                 else:       # the RM's head at the last real token
                     score = rm.last_token(rm.token_values(reward_model, ids, attention_mask), attention_mask)
@@ -488,15 +491,16 @@ def finish(args, truncated, *, accelerators, policy, critic, reward_model, token
                   f"tokens and lost their beginning")
     if not sharded:
         acc.print(f"[ppo] ranks in sync: {harness.ranks_in_sync(acc, policy) and harness.ranks_in_sync(acc, critic)}")
-    weights = harness.whole_state_dicts({"model": (acc, policy)}) if sharded else None    # collective when sharded
+    final_policy = harness.final_model(acc, policy)        # collective: whole weights, LoRA merged (a plain model)
     if acc.is_main_process:
-        final = os.path.join(args.output_dir, "policy")      # LoRA adapters merged: a plain model
-        harness.atomic_save(final, harness.merged(acc.unwrap_model(policy)), tokenizer, state_dicts=weights)
-        # the report reads the saved policy back: whole weights on one process, whatever the sharding
+        final = os.path.join(args.output_dir, "policy")
+        harness.atomic_save(final, final_policy, tokenizer)
+        # the report reads the saved policy back: whole weights on one process, whatever the sharding; the
+        # SFT baseline on the same device and dtype, sampled the same way
         dtype = torch.bfloat16 if args.bf16 else torch.float32
         with harness.loading_whole():
             policy = AutoModelForCausalLM.from_pretrained(final, dtype=dtype).to(acc.device).eval()
-            sft_model = AutoModelForCausalLM.from_pretrained(args.sft_path).eval()
+            sft_model = AutoModelForCausalLM.from_pretrained(args.sft_path, dtype=dtype).to(acc.device).eval()
         evaluate.final_report(args, policy, sft_model, reward_model, tokenizer, eval_rows, metrics_path)
     acc.wait_for_everyone()
     if args.report_to != "none":

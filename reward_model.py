@@ -97,14 +97,14 @@ def load_reward_model(path, bf16=False):
 
 
 @torch.no_grad()
-def gold_agreement(rm, policy, tokenizer, prompts, args):
-    """Two SFT samples per held-out prompt; how often the RM prefers the one the gold judge
-    prefers (pairs the gold judge scores equal are left out). Returns (agreement, n_pairs)."""
-    twice = [p for p in prompts for _ in range(2)]
-    r_ids = data.sample(policy, tokenizer, twice, args.max_prompt_len, args.max_response_len)[2]
+def gold_agreement(rm, policy, tokenizer, rows, args):
+    """Two SFT samples per held-out prompt (one row per prompt); how often the RM prefers the one the
+    gold judge prefers (pairs the gold judge scores equal are left out). Returns (agreement, n_pairs)."""
+    twice = [r for r in rows for _ in range(2)]
+    r_ids = data.sample(policy, tokenizer, [r["prompt"] for r in twice], args.max_prompt_len, args.max_response_len)[2]
     texts = tokenizer.batch_decode(r_ids, skip_special_tokens=True)
-    gold = torch.tensor(data.gold(args.task, twice, texts)).view(-1, 2)
-    rm_scores = score(rm, tokenizer, twice, texts, args.max_prompt_len, args.max_response_len).view(-1, 2)
+    gold = torch.tensor(data.gold(args.task, data.judged_prompts(twice), texts)).view(-1, 2)
+    rm_scores = score(rm, tokenizer, [r["prompt"] for r in twice], texts, args.max_prompt_len, args.max_response_len).view(-1, 2)
     decided = gold[:, 0] != gold[:, 1]
     agree = ((gold[:, 0] > gold[:, 1]) == (rm_scores[:, 0] > rm_scores[:, 1]))[decided]
     return agree.float().mean().item() if len(agree) else float("nan"), int(decided.sum())
@@ -113,7 +113,7 @@ def gold_agreement(rm, policy, tokenizer, prompts, args):
 def main(args):
     data.resolve_paths(args, "rm")
     args.max_response_len = data.response_len(args.task, args.max_response_len)
-    accelerator = harness.make_accelerator(args.bf16, args.grad_accum)
+    accelerator = harness.make_accelerator(args.bf16, args.grad_accum, args.batch_size)
     harness.start("rm", args, accelerator)
     log = accelerator.print
     source = harness.checkpoint_part(args.output_dir, "model") if args.resume else args.sft_path
@@ -151,10 +151,10 @@ def main(args):
     log(f"[rm] held-out pairwise accuracy {accuracy:.3f}")
     if args.task in data.GOLD_JUDGES and args.n_gold_prompts and accelerator.is_main_process:
         from transformers import AutoModelForCausalLM
-        policy = AutoModelForCausalLM.from_pretrained(args.sft_path).eval()
-        agreement, n = gold_agreement(accelerator.unwrap_model(trainer.model).eval(), policy, tokenizer,
-                                      data.prompts_of(data.with_chat_template(splits["test"], tokenizer, args.chat_template))
-                                      [:args.n_gold_prompts], args)
+        with harness.loading_whole():
+            policy = AutoModelForCausalLM.from_pretrained(args.sft_path).eval()
+        rows = data.first_row_per_prompt(data.with_chat_template(splits["test"], tokenizer, args.chat_template))
+        agreement, n = gold_agreement(trainer.final.eval(), policy, tokenizer, rows[:args.n_gold_prompts], args)
         log(f"[rm] RM-gold agreement on {n} pairs of SFT samples: {agreement:.3f}")
     return accuracy
 

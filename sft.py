@@ -152,7 +152,7 @@ def split_holdout(rows, fraction=0.05, seed=data.SEED):
 def main(args):
     data.resolve_paths(args, "sft")
     args.max_response_len = data.response_len(args.task, args.max_response_len)
-    accelerator = harness.make_accelerator(args.bf16, args.grad_accum)
+    accelerator = harness.make_accelerator(args.bf16, args.grad_accum, args.batch_size)
     harness.start("sft", args, accelerator)
     log = accelerator.print
     source = harness.checkpoint_part(args.output_dir, "model") if args.resume else args.model
@@ -208,7 +208,7 @@ def main(args):
 
     trainer.fit(train_rows, lambda rows: sft_loss(trainer.model, batch_of(rows))[0], evaluate)
     if accelerator.is_main_process:
-        unwrapped = accelerator.unwrap_model(trainer.model).eval()     # (merged, if LoRA)
+        unwrapped = trainer.final.eval()     # whole weights (merged, if LoRA)
         prompts = data.prompts_of(data.with_chat_template(splits["test"][:8], tokenizer, args.chat_template))[:4]
         r_ids = data.sample(unwrapped, tokenizer, prompts, args.max_prompt_len, args.max_response_len, temperature=0.8)[2]
         for p, r in zip(prompts, tokenizer.batch_decode(r_ids, skip_special_tokens=True)):

@@ -5,14 +5,18 @@
 accelerate does not support DeepSpeed on CPU: it starts DeepSpeed's process group (gloo, world size
 2) but then reports one process per rank. This corrects accelerate's process count and rank from the
 process group and runs the script; everything else (the DeepSpeed engines, ZeRO partitioning,
-gathers) is the real thing.
+gathers) is the real thing. DeepSpeed's shared-memory collectives for CPUs are left out: a C++ op
+compiled on first use (about 100 s on 2 cores); gloo runs the same collectives.
 """
 import os
 import runpy
 import sys
 
+import deepspeed.ops
 import torch.distributed as dist
 from accelerate import state
+
+deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
 
 _init = state.PartialState.__init__
 

@@ -319,3 +319,11 @@ def test_first_row_per_prompt_keeps_the_order_of_prompts_of():
     rows = [{"prompt": "b", "k": 1}, {"prompt": "a", "k": 2}, {"prompt": "b", "k": 3}, {"prompt": "c", "k": 4}]
     assert [r["k"] for r in data.first_row_per_prompt(rows)] == [1, 2, 4]
     assert [r["prompt"] for r in data.first_row_per_prompt(rows)] == data.prompts_of(rows)
+
+
+def test_count_gold_scores_unicode_digits_as_words_and_never_raises():
+    """'²' and '③' are str.isdigit() but not int(): they are items that are not the count's numbers."""
+    prompt = "\n\nHuman: Count from 1 to 3.\n\nAssistant:"
+    exact, slipped, circled = data.count_gold([prompt] * 3, [" 1, 2, 3.", " 1, ², 3.", " ①, ②, ③."])
+    assert exact == 1.0 and slipped == pytest.approx(1.0 - data.COUNT_ERROR_COST)
+    assert circled == pytest.approx(max(0.0, 1.0 - 3 * data.COUNT_ERROR_COST))

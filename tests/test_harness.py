@@ -129,3 +129,26 @@ def test_a_launched_cpu_process_gets_its_share_of_the_cores_not_the_launchers_on
     assert harness.cpu_threads(1, {**launched, "OMP_NUM_THREADS": "3"}) is None     # asked for: kept
     assert harness.cpu_threads(1, {"OMP_NUM_THREADS": "1"}) is None                 # plain python: the user's
     assert harness.cpu_threads(2, {**launched, "MA_RLHF_CPU_THREADS": "3"}) == 3
+
+
+@pytest.mark.parametrize("n_rows", [1, 5, 13])
+def test_every_rank_gets_a_full_batch_even_with_fewer_rows_than_batch_times_processes(n_rows):
+    for step in range(3):
+        batches = [harness.batch_indices(n_rows, 4, step, seed=1, rank=r, world=4) for r in range(4)]
+        assert all(len(b) == 4 and all(0 <= i < n_rows for i in b) for b in batches), batches
+    with pytest.raises(ValueError, match="no rows"):
+        harness.batch_indices(0, 4, 0, seed=1)
+
+
+def test_parameter_checksums_tell_apart_one_changed_or_moved_weight(model):
+    import copy
+    same, changed, moved = copy.deepcopy(model), copy.deepcopy(model), copy.deepcopy(model)
+    with torch.no_grad():
+        changed.model.layers[0].mlp.up_proj.weight[3, 5] += 1e-3
+        w = moved.model.layers[0].mlp.up_proj.weight.view(-1)
+        w[0], w[1] = w[1].clone(), w[0].clone()                    # the same values, two of them swapped
+    base = harness.parameter_checksums(model)
+    assert base.shape == (len(list(model.parameters())), 3)
+    assert torch.equal(base, harness.parameter_checksums(same))
+    assert not torch.equal(base, harness.parameter_checksums(changed))
+    assert not torch.equal(base, harness.parameter_checksums(moved))

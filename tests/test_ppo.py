@@ -225,34 +225,11 @@ def test_two_cpu_processes_with_lora_stay_in_sync(tiny_models, tmp_path):
 
 
 @pytest.mark.launch
-@pytest.mark.parametrize("stage", ["2", "3"])
-def test_deepspeed_zero_trains_policy_and_critic_engines(tiny_models, tmp_path, stage):
-    """ZeRO-2/3 with two processes on CPU: one DeepSpeed engine per trained model, generation over
-    partitioned parameters, whole weights gathered into the checkpoint. Needs `pip install deepspeed`
-    (not in requirements.txt: a GPU install); tests/deepspeed_cpu.py fixes accelerate's CPU process count."""
-    pytest.importorskip("deepspeed")
-    launch = (sys.executable, "-m", "accelerate.commands.launch", "--use_deepspeed", "--zero_stage", stage,
-              "--zero3_save_16bit_model", "true", "--gradient_accumulation_steps", "1", "--num_processes", "2",
-              "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", "tests/deepspeed_cpu.py")
-    out, rows = run_ppo(tiny_models, tmp_path / "ds", "--steps", "2", "--save_every", "2", launch=launch)
-    assert "2 process(es)" in out and len(rows) == 2 and all(v == v for r in rows for v in r.values())
-    from safetensors.torch import load_file
-    sft_weights = load_file(tiny_models / "sft" / "model.safetensors")
-    for part, init in [("policy", sft_weights), ("critic", None)]:
-        saved = load_file(tmp_path / "ds" / "checkpoint" / part / "model.safetensors")
-        assert all(v.numel() > 0 for v in saved.values())                 # gathered, not empty shards
-        if init is not None:
-            assert saved["model.embed_tokens.weight"].shape == init["model.embed_tokens.weight"].shape
-            assert not torch.equal(saved["model.embed_tokens.weight"], init["model.embed_tokens.weight"])
-
-
-@pytest.mark.launch
 def test_zero3_generation_gathers_the_weights_once_and_samples_the_unsharded_tokens(tiny_models):
     """Under a 2-process ZeRO-3 launch: generation inside harness.generation_model gives the tokens of an
     unsharded copy for the same seed, needs no synced_gpus, and its number of all-gathers does not grow with
     the number of generated tokens; sharded generation (the fallback) gives the same tokens, gathering
-    again for every token. Needs `pip install deepspeed` (skipped otherwise)."""
-    pytest.importorskip("deepspeed")
+    again for every token."""
     launch = (sys.executable, "-m", "accelerate.commands.launch", "--use_deepspeed", "--zero_stage", "3",
               "--zero3_init_flag", "false", "--gradient_accumulation_steps", "1", "--num_processes", "2",
               "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", "tests/deepspeed_cpu.py")
@@ -359,3 +336,62 @@ def test_sigterm_to_a_two_process_launch_checkpoints_and_resumes_to_the_same_num
     assert f"resumed at iteration {done}" in resumed and "ranks in sync: True" in resumed
     whole = launched[1][:done + 2]                # an uninterrupted 2-process run (evaluation aside, same numbers)
     assert [comparable(r) for r in rows] == [comparable(r) for r in whole]
+
+
+CHAT_TEMPLATE = ("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}"
+                 "{% if add_generation_prompt %}<assistant>{% endif %}")
+
+
+def test_count_with_a_chat_template_gives_the_gold_judge_the_raw_prompt(tiny_models, tmp_path):
+    """--chat_template renders "Count from a to b." into the template's own turns; the gold judge parses the
+    task's raw prompt, in PPO's training score, its evaluation and final report, and the RM's agreement."""
+    import shutil
+    from transformers import AutoTokenizer
+    for part in ("sft", "rm"):
+        shutil.copytree(tiny_models / part, tmp_path / part)
+        tok = AutoTokenizer.from_pretrained(tmp_path / part)
+        tok.chat_template = CHAT_TEMPLATE
+        tok.save_pretrained(tmp_path / part)
+    args = ppo.PPOArgs(task="count", reward="gold", chat_template=True, sft_path=str(tmp_path / "sft"),
+                       rm_path=str(tmp_path / "rm"), output_dir=str(tmp_path / "ppo"), steps=1, rollout_batch_size=4,
+                       mini_batch_size=2, max_prompt_len=32, max_response_len=8, n_eval_prompts=4)
+    ppo.main(args)
+    row = [json.loads(line) for line in open(tmp_path / "ppo" / "metrics.jsonl")][0]
+    assert 0.0 <= row["reward/gold"] <= 1.0 and 0.0 <= row["eval/gold"] <= 1.0
+    out = run_stage("reward_model.py", "--task", "count", "--sft_path", tmp_path / "sft", "--output_dir",
+                    tmp_path / "rm2", "--chat_template", "--max_steps", "1", "--batch_size", "2", "--n_eval", "4",
+                    "--n_gold_prompts", "4", "--max_response_len", "8")
+    assert "RM-gold agreement on" in out
+
+
+def test_sampling_ignores_a_saved_generation_config_that_would_change_the_distribution(policy, tokenizer, tmp_path):
+    """A model whose generation_config.json says repetition_penalty=1.3: data.sample draws the same tokens as
+    from the plain model (same seed), with a warning, and generate()'s distribution under the config data.sample
+    builds is the one ppo's logprobs take (so the first PPO ratio is exactly 1)."""
+    import copy
+    peaked = copy.deepcopy(policy)
+    with torch.no_grad():
+        peaked.model.embed_tokens.weight.mul_(30)          # peaked logits: repeats likely, the penalty bites
+    penalized = copy.deepcopy(peaked)
+    penalized.generation_config.repetition_penalty = 1.3
+    penalized.save_pretrained(tmp_path / "penalized")
+    penalized = type(policy).from_pretrained(tmp_path / "penalized").eval()
+    assert penalized.generation_config.repetition_penalty == 1.3
+    draws = []
+    for model in (peaked, penalized):
+        torch.manual_seed(3)
+        draws.append(data.sample(model, tokenizer, PROMPTS, 32, 24, temperature=0.7)[2])
+    assert torch.equal(draws[0], draws[1])
+    with pytest.warns(UserWarning, match="repetition_penalty"):
+        config = data.generation_config(penalized, 12, 0.7, 0, 1.0, False, tokenizer.pad_token_id, tokenizer.eos_token_id)
+    p_ids, p_mask, _ = data.encode_prompts(tokenizer, PROMPTS, 32)
+    torch.manual_seed(4)
+    with data.saved_generation_config_off(penalized):
+        out = penalized.generate(input_ids=p_ids, attention_mask=p_mask, generation_config=config,
+                                 output_scores=True, return_dict_in_generate=True)
+    r_ids, r_mask = data.cut_after_eos(out.sequences[:, p_ids.shape[1]:], tokenizer.eos_token_id, tokenizer.pad_token_id)
+    gen_logp = torch.stack(out.scores, 1).log_softmax(-1).gather(-1, r_ids.unsqueeze(-1)).squeeze(-1)
+    with torch.no_grad():
+        logp, _ = ppo.response_logprobs(penalized, torch.cat([p_ids, r_ids], 1), torch.cat([p_mask, r_mask], 1),
+                                        p_ids.shape[1], 0.7)
+    assert torch.allclose(logp[r_mask.bool()], gen_logp[r_mask.bool()], atol=1e-4)

