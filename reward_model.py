@@ -110,6 +110,115 @@ def gold_agreement(rm, policy, tokenizer, prompts, args):
     return agree.float().mean().item() if len(agree) else float("nan"), int(decided.sum())
 
 
+# ---------------------------------------------------------------------------------------------
+# Location-aware normalizers of segment rewards (Yin et al. 2025, §2.2): Mean(p), Std(p) on log p
+# ---------------------------------------------------------------------------------------------
+
+NORMALIZER_KIND = "segment_location"
+STD_FLOOR = 0.1          # Std(p) >= 0.1 x the global std: at most 10x the global normalization's gain
+
+
+def huber_loss(residuals, sigma, epsilon=1.35):
+    """sum_i sigma + sigma * H((y_i - f(x_i)) / sigma), H(z) = z^2 if |z| <= eps else 2 eps |z| - eps^2:
+    the loss of scikit-learn's HuberRegressor (Owen 2007) without its ridge term. Broadcasts over
+    sigma [..., 1] against residuals [n]; sigma = 0 is its limit, 2 eps sum |r|."""
+    a, s = residuals.abs(), torch.as_tensor(sigma, dtype=residuals.dtype)
+    inside = a <= epsilon * s
+    per = torch.where(inside, a ** 2 / s.clamp(min=1e-300), 2 * epsilon * a - epsilon ** 2 * s)
+    return (s + per).sum(-1)
+
+
+def huber_fit(x, y, epsilon=1.35, iters=1000):
+    """Linear Huber regression y ~ w x + b with the scale sigma estimated jointly (`huber_loss`), so
+    epsilon is counted in units of the residuals' spread and the fit does not depend on the rewards'
+    units (a fixed scale would). Block descent on the jointly convex loss: sigma exactly given the
+    residuals (the loss is piecewise smooth in sigma; each piece's stationary point is a candidate),
+    then one reweighted least squares step (weights min(1, eps sigma / |r|) majorize H). float64;
+    rank-deficient x (one bucket) gives w = 0. Returns (w, b, sigma)."""
+    X = torch.stack([x, torch.ones_like(x)], 1)
+    n = len(y)
+    k = torch.arange(n + 1, dtype=y.dtype)
+    beta, sigma = torch.linalg.lstsq(X, y[:, None], driver="gelsd").solution[:, 0], 0.0
+    for _ in range(iters):
+        r = y - X @ beta
+        edges = torch.cat([torch.zeros(1, dtype=y.dtype), r.abs().sort().values, torch.full((1,), torch.inf)])
+        denom = n - epsilon ** 2 * (n - k)            # k smallest |r| inside: sigma^2 = sum r^2 / denom
+        candidates = torch.where(denom > 0, (edges[:-1] ** 2).cumsum(0) / denom.clamp(min=1e-300), 0.0).sqrt()
+        slack = 1e-9 * (1 + edges[-2])                # keep the pieces whose root lies inside them
+        own = (edges[:-1] <= epsilon * candidates + slack) & (epsilon * candidates <= edges[1:] + slack)
+        candidates = candidates[own] if own.any() else candidates
+        sigma = candidates[huber_loss(r, candidates[:, None], epsilon).argmin()]
+        weight = torch.where(r.abs() <= epsilon * sigma, 1.0, epsilon * sigma / r.abs().clamp(min=1e-300))
+        root = weight.sqrt()[:, None]
+        new = torch.linalg.lstsq(root * X, root * y[:, None], driver="gelsd").solution[:, 0]
+        done = (new - beta).abs().max() <= 1e-13 * (1 + beta.abs().max())
+        beta = new
+        if done:
+            break
+    return beta[0].item(), beta[1].item(), float(sigma)
+
+
+def fit_location_normalizer(p, r, decimals=3, epsilon=1.35):
+    """Segment rewards r at positions p = t / T (1-D, padding dropped) -> the normalizer as named
+    JSON fields: per bucket (p rounded to `decimals`) the mean and std (ddof 0) of r, each
+    Huber-fitted on log p (`mean`, `std`: {"w", "b"}); `global` and `last` (p = 1) statistics for
+    the ablations; `std_floor`; the bucket table."""
+    p = torch.as_tensor(p, dtype=torch.float64).flatten()
+    r = torch.as_tensor(r, dtype=torch.float64).flatten()
+    if p.shape != r.shape or not len(p):
+        raise ValueError(f"p and r must have the same non-zero length, got {len(p)} and {len(r)}")
+    if not ((p > 0) & (p <= 1)).all() or not torch.isfinite(r).all():
+        raise ValueError("positions p must lie in (0, 1] (drop padding) and rewards r must be finite")
+    if not (p == 1).any():
+        raise ValueError("no last segment (p = 1) in the calibration data")
+    key = torch.round(p, decimals=decimals).clamp(min=10.0 ** -decimals)
+    buckets, index = torch.unique(key, return_inverse=True)
+    zeros = torch.zeros_like(buckets)
+    count = zeros.scatter_add(0, index, torch.ones_like(r))
+    mean = zeros.scatter_add(0, index, r) / count
+    std = (zeros.scatter_add(0, index, (r - mean[index]) ** 2) / count).sqrt()
+    (w_mu, b_mu, _), (w_sd, b_sd, _) = (huber_fit(buckets.log(), y, epsilon) for y in (mean, std))
+    last = r[p == 1]
+    return {"kind": NORMALIZER_KIND, "mean": {"w": w_mu, "b": b_mu}, "std": {"w": w_sd, "b": b_sd},
+            "global": {"mean": r.mean().item(), "std": r.std(correction=0).item()},
+            "last": {"mean": last.mean().item(), "std": last.std(correction=0).item()},
+            "std_floor": max(STD_FLOOR * r.std(correction=0).item(), 1e-6), "decimals": decimals,
+            "epsilon": epsilon, "n_segments": len(r),
+            "buckets": {"p": buckets.tolist(), "count": count.long().tolist(), "mean": mean.tolist(), "std": std.tolist()}}
+
+
+def _field(norm, *path):
+    value = norm
+    for i, name in enumerate(path):
+        if not isinstance(value, dict) or name not in value:
+            raise ValueError(f"segment normalizer: missing field {'.'.join(path[:i + 1])!r}")
+        value = value[name]
+    if not isinstance(value, (int, float)) or isinstance(value, bool) or value != value:
+        raise ValueError(f"segment normalizer: field {'.'.join(path)!r} must be a number, got {value!r}")
+    return float(value)
+
+
+def normalize_segment_rewards(r, p, norm, how="regression"):
+    """(r - Mean(p)) / Std(p), Std floored at `std_floor`; 0 where p = 0 (padding). `how`: the
+    paper's `regression` on log p, one `global` or `last`-segment (mean, std), or `none`. A missing
+    or mismatched normalizer is an error, never a silent (0, 1)."""
+    if how == "none":
+        return torch.where(p > 0, r, 0.0)
+    if not isinstance(norm, dict) or norm.get("kind") != NORMALIZER_KIND:
+        kind = norm.get("kind") if isinstance(norm, dict) else type(norm).__name__
+        raise ValueError(f"segment normalizer: kind {kind!r}, expected {NORMALIZER_KIND!r} (fit_location_normalizer)")
+    floor = _field(norm, "std_floor")
+    if how == "regression":
+        log_p = p.clamp(min=1e-12).log()
+        mean = _field(norm, "mean", "w") * log_p + _field(norm, "mean", "b")
+        std = (_field(norm, "std", "w") * log_p + _field(norm, "std", "b")).clamp(min=floor)
+    elif how in ("global", "last"):
+        mean, std = _field(norm, how, "mean"), max(_field(norm, how, "std"), floor)
+    else:
+        raise ValueError(f"unknown normalization {how!r}; choose regression, global, last or none")
+    return torch.where(p > 0, (r - mean) / std, 0.0)
+
+
 def main(args):
     args.max_response_len = data.response_len(args.task, args.max_response_len)
     accelerator = harness.make_accelerator(args.bf16, args.grad_accum)
