@@ -9,6 +9,8 @@ output at the last real token of prompt + response. Reported: held-out pairwise 
 chitchat the agreement of the RM with the gold judge on pairs of SFT samples (the distribution
 PPO will show it). `score()` and `token_values()` are what ppo.py and evaluate.py use.
 """
+import functools
+import json
 import os
 from dataclasses import dataclass, field
 
@@ -17,6 +19,7 @@ import torch.nn.functional as F
 
 import data
 import harness
+import macro_actions as ma
 
 
 @dataclass
@@ -42,6 +45,12 @@ class RMArgs:
     skip_bad_rows: bool = field(default=False, metadata={"help": "drop malformed dataset rows (and report how many) instead of stopping"})
     seed: int = field(default=1234, metadata={"help": "random seed (data split seed is fixed at 1234)"})
     resume: bool = field(default=False, metadata={"help": "continue from <output_dir>/checkpoint"})
+    unit: str = field(default="sequence", metadata={"help": "what the head scores (Yin et al. 2025): sequence (the whole response, EOS included: the ordinary RM) | segment (entropy segments, each scored at its last token; a response's score e is their mean) | token (one token per segment). EOS belongs to no segment"})
+    c_ent: float = field(default=2.0, metadata={"help": "--unit segment: a response token whose SFT next-token entropy (nats, temperature 1) exceeds c_ent starts a segment"})
+    n_calibration: int = field(default=1024, metadata={"help": "--unit segment/token: RM-split pairs whose chosen and rejected responses fit the location normalizer"})
+
+
+SEGMENT_FILE = "segment_reward.json"     # beside a segment / token RM's weights: its settings and normalizer
 
 
 # ---------------------------------------------------------------------------------------------
@@ -65,23 +74,53 @@ def last_token(values, attention_mask):
 
 
 @torch.no_grad()
-def score(model, tokenizer, prompts, responses, max_prompt_len=48, max_response_len=32, batch_size=64):
+def score(model, tokenizer, prompts, responses, max_prompt_len=48, max_response_len=32, batch_size=64,
+          segmenter=None):
     """Reward of each (prompt, response) pair as a float tensor [N] (EOS appended to responses
-    that fit, as in training)."""
+    that fit, as in training); with `segmenter` (a `segment_layout` partial) e(x, y)."""
     device = next(model.parameters()).device
     out = []
     for i in range(0, len(prompts), batch_size):
         b = data.collate(tokenizer, prompts[i:i + batch_size], responses[i:i + batch_size],
                          max_prompt_len, max_response_len)
-        ids, mask = b["input_ids"].to(device), b["attention_mask"].to(device)
-        out.append(last_token(token_values(model, ids, mask), mask).cpu())
+        b["input_ids"], b["attention_mask"] = ids, mask = b["input_ids"].to(device), b["attention_mask"].to(device)
+        values = token_values(model, ids, mask)
+        out.append((segment_evaluation(values, segmenter(b)[0]) if segmenter else last_token(values, mask)).cpu())
     return torch.cat(out) if out else torch.zeros(0)
+
+
+def segment_evaluation(values, ends):
+    """e(x, y): the mean of the segment rewards, the head read at each segment's last token
+    (Yin et al. 2025, Eq. 3-4). values, ends [B, L]; returns [B]."""
+    ends = ends.to(values.dtype)
+    return (values * ends).sum(-1) / ends.sum(-1).clamp(min=1)
+
+
+@torch.no_grad()
+def segment_layout(sft, batch, unit, c_ent, eos_token_id):
+    """Segments of the responses of a collated batch [prompt | response], as (ends bool, positions
+    p = k / K float), both [B, L] and 0 on the prompt. `segment`: a token whose SFT next-token entropy
+    at temperature 1 exceeds c_ent starts a segment; `token`: every token does. EOS is in none."""
+    P, ids, mask = batch["prompt_width"], batch["input_ids"], batch["attention_mask"]
+    inside = ma.segment_mask(ids[:, P:], mask[:, P:], eos_token_id)
+    starts = inside
+    if unit == "segment":
+        logits = sft(input_ids=ids, attention_mask=mask, position_ids=data.position_ids(mask)).logits
+        logp = logits[:, P - 1:-1].float().log_softmax(-1)
+        starts = ma.entropy_starts(-(logp.exp() * logp).sum(-1), inside, c_ent)
+    ends, p = ma.segment_ends(starts, inside), ma.segment_positions(starts, inside)
+    return torch.cat([ends.new_zeros(len(ends), P), ends], 1), torch.cat([p.new_zeros(len(p), P), p], 1)
 
 
 def bradley_terry(model, batch):
     """-log sigmoid(r+ - r-) over a batch whose first half holds the chosen responses and second
-    half the rejected ones (same prompts); returns (loss, accuracy)."""
-    r = last_token(token_values(model, batch["input_ids"], batch["attention_mask"]), batch["attention_mask"])
+    half the rejected ones (same prompts); r is the score at the last real token, or e(x, y) when the
+    batch carries `segment_ends`. Returns (loss, accuracy)."""
+    values = token_values(model, batch["input_ids"], batch["attention_mask"])
+    if "segment_ends" in batch:
+        r = segment_evaluation(values, batch["segment_ends"])
+    else:
+        r = last_token(values, batch["attention_mask"])
     r_chosen, r_rejected = r.chunk(2)
     diff = r_chosen - r_rejected
     return -F.logsigmoid(diff).mean(), (diff > 0).float().mean()
@@ -97,14 +136,15 @@ def load_reward_model(path, bf16=False):
 
 
 @torch.no_grad()
-def gold_agreement(rm, policy, tokenizer, prompts, args):
+def gold_agreement(rm, policy, tokenizer, prompts, args, segmenter=None):
     """Two SFT samples per held-out prompt; how often the RM prefers the one the gold judge
     prefers (pairs the gold judge scores equal are left out). Returns (agreement, n_pairs)."""
     twice = [p for p in prompts for _ in range(2)]
     r_ids = data.sample(policy, tokenizer, twice, args.max_prompt_len, args.max_response_len)[2]
     texts = tokenizer.batch_decode(r_ids, skip_special_tokens=True)
     gold = torch.tensor(data.gold(args.task, twice, texts)).view(-1, 2)
-    rm_scores = score(rm, tokenizer, twice, texts, args.max_prompt_len, args.max_response_len).view(-1, 2)
+    rm_scores = score(rm, tokenizer, twice, texts, args.max_prompt_len, args.max_response_len,
+                      segmenter=segmenter).view(-1, 2)
     decided = gold[:, 0] != gold[:, 1]
     agree = ((gold[:, 0] > gold[:, 1]) == (rm_scores[:, 0] > rm_scores[:, 1]))[decided]
     return agree.float().mean().item() if len(agree) else float("nan"), int(decided.sum())
@@ -219,7 +259,26 @@ def normalize_segment_rewards(r, p, norm, how="regression"):
     return torch.where(p > 0, (r - mean) / std, 0.0)
 
 
+@torch.no_grad()
+def calibrate(model, batches, args):
+    """The settings a segment / token RM scores with, and its location normalizer fitted on the
+    segment rewards of calibration batches (Yin et al. 2025, §2.2): the JSON saved beside it."""
+    p, r, tokens = [], [], 0
+    for batch in batches:
+        ends = batch["segment_ends"]
+        r.append(token_values(model, batch["input_ids"], batch["attention_mask"])[ends].cpu())
+        p.append(batch["segment_p"][ends].cpu())
+        tokens += (batch["segment_p"] > 0).sum().item()
+    p, r = torch.cat(p), torch.cat(r)
+    return {"unit": args.unit, "c_ent": args.c_ent if args.unit == "segment" else None, "sft_path": args.sft_path,
+            "segments": "a token whose SFT next-token entropy (nats, temperature 1) exceeds c_ent starts a segment; "
+                        "the first always does; EOS belongs to none", "evaluation": "mean of the segment rewards",
+            "mean_segment_len": tokens / len(r), "normalizer": fit_location_normalizer(p, r)}
+
+
 def main(args):
+    if args.unit not in ("sequence", "segment", "token"):
+        raise ValueError(f"unknown --unit {args.unit!r}; choose sequence, segment or token")
     args.max_response_len = data.response_len(args.task, args.max_response_len)
     accelerator = harness.make_accelerator(args.bf16, args.grad_accum)
     harness.start("rm", args, accelerator)
@@ -238,12 +297,21 @@ def main(args):
         model.gradient_checkpointing_enable()
     world, rank = accelerator.num_processes, accelerator.process_index
     trainer = harness.Trainer("rm", accelerator, model, tokenizer, args, len(train_rows), args.resume)
+    segmenter = None
+    if args.unit != "sequence":                 # segments from the SFT model's entropy, as PPO will see them
+        from transformers import AutoModelForCausalLM
+        sft = AutoModelForCausalLM.from_pretrained(args.sft_path, dtype=model.dtype).to(accelerator.device).eval()
+        segmenter = functools.partial(segment_layout, sft, unit=args.unit, c_ent=args.c_ent,
+                                      eos_token_id=tokenizer.eos_token_id)
 
     def pairs_of(rows):
         b = data.collate(tokenizer, [r["prompt"] for r in rows] * 2,
                          [r["chosen"] for r in rows] + [r["rejected"] for r in rows],
                          args.max_prompt_len, args.max_response_len)
-        return {k: v.to(accelerator.device) for k, v in b.items() if torch.is_tensor(v)}
+        batch = {k: v.to(accelerator.device) for k, v in b.items() if torch.is_tensor(v)}
+        if segmenter:
+            batch["segment_ends"], batch["segment_p"] = segmenter({**batch, "prompt_width": b["prompt_width"]})
+        return batch
 
     def evaluate():
         total = torch.zeros(2, device=accelerator.device)
@@ -257,12 +325,22 @@ def main(args):
 
     accuracy = trainer.fit(train_rows, lambda rows: bradley_terry(trainer.model, pairs_of(rows))[0], evaluate)
     log(f"[rm] held-out pairwise accuracy {accuracy:.3f}")
+    if segmenter and accelerator.is_main_process:
+        rows = train_rows[:args.n_calibration]
+        settings = calibrate(accelerator.unwrap_model(trainer.model).eval(),
+                             (pairs_of(rows[i:i + args.batch_size]) for i in range(0, len(rows), args.batch_size)), args)
+        path = os.path.join(args.output_dir, SEGMENT_FILE)
+        with open(path + ".tmp", "w") as f:
+            json.dump(settings, f, indent=1)
+        os.replace(path + ".tmp", path)
+        log(f"[rm] {args.unit} RM: mean segment length {settings['mean_segment_len']:.2f} tokens over "
+            f"{settings['normalizer']['n_segments']} calibration segments; settings and normalizer in {path}")
     if args.task in data.GOLD_JUDGES and args.n_gold_prompts and accelerator.is_main_process:
         from transformers import AutoModelForCausalLM
         policy = AutoModelForCausalLM.from_pretrained(args.sft_path).eval()
         agreement, n = gold_agreement(accelerator.unwrap_model(trainer.model).eval(), policy, tokenizer,
                                       data.prompts_of(data.with_chat_template(splits["test"], tokenizer, args.chat_template))
-                                      [:args.n_gold_prompts], args)
+                                      [:args.n_gold_prompts], args, segmenter)
         log(f"[rm] RM-gold agreement on {n} pairs of SFT samples: {agreement:.3f}")
     return accuracy
 

@@ -247,3 +247,81 @@ def test_bad_calibration_data_is_refused():
         rm.fit_location_normalizer(torch.tensor([0.5]), torch.ones(1))
     with pytest.raises(ValueError, match="unknown normalization 'zscore'"):
         rm.normalize_segment_rewards(torch.ones(1), torch.ones(1), rm.fit_location_normalizer(torch.ones(2), torch.ones(2)), "zscore")
+
+
+# --- segment and token reward models ---------------------------------------------------------
+
+PROMPTS = ["\n\nHuman: how are you\n\nAssistant:", "hi", "\n\nHuman: tell me about the quick brown fox\n\nAssistant:"]
+RESPONSES = [" fine", " hello there, friend, how was your day", ""]
+
+
+def test_one_segment_with_eos_is_bit_for_bit_the_sequence_rm(tokenizer):
+    from test_reward_model import tiny_rm
+    import data
+    model = tiny_rm(tokenizer)
+    batch = data.collate(tokenizer, PROMPTS * 2, RESPONSES + RESPONSES[::-1], 48, 32)
+    P, mask = batch["prompt_width"], batch["attention_mask"]
+    whole = ma.fixed_ngram_starts(mask[:, P:], None)                  # c_ent = infinity, EOS kept
+    ends = torch.cat([torch.zeros_like(mask[:, :P]), ma.segment_ends(whole, mask[:, P:])], 1).bool()
+    grads = []
+    for b in (batch, {**batch, "segment_ends": ends}):
+        model.zero_grad()
+        loss, acc = rm.bradley_terry(model, b)
+        loss.backward()
+        grads.append((loss, acc, [p.grad.clone() for p in model.parameters()]))
+    (l1, a1, g1), (l2, a2, g2) = grads
+    assert torch.equal(l1, l2) and torch.equal(a1, a2) and all(torch.equal(x, y) for x, y in zip(g1, g2))
+
+
+def test_segment_layout_matches_rows_segmented_alone(tokenizer):
+    """A padded batch segments each response as that response alone, by the loop's rule."""
+    import data
+    import sft
+    torch.manual_seed(0)
+    model = sft.tiny_gemma(tokenizer, hidden_size=32, num_layers=1).eval()
+    batch = data.collate(tokenizer, PROMPTS, RESPONSES, 48, 32)
+    P, ids, mask = batch["prompt_width"], batch["input_ids"], batch["attention_mask"]
+    alone = []
+    for b in range(len(PROMPTS)):
+        row = ids[b][mask[b].bool()].unsqueeze(0)
+        n_prompt = int(mask[b, :P].sum())
+        with torch.no_grad():
+            logp = model(input_ids=row).logits[0, n_prompt - 1:-1].float().log_softmax(-1)
+        alone.append((-(logp.exp() * logp).sum(-1)).tolist())
+    c_ent = sorted(h for row in alone for h in row)[len(sum(alone, [])) // 2]
+    entropy, _ = pad_right(alone, dtype=torch.float32)
+    entropy = torch.cat([entropy, torch.zeros(len(alone), ids.shape[1] - P - entropy.shape[1])], 1)
+    ref_starts, ref_inside = segments_loop(entropy, ids[:, P:], mask[:, P:], c_ent - 1e-4, tokenizer.eos_token_id)
+    ref_ends, ref_p, _ = segment_rewards_loop(torch.zeros(ref_inside.shape), ref_starts, ref_inside, "end")
+    ends, p = rm.segment_layout(model, batch, "segment", c_ent - 1e-4, tokenizer.eos_token_id)
+    assert not ends[:, :P].any() and torch.equal(ends[:, P:], ref_ends)
+    assert torch.allclose(p[:, P:], ref_p, atol=1e-7)
+    assert 1 < ends.sum() < ref_inside.sum()                    # the threshold splits, not everywhere
+    token_ends, _ = rm.segment_layout(None, batch, "token", None, tokenizer.eos_token_id)
+    assert torch.equal(token_ends[:, P:], ref_inside)           # EOS is in no segment; "" keeps its EOS
+
+
+def train_small(tiny_models, out, *flags):
+    from stages import run_stage
+    return run_stage("reward_model.py", "--sft_path", tiny_models / "sft", "--output_dir", out, "--batch_size", "4",
+                     "--max_prompt_len", "24", "--max_response_len", "12", "--max_steps", "2", "--eval_every", "2",
+                     "--n_eval", "8", "--n_gold_prompts", "4", "--n_calibration", "6", *flags)
+
+
+def test_segment_and_token_rms_save_their_settings_and_normalizer(tiny_models, tmp_path):
+    out = train_small(tiny_models, tmp_path / "segment", "--unit", "segment", "--c_ent", "1e9")
+    assert "held-out pairwise accuracy" in out and "RM-gold agreement" in out and "mean segment length" in out
+    settings = json.loads((tmp_path / "segment" / rm.SEGMENT_FILE).read_text())
+    assert settings["unit"] == "segment" and settings["c_ent"] == 1e9
+    assert settings["normalizer"]["n_segments"] == 12                     # no split: one per response
+    assert settings["normalizer"]["buckets"]["p"] == [1.0]
+    rm.normalize_segment_rewards(torch.ones(3), torch.ones(3), settings["normalizer"])   # a usable normalizer
+    train_small(tiny_models, tmp_path / "token", "--unit", "token")
+    settings = json.loads((tmp_path / "token" / rm.SEGMENT_FILE).read_text())
+    assert settings["unit"] == "token" and settings["c_ent"] is None and settings["mean_segment_len"] == 1.0
+    assert settings["normalizer"]["n_segments"] > 12
+
+
+def test_unknown_unit_is_refused(tiny_models, tmp_path):
+    with pytest.raises(ValueError, match="unknown --unit 'paragraph'"):
+        train_small(tiny_models, tmp_path, "--unit", "paragraph")
