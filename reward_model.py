@@ -8,6 +8,10 @@ its loss is -log sigmoid(r(x, y+) - r(x, y-)) (Ouyang et al. 2022, Eq. 1), its s
 output at the last real token of prompt + response. Reported: held-out pairwise accuracy, and on
 chitchat the agreement of the RM with the gold judge on pairs of SFT samples (the distribution
 PPO will show it). `score()` and `token_values()` are what ppo.py and evaluate.py use.
+
+`--unit segment` (Yin et al. 2025) reads the same head at the last token of each segment of the
+response (segments from the SFT model's entropy; `--unit token`: one token each), scores a response
+by the mean of its segment rewards, and saves its settings and location-aware normalizer beside it.
 """
 import functools
 import json
@@ -83,9 +87,12 @@ def score(model, tokenizer, prompts, responses, max_prompt_len=48, max_response_
     for i in range(0, len(prompts), batch_size):
         b = data.collate(tokenizer, prompts[i:i + batch_size], responses[i:i + batch_size],
                          max_prompt_len, max_response_len)
-        b["input_ids"], b["attention_mask"] = ids, mask = b["input_ids"].to(device), b["attention_mask"].to(device)
+        ids, mask = b["input_ids"].to(device), b["attention_mask"].to(device)
         values = token_values(model, ids, mask)
-        out.append((segment_evaluation(values, segmenter(b)[0]) if segmenter else last_token(values, mask)).cpu())
+        if segmenter:
+            out.append(segment_evaluation(values, segmenter({**b, "input_ids": ids, "attention_mask": mask})[0]).cpu())
+        else:
+            out.append(last_token(values, mask).cpu())
     return torch.cat(out) if out else torch.zeros(0)
 
 
@@ -100,7 +107,8 @@ def segment_evaluation(values, ends):
 def segment_layout(sft, batch, unit, c_ent, eos_token_id):
     """Segments of the responses of a collated batch [prompt | response], as (ends bool, positions
     p = k / K float), both [B, L] and 0 on the prompt. `segment`: a token whose SFT next-token entropy
-    at temperature 1 exceeds c_ent starts a segment; `token`: every token does. EOS is in none."""
+    at temperature 1 exceeds c_ent starts a segment; `token`: every token does. EOS is in none
+    (`macro_actions.segment_mask`)."""
     P, ids, mask = batch["prompt_width"], batch["input_ids"], batch["attention_mask"]
     inside = ma.segment_mask(ids[:, P:], mask[:, P:], eos_token_id)
     starts = inside
