@@ -406,7 +406,7 @@ def segment_ends(starts, mask):
 
 def segment_positions(starts, mask):
     """float [B, T]: p = k / K on every token of segment k (1-based) of a row with K segments;
-    the normalizers' location (Yin et al. §2.2); 0 on padding."""
+    the normalizers' location (Yin et al. 2025, §2); 0 on padding."""
     m = mask.bool()
     K = (starts & m).sum(-1, keepdim=True).clamp(min=1)
     return (macro_ids(starts & m) + 1).float() / K * m

@@ -159,7 +159,7 @@ def gold_agreement(rm, policy, tokenizer, prompts, args, segmenter=None):
 
 
 # ---------------------------------------------------------------------------------------------
-# Location-aware normalizers of segment rewards (Yin et al. 2025, §2.2): Mean(p), Std(p) on log p
+# Location-aware normalizers of segment rewards (Yin et al. 2025, §2): Mean(p), Std(p) on log p
 # ---------------------------------------------------------------------------------------------
 
 NORMALIZER_KIND = "segment_location"
@@ -270,7 +270,7 @@ def normalize_segment_rewards(r, p, norm, how="regression"):
 @torch.no_grad()
 def calibrate(model, batches, args):
     """The settings a segment / token RM scores with, and its location normalizer fitted on the
-    segment rewards of calibration batches (Yin et al. 2025, §2.2): the JSON saved beside it."""
+    segment rewards of calibration batches (Yin et al. 2025, §2): the JSON saved beside it."""
     p, r, tokens = [], [], 0
     for batch in batches:
         ends = batch["segment_ends"]
