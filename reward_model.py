@@ -232,7 +232,8 @@ def fit_location_normalizer(p, r, decimals=3, epsilon=1.35):
             "last": {"mean": last.mean().item(), "std": last.std(correction=0).item()},
             "std_floor": max(STD_FLOOR * r.std(correction=0).item(), 1e-6), "decimals": decimals,
             "epsilon": epsilon, "n_segments": len(r),
-            "buckets": {"p": buckets.tolist(), "count": count.long().tolist(), "mean": mean.tolist(), "std": std.tolist()}}
+            "buckets": {"p": buckets.tolist(), "count": count.long().tolist(), "mean": mean.tolist(),
+                        "std": std.tolist()}}
 
 
 def _field(norm, *path):
@@ -335,8 +336,8 @@ def main(args):
     log(f"[rm] held-out pairwise accuracy {accuracy:.3f}")
     if segmenter and accelerator.is_main_process:
         rows = train_rows[:args.n_calibration]
-        settings = calibrate(accelerator.unwrap_model(trainer.model).eval(),
-                             (pairs_of(rows[i:i + args.batch_size]) for i in range(0, len(rows), args.batch_size)), args)
+        batches = (pairs_of(rows[i:i + args.batch_size]) for i in range(0, len(rows), args.batch_size))
+        settings = calibrate(accelerator.unwrap_model(trainer.model).eval(), batches, args)
         path = os.path.join(args.output_dir, SEGMENT_FILE)
         with open(path + ".tmp", "w") as f:
             json.dump(settings, f, indent=1)
