@@ -395,3 +395,44 @@ def parsing_starts(response_ids, mask, tokenizer, cutoff=5, language="text",
             starts[b, : len(row)] = True
     starts = starts.to(mask.device) & mask.bool()
     return (starts, fallback.to(mask.device)) if return_fallback else starts
+
+
+# ---------------------------------------------------------------------------------------------
+# Segment-level rewards (Yin et al., 2025): a segment is a macro action read as a reward unit.
+# Here `mask` marks the tokens that belong to segments; `segment_mask` leaves EOS out of them.
+# ---------------------------------------------------------------------------------------------
+
+def segment_mask(response_ids, mask, eos_token_id):
+    """The released code's rule: EOS belongs to no segment, so the last segment ends at the token
+    before it. A response that is EOS alone keeps it, as one segment. Segments by entropy are then
+    `entropy_starts(entropy, segment_mask(ids, mask, eos), c_ent)`."""
+    return mask.bool() & ((response_ids != eos_token_id) | (_positions(mask) == 0))
+
+
+def segment_ends(starts, mask):
+    """bool [B, T]: True at the last real token of each segment."""
+    m = mask.bool()
+    after = torch.cat([starts[:, 1:] | ~m[:, 1:], torch.ones_like(m[:, :1])], dim=1)
+    return m & after
+
+
+def segment_positions(starts, mask):
+    """float [B, T]: p = k / K on every token of segment k (1-based) of a row with K segments;
+    the normalizers' location (Yin et al. 2025, §2); 0 on padding."""
+    m = mask.bool()
+    K = (starts & m).sum(-1, keepdim=True).clamp(min=1)
+    return (macro_ids(starts & m) + 1).float() / K * m
+
+
+def spread_segment_rewards(r_end, starts, mask, how="even"):
+    """Each segment's reward, read at its last token, spread over its tokens ([B, T], 0 on
+    padding): `even` r / len on every token (the paper's), `repeat` r on every token, `end` r on
+    the last token only. Values of r_end off the segment ends are ignored."""
+    if how not in ("even", "repeat", "end"):
+        raise ValueError(f"unknown interpolation {how!r}; choose even, repeat or end")
+    m = mask.to(r_end.dtype)
+    r = r_end * segment_ends(starts, mask).to(r_end.dtype)
+    if how == "end":
+        return r
+    per_token = macro_sum(r, starts) * m
+    return per_token / macro_sum(m, starts).clamp(min=1) if how == "even" else per_token

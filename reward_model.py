@@ -8,7 +8,13 @@ its loss is -log sigmoid(r(x, y+) - r(x, y-)) (Ouyang et al. 2022, Eq. 1), its s
 output at the last real token of prompt + response. Reported: held-out pairwise accuracy, and on
 tasks with a gold judge (chitchat, count) the agreement of the RM with it on pairs of SFT samples
 (the distribution PPO will show it). `score()` and `token_values()` are what ppo.py and evaluate.py use.
+
+`--unit segment` (Yin et al. 2025) reads the same head at the last token of each segment of the
+response (segments from the SFT model's entropy; `--unit token`: one token each), scores a response
+by the mean of its segment rewards, and saves its settings and location-aware normalizer beside it.
 """
+import functools
+import json
 import os
 from dataclasses import dataclass, field
 
@@ -17,6 +23,7 @@ import torch.nn.functional as F
 
 import data
 import harness
+import macro_actions as ma
 
 
 @dataclass
@@ -42,6 +49,12 @@ class RMArgs:
     skip_bad_rows: bool = field(default=False, metadata={"help": "drop malformed dataset rows (and report how many) instead of stopping"})
     seed: int = field(default=1234, metadata={"help": "random seed (data split seed is fixed at 1234)"})
     resume: bool = field(default=False, metadata={"help": "continue from <output_dir>/checkpoint"})
+    unit: str = field(default="sequence", metadata={"help": "what the head scores (Yin et al. 2025): sequence (the whole response, EOS included: the ordinary RM) | segment (entropy segments, each scored at its last token; a response's score e is their mean) | token (one token per segment). EOS belongs to no segment"})
+    c_ent: float = field(default=6.0, metadata={"help": "--unit segment: a response token whose SFT next-token entropy (nats, temperature 1) exceeds c_ent starts a segment. 6.0 gives the tiny chitchat SFT model (median entropy 5.5 nats) segments of about 3 tokens; a pretrained model's entropies are far lower: check the logged mean segment length"})
+    n_calibration: int = field(default=1024, metadata={"help": "--unit segment/token: RM-split pairs whose chosen and rejected responses fit the location normalizer"})
+
+
+SEGMENT_FILE = "segment_reward.json"     # beside a segment / token RM's weights: its settings and normalizer
 
 
 # ---------------------------------------------------------------------------------------------
@@ -65,23 +78,57 @@ def last_token(values, attention_mask):
 
 
 @torch.no_grad()
-def score(model, tokenizer, prompts, responses, max_prompt_len=48, max_response_len=32, batch_size=64):
+def score(model, tokenizer, prompts, responses, max_prompt_len=48, max_response_len=32, batch_size=64,
+          segmenter=None):
     """Reward of each (prompt, response) pair as a float tensor [N] (EOS appended to responses
-    that fit, as in training)."""
+    that fit, as in training); with `segmenter` (a `segment_layout` partial) e(x, y)."""
     device = next(model.parameters()).device
     out = []
     for i in range(0, len(prompts), batch_size):
         b = data.collate(tokenizer, prompts[i:i + batch_size], responses[i:i + batch_size],
                          max_prompt_len, max_response_len)
         ids, mask = b["input_ids"].to(device), b["attention_mask"].to(device)
-        out.append(last_token(token_values(model, ids, mask), mask).cpu())
+        values = token_values(model, ids, mask)
+        if segmenter:
+            out.append(segment_evaluation(values, segmenter({**b, "input_ids": ids, "attention_mask": mask})[0]).cpu())
+        else:
+            out.append(last_token(values, mask).cpu())
     return torch.cat(out) if out else torch.zeros(0)
+
+
+def segment_evaluation(values, ends):
+    """e(x, y): the mean of the segment rewards, the head read at each segment's last token
+    (Yin et al. 2025, Eq. 3-4). values, ends [B, L]; returns [B]."""
+    ends = ends.to(values.dtype)
+    return (values * ends).sum(-1) / ends.sum(-1).clamp(min=1)
+
+
+@torch.no_grad()
+def segment_layout(sft, batch, unit, c_ent, eos_token_id):
+    """Segments of the responses of a collated batch [prompt | response], as (ends bool, positions
+    p = k / K float), both [B, L] and 0 on the prompt. `segment`: a token whose SFT next-token entropy
+    at temperature 1 exceeds c_ent starts a segment; `token`: every token does. EOS is in none
+    (`macro_actions.segment_mask`)."""
+    P, ids, mask = batch["prompt_width"], batch["input_ids"], batch["attention_mask"]
+    inside = ma.segment_mask(ids[:, P:], mask[:, P:], eos_token_id)
+    starts = inside
+    if unit == "segment":
+        logits = sft(input_ids=ids, attention_mask=mask, position_ids=data.position_ids(mask)).logits
+        logp = logits[:, P - 1:-1].float().log_softmax(-1)
+        starts = ma.entropy_starts(-(logp.exp() * logp).sum(-1), inside, c_ent)
+    ends, p = ma.segment_ends(starts, inside), ma.segment_positions(starts, inside)
+    return torch.cat([ends.new_zeros(len(ends), P), ends], 1), torch.cat([p.new_zeros(len(p), P), p], 1)
 
 
 def bradley_terry(model, batch):
     """-log sigmoid(r+ - r-) over a batch whose first half holds the chosen responses and second
-    half the rejected ones (same prompts); returns (loss, accuracy)."""
-    r = last_token(token_values(model, batch["input_ids"], batch["attention_mask"]), batch["attention_mask"])
+    half the rejected ones (same prompts); r is the score at the last real token, or e(x, y) when the
+    batch carries `segment_ends`. Returns (loss, accuracy)."""
+    values = token_values(model, batch["input_ids"], batch["attention_mask"])
+    if "segment_ends" in batch:
+        r = segment_evaluation(values, batch["segment_ends"])
+    else:
+        r = last_token(values, batch["attention_mask"])
     r_chosen, r_rejected = r.chunk(2)
     diff = r_chosen - r_rejected
     return -F.logsigmoid(diff).mean(), (diff > 0).float().mean()
@@ -97,21 +144,153 @@ def load_reward_model(path, bf16=False):
 
 
 @torch.no_grad()
-def gold_agreement(rm, policy, tokenizer, rows, args):
+def gold_agreement(rm, policy, tokenizer, rows, args, segmenter=None):
     """Two SFT samples per held-out prompt (one row per prompt); how often the RM prefers the one the
-    gold judge prefers (pairs the gold judge scores equal are left out). Returns (agreement, n_pairs)."""
+    gold judge prefers (pairs the gold judge scores equal are left out); with `segmenter`, the RM's
+    e(x, y). Returns (agreement, n_pairs)."""
     twice = [r for r in rows for _ in range(2)]
-    r_ids = data.sample(policy, tokenizer, [r["prompt"] for r in twice], args.max_prompt_len, args.max_response_len)[2]
+    prompts = [r["prompt"] for r in twice]
+    r_ids = data.sample(policy, tokenizer, prompts, args.max_prompt_len, args.max_response_len)[2]
     texts = tokenizer.batch_decode(r_ids, skip_special_tokens=True)
     gold = torch.tensor(data.gold(args.task, data.judged_prompts(twice), texts)).view(-1, 2)
-    rm_scores = score(rm, tokenizer, [r["prompt"] for r in twice], texts, args.max_prompt_len, args.max_response_len).view(-1, 2)
+    rm_scores = score(rm, tokenizer, prompts, texts, args.max_prompt_len, args.max_response_len,
+                      segmenter=segmenter).view(-1, 2)
     decided = gold[:, 0] != gold[:, 1]
     agree = ((gold[:, 0] > gold[:, 1]) == (rm_scores[:, 0] > rm_scores[:, 1]))[decided]
     return agree.float().mean().item() if len(agree) else float("nan"), int(decided.sum())
 
 
+# ---------------------------------------------------------------------------------------------
+# Location-aware normalizers of segment rewards (Yin et al. 2025, §2): Mean(p), Std(p) on log p
+# ---------------------------------------------------------------------------------------------
+
+NORMALIZER_KIND = "segment_location"
+STD_FLOOR = 0.1          # Std(p) >= 0.1 x the global std: at most 10x the global normalization's gain
+
+
+def huber_loss(residuals, sigma, epsilon=1.35):
+    """sum_i sigma + sigma * H((y_i - f(x_i)) / sigma), H(z) = z^2 if |z| <= eps else 2 eps |z| - eps^2:
+    the loss of scikit-learn's HuberRegressor (Owen 2007) without its ridge term. Broadcasts over
+    sigma [..., 1] against residuals [n]; sigma = 0 is its limit, 2 eps sum |r|."""
+    a, s = residuals.abs(), torch.as_tensor(sigma, dtype=residuals.dtype)
+    inside = a <= epsilon * s
+    per = torch.where(inside, a ** 2 / s.clamp(min=1e-300), 2 * epsilon * a - epsilon ** 2 * s)
+    return (s + per).sum(-1)
+
+
+def huber_fit(x, y, epsilon=1.35, iters=1000):
+    """Linear Huber regression y ~ w x + b with the scale sigma estimated jointly (`huber_loss`), so
+    epsilon is counted in units of the residuals' spread and the fit does not depend on the rewards'
+    units (a fixed scale would). Block descent on the jointly convex loss: sigma exactly given the
+    residuals (the loss is piecewise smooth in sigma; each piece's stationary point is a candidate),
+    then one reweighted least squares step (weights min(1, eps sigma / |r|) majorize H). float64;
+    rank-deficient x (one bucket) gives w = 0. Returns (w, b, sigma)."""
+    X = torch.stack([x, torch.ones_like(x)], 1)
+    n = len(y)
+    k = torch.arange(n + 1, dtype=y.dtype)
+    beta, sigma = torch.linalg.lstsq(X, y[:, None], driver="gelsd").solution[:, 0], 0.0
+    for _ in range(iters):
+        r = y - X @ beta
+        edges = torch.cat([torch.zeros(1, dtype=y.dtype), r.abs().sort().values, torch.full((1,), torch.inf)])
+        denom = n - epsilon ** 2 * (n - k)            # k smallest |r| inside: sigma^2 = sum r^2 / denom
+        candidates = torch.where(denom > 0, (edges[:-1] ** 2).cumsum(0) / denom.clamp(min=1e-300), 0.0).sqrt()
+        slack = 1e-9 * (1 + edges[-2])                # keep the pieces whose root lies inside them
+        own = (edges[:-1] <= epsilon * candidates + slack) & (epsilon * candidates <= edges[1:] + slack)
+        candidates = candidates[own] if own.any() else candidates
+        sigma = candidates[huber_loss(r, candidates[:, None], epsilon).argmin()]
+        weight = torch.where(r.abs() <= epsilon * sigma, 1.0, epsilon * sigma / r.abs().clamp(min=1e-300))
+        root = weight.sqrt()[:, None]
+        new = torch.linalg.lstsq(root * X, root * y[:, None], driver="gelsd").solution[:, 0]
+        done = (new - beta).abs().max() <= 1e-13 * (1 + beta.abs().max())
+        beta = new
+        if done:
+            break
+    return beta[0].item(), beta[1].item(), float(sigma)
+
+
+def fit_location_normalizer(p, r, decimals=3, epsilon=1.35):
+    """Segment rewards r at positions p = t / T (1-D, padding dropped) -> the normalizer as named
+    JSON fields: per bucket (p rounded to `decimals`) the mean and std (ddof 0) of r, each
+    Huber-fitted on log p (`mean`, `std`: {"w", "b"}); `global` and `last` (p = 1) statistics for
+    the ablations; `std_floor`; the bucket table."""
+    p = torch.as_tensor(p, dtype=torch.float64).flatten()
+    r = torch.as_tensor(r, dtype=torch.float64).flatten()
+    if p.shape != r.shape or not len(p):
+        raise ValueError(f"p and r must have the same non-zero length, got {len(p)} and {len(r)}")
+    if not ((p > 0) & (p <= 1)).all() or not torch.isfinite(r).all():
+        raise ValueError("positions p must lie in (0, 1] (drop padding) and rewards r must be finite")
+    if not (p == 1).any():
+        raise ValueError("no last segment (p = 1) in the calibration data")
+    key = torch.round(p, decimals=decimals).clamp(min=10.0 ** -decimals)
+    buckets, index = torch.unique(key, return_inverse=True)
+    zeros = torch.zeros_like(buckets)
+    count = zeros.scatter_add(0, index, torch.ones_like(r))
+    mean = zeros.scatter_add(0, index, r) / count
+    std = (zeros.scatter_add(0, index, (r - mean[index]) ** 2) / count).sqrt()
+    (w_mu, b_mu, _), (w_sd, b_sd, _) = (huber_fit(buckets.log(), y, epsilon) for y in (mean, std))
+    last = r[p == 1]
+    return {"kind": NORMALIZER_KIND, "mean": {"w": w_mu, "b": b_mu}, "std": {"w": w_sd, "b": b_sd},
+            "global": {"mean": r.mean().item(), "std": r.std(correction=0).item()},
+            "last": {"mean": last.mean().item(), "std": last.std(correction=0).item()},
+            "std_floor": max(STD_FLOOR * r.std(correction=0).item(), 1e-6), "decimals": decimals,
+            "epsilon": epsilon, "n_segments": len(r),
+            "buckets": {"p": buckets.tolist(), "count": count.long().tolist(), "mean": mean.tolist(),
+                        "std": std.tolist()}}
+
+
+def _field(norm, *path):
+    value = norm
+    for i, name in enumerate(path):
+        if not isinstance(value, dict) or name not in value:
+            raise ValueError(f"segment normalizer: missing field {'.'.join(path[:i + 1])!r}")
+        value = value[name]
+    if not isinstance(value, (int, float)) or isinstance(value, bool) or value != value:
+        raise ValueError(f"segment normalizer: field {'.'.join(path)!r} must be a number, got {value!r}")
+    return float(value)
+
+
+def normalize_segment_rewards(r, p, norm, how="regression"):
+    """(r - Mean(p)) / Std(p), Std floored at `std_floor`; 0 where p = 0 (padding). `how`: the
+    paper's `regression` on log p, one `global` or `last`-segment (mean, std), or `none`. A missing
+    or mismatched normalizer is an error, never a silent (0, 1)."""
+    if how == "none":
+        return torch.where(p > 0, r, 0.0)
+    if not isinstance(norm, dict) or norm.get("kind") != NORMALIZER_KIND:
+        kind = norm.get("kind") if isinstance(norm, dict) else type(norm).__name__
+        raise ValueError(f"segment normalizer: kind {kind!r}, expected {NORMALIZER_KIND!r} (fit_location_normalizer)")
+    floor = _field(norm, "std_floor")
+    if how == "regression":
+        log_p = p.clamp(min=1e-12).log()
+        mean = _field(norm, "mean", "w") * log_p + _field(norm, "mean", "b")
+        std = (_field(norm, "std", "w") * log_p + _field(norm, "std", "b")).clamp(min=floor)
+    elif how in ("global", "last"):
+        mean, std = _field(norm, how, "mean"), max(_field(norm, how, "std"), floor)
+    else:
+        raise ValueError(f"unknown normalization {how!r}; choose regression, global, last or none")
+    return torch.where(p > 0, (r - mean) / std, 0.0)
+
+
+@torch.no_grad()
+def calibrate(model, batches, args):
+    """The settings a segment / token RM scores with, and its location normalizer fitted on the
+    segment rewards of calibration batches (Yin et al. 2025, §2): the JSON saved beside it."""
+    p, r, tokens = [], [], 0
+    for batch in batches:
+        ends = batch["segment_ends"]
+        r.append(token_values(model, batch["input_ids"], batch["attention_mask"])[ends].cpu())
+        p.append(batch["segment_p"][ends].cpu())
+        tokens += (batch["segment_p"] > 0).sum().item()
+    p, r = torch.cat(p), torch.cat(r)
+    return {"unit": args.unit, "c_ent": args.c_ent if args.unit == "segment" else None, "sft_path": args.sft_path,
+            "segments": "a token whose SFT next-token entropy (nats, temperature 1) exceeds c_ent starts a segment; "
+                        "the first always does; EOS belongs to none", "evaluation": "mean of the segment rewards",
+            "mean_segment_len": tokens / len(r), "normalizer": fit_location_normalizer(p, r)}
+
+
 def main(args):
     data.resolve_paths(args, "rm")
+    if args.unit not in ("sequence", "segment", "token"):
+        raise ValueError(f"unknown --unit {args.unit!r}; choose sequence, segment or token")
     args.max_response_len = data.response_len(args.task, args.max_response_len)
     accelerator = harness.make_accelerator(args.bf16, args.grad_accum, args.batch_size)
     harness.start("rm", args, accelerator)
@@ -130,12 +309,22 @@ def main(args):
         model.gradient_checkpointing_enable()
     world, rank = accelerator.num_processes, accelerator.process_index
     trainer = harness.Trainer("rm", accelerator, model, tokenizer, args, len(train_rows), args.resume)
+    segmenter = None
+    if args.unit != "sequence":                 # segments from the SFT model's entropy, as PPO will see them
+        from transformers import AutoModelForCausalLM
+        with harness.loading_whole():            # frozen: whole on every rank, outside ZeRO-3's partitioning
+            sft = AutoModelForCausalLM.from_pretrained(args.sft_path, dtype=model.dtype).to(accelerator.device).eval()
+        segmenter = functools.partial(segment_layout, sft, unit=args.unit, c_ent=args.c_ent,
+                                      eos_token_id=tokenizer.eos_token_id)
 
     def pairs_of(rows):
         b = data.collate(tokenizer, [r["prompt"] for r in rows] * 2,
                          [r["chosen"] for r in rows] + [r["rejected"] for r in rows],
                          args.max_prompt_len, args.max_response_len)
-        return {k: v.to(accelerator.device) for k, v in b.items() if torch.is_tensor(v)}
+        batch = {k: v.to(accelerator.device) for k, v in b.items() if torch.is_tensor(v)}
+        if segmenter:
+            batch["segment_ends"], batch["segment_p"] = segmenter({**batch, "prompt_width": b["prompt_width"]})
+        return batch
 
     def evaluate():
         total = torch.zeros(2, device=accelerator.device)
@@ -149,12 +338,23 @@ def main(args):
 
     accuracy = trainer.fit(train_rows, lambda rows: bradley_terry(trainer.model, pairs_of(rows))[0], evaluate)
     log(f"[rm] held-out pairwise accuracy {accuracy:.3f}")
+    if segmenter and accelerator.is_main_process:
+        rows = train_rows[:args.n_calibration]
+        batches = (pairs_of(rows[i:i + args.batch_size]) for i in range(0, len(rows), args.batch_size))
+        settings = calibrate(trainer.final.eval(), batches, args)     # the whole trained RM
+        path = os.path.join(args.output_dir, SEGMENT_FILE)
+        with open(path + ".tmp", "w") as f:
+            json.dump(settings, f, indent=1)
+        os.replace(path + ".tmp", path)
+        log(f"[rm] {args.unit} RM: mean segment length {settings['mean_segment_len']:.2f} tokens over "
+            f"{settings['normalizer']['n_segments']} calibration segments; settings and normalizer in {path}")
     if args.task in data.GOLD_JUDGES and args.n_gold_prompts and accelerator.is_main_process:
         from transformers import AutoModelForCausalLM
         with harness.loading_whole():
             policy = AutoModelForCausalLM.from_pretrained(args.sft_path).eval()
         rows = data.first_row_per_prompt(data.with_chat_template(splits["test"], tokenizer, args.chat_template))
-        agreement, n = gold_agreement(trainer.final.eval(), policy, tokenizer, rows[:args.n_gold_prompts], args)
+        agreement, n = gold_agreement(trainer.final.eval(), policy, tokenizer, rows[:args.n_gold_prompts], args,
+                                      segmenter)
         log(f"[rm] RM-gold agreement on {n} pairs of SFT samples: {agreement:.3f}")
     return accuracy
 

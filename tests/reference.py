@@ -105,3 +105,50 @@ def perplexity_loop(logprobs, mask):
             else:
                 total, count = total + nll, count + 1
     return starts
+
+
+def segments_loop(entropy, response_ids, mask, c_ent, eos_token_id):
+    """Entropy segments, one token at a time: a token starts a segment if it is the first or its
+    entropy exceeds c_ent; EOS belongs to no segment unless it is the whole response.
+    Returns (starts, the tokens in segments), bool [B, T]."""
+    starts = torch.zeros(mask.shape, dtype=torch.bool)
+    inside = torch.zeros(mask.shape, dtype=torch.bool)
+    for b in range(mask.shape[0]):
+        for t in range(int(mask[b].sum())):
+            if t > 0 and int(response_ids[b, t]) == eos_token_id:
+                break
+            inside[b, t] = True
+            starts[b, t] = t == 0 or float(entropy[b, t]) > c_ent
+    return starts, inside
+
+
+def segment_rewards_loop(r_end, starts, inside, how):
+    """(ends, positions k/K, rewards spread `how`), one segment at a time."""
+    ends = torch.zeros(inside.shape, dtype=torch.bool)
+    positions, spread = torch.zeros(inside.shape), torch.zeros(inside.shape)
+    for b in range(inside.shape[0]):
+        length = int(inside[b].sum())
+        begins = [t for t in range(length) if starts[b, t]]
+        bounds = list(zip(begins, begins[1:] + [length]))
+        for k, (first, stop) in enumerate(bounds):
+            ends[b, stop - 1] = True
+            r = float(r_end[b, stop - 1])
+            for t in range(first, stop):
+                positions[b, t] = (k + 1) / len(bounds)
+                if how == "even":
+                    spread[b, t] = r / (stop - first)
+                elif how == "repeat" or t == stop - 1:
+                    spread[b, t] = r
+    return ends, positions, spread
+
+
+def bucket_stats_loop(p, r, decimals):
+    """{rounded p: (count, mean, std with ddof 0)} from a dict of lists."""
+    groups = {}
+    for pi, ri in zip(p, r):
+        groups.setdefault(round(float(pi), decimals), []).append(float(ri))
+    stats = {}
+    for key, rs in groups.items():
+        mean = sum(rs) / len(rs)
+        stats[key] = (len(rs), mean, (sum((x - mean) ** 2 for x in rs) / len(rs)) ** 0.5)
+    return stats

@@ -1,0 +1,329 @@
+"""Segment-level rewards (Yin et al., 2025) as a specification: entropy segments with EOS left out,
+segment ends and positions, rewards spread over segments, and the location-aware normalizers."""
+import json
+import math
+
+import pytest
+import torch
+
+import macro_actions as ma
+import reward_model as rm
+from reference import bucket_stats_loop, pad_right, segment_rewards_loop, segments_loop
+
+EOS = 2
+HOWS = ["even", "repeat", "end"]
+
+
+def close(x, rows, atol=1e-6):
+    return torch.allclose(x.double(), torch.tensor(rows, dtype=torch.float64), atol=atol)
+
+
+def mixed_batch(seed=0):
+    """Rows of mixed lengths: truncated (no EOS), ending in EOS, EOS alone, one token, empty."""
+    g = torch.Generator().manual_seed(seed)
+    rows = [[5, 6, 7, 8, 9, 10, 11, EOS], [5, 6, 7, 8, 9, 10, 11, 12, 13, 14], [EOS], [7], [], [9, 9, EOS],
+            [3] * 15 + [EOS]]
+    ids, mask = pad_right(rows)
+    entropy = torch.rand(ids.shape, generator=g) * 3 + 5 * (1 - mask)         # padding: high entropy
+    values = torch.randn(ids.shape, generator=g)
+    return ids, mask, entropy, values
+
+
+# --- the worked example, by hand -------------------------------------------------------------
+
+def test_worked_example_by_hand():
+    ids = torch.tensor([[5, 6, 7, 8, 9, EOS], [5, 6, 7, EOS, 0, 0]])
+    mask = torch.tensor([[1, 1, 1, 1, 1, 1], [1, 1, 1, 1, 0, 0]])
+    entropy = torch.tensor([[2.0, 0.3, 1.5, 0.2, 0.1, 3.0], [0.5, 1.2, 1.1, 0.4, 9.0, 9.0]])
+    values = torch.tensor([[0.1, 0.8, 0.3, 0.5, -0.4, 9.0], [1.0, -2.0, 0.4, 7.0, 0.0, 0.0]])
+    # entropies -> segments: c_ent = 1; EOS (entropy 3.0) belongs to no segment
+    inside = ma.segment_mask(ids, mask, EOS)
+    starts = ma.entropy_starts(entropy, inside, 1.0)
+    assert inside.tolist() == [[1, 1, 1, 1, 1, 0], [1, 1, 1, 0, 0, 0]]
+    assert starts.tolist() == [[1, 0, 1, 0, 0, 0], [1, 1, 1, 0, 0, 0]]
+    ends = ma.segment_ends(starts, inside)
+    assert ends.tolist() == [[0, 1, 0, 0, 1, 0], [1, 1, 1, 0, 0, 0]]
+    # head values at segment ends -> segment rewards; e = their mean
+    r_end = values * ends
+    assert close(r_end, [[0, 0.8, 0, 0, -0.4, 0], [1.0, -2.0, 0.4, 0, 0, 0]])
+    e = r_end.sum(-1) / ends.sum(-1)
+    assert e.tolist() == pytest.approx([0.2, -0.2])
+    # p = k / K
+    p = ma.segment_positions(starts, inside)
+    assert close(p, [[0.5, 0.5, 1, 1, 1, 0], [1 / 3, 2 / 3, 1, 0, 0, 0]])
+    # normalized: Mean = 0.5 log p + 0.1, Std = -log p + 0.5 floored at 0.6 (Std(1) = 0.5 -> 0.6)
+    norm = {"kind": "segment_location", "mean": {"w": 0.5, "b": 0.1}, "std": {"w": -1.0, "b": 0.5},
+            "global": {"mean": 0.0, "std": 1.0}, "last": {"mean": 0.0, "std": 1.0}, "std_floor": 0.6}
+    r_hat = rm.normalize_segment_rewards(r_end, p, norm) * ends
+    a, b = 1.046574 / 1.193147, -0.5 / 0.6                  # (0.8 + 0.246574) / 1.193147, (-0.4 - 0.1) / 0.6
+    c, d, f = 1.449306 / 1.598612, -1.897267 / 0.905465, 0.3 / 0.6
+    assert close(r_hat, [[0, a, 0, 0, b, 0], [c, d, f, 0, 0, 0]], atol=1e-5)
+    # spread over the segments' tokens; EOS and padding get nothing
+    expected = {"even": [[a / 2, a / 2, b / 3, b / 3, b / 3, 0], [c, d, f, 0, 0, 0]],
+                "repeat": [[a, a, b, b, b, 0], [c, d, f, 0, 0, 0]],
+                "end": [[0, a, 0, 0, b, 0], [c, d, f, 0, 0, 0]]}
+    for how, want in expected.items():
+        assert close(ma.spread_segment_rewards(r_hat, starts, inside, how), want, atol=1e-5)
+
+
+# --- the vectorized functions against plain loops --------------------------------------------
+
+@pytest.mark.parametrize("c_ent", [-math.inf, 0.5, 1.5, 2.5, math.inf])
+def test_entropy_segments_with_eos_rule_match_loop(c_ent):
+    ids, mask, entropy, _ = mixed_batch()
+    inside = ma.segment_mask(ids, mask, EOS)
+    starts = ma.entropy_starts(entropy, inside, c_ent)
+    ref_starts, ref_inside = segments_loop(entropy, ids, mask, c_ent, EOS)
+    assert torch.equal(inside, ref_inside) and torch.equal(starts, ref_starts)
+    assert inside.sum(-1).tolist() == [7, 10, 1, 1, 0, 2, 15]                # EOS out unless alone
+
+
+@pytest.mark.parametrize("how", HOWS)
+@pytest.mark.parametrize("c_ent", [-math.inf, 1.0, 2.0, math.inf])
+@pytest.mark.parametrize("seed", [0, 1])
+def test_segment_functions_match_loop(how, c_ent, seed):
+    ids, mask, entropy, values = mixed_batch(seed)
+    inside = ma.segment_mask(ids, mask, EOS)
+    starts = ma.entropy_starts(entropy, inside, c_ent)
+    ends = ma.segment_ends(starts, inside)
+    ref_ends, ref_p, ref_spread = segment_rewards_loop(values, starts, inside, how)
+    assert torch.equal(ends, ref_ends)
+    assert torch.allclose(ma.segment_positions(starts, inside), ref_p, atol=1e-7)
+    # the head's values at every token go in; only those at segment ends count
+    assert torch.allclose(ma.spread_segment_rewards(values, starts, inside, how), ref_spread, atol=1e-6)
+    assert torch.allclose(ma.spread_segment_rewards(values * ends, starts, inside, how), ref_spread, atol=1e-6)
+
+
+def test_even_spread_keeps_each_segments_total():
+    ids, mask, entropy, values = mixed_batch(3)
+    inside = ma.segment_mask(ids, mask, EOS)
+    starts = ma.entropy_starts(entropy, inside, 1.5)
+    ends = ma.segment_ends(starts, inside)
+    spread = ma.spread_segment_rewards(values, starts, inside, "even")
+    assert torch.allclose(spread.sum(-1), (values * ends).sum(-1), atol=1e-5)
+    assert torch.allclose(ma.macro_sum(spread, starts) * ends, values * ends, atol=1e-6)
+
+
+def test_rows_are_independent():
+    ids, mask, entropy, values = mixed_batch(4)
+    inside = ma.segment_mask(ids, mask, EOS)
+    starts = ma.entropy_starts(entropy, inside, 1.0)
+    whole = [ma.spread_segment_rewards(values, starts, inside, how) for how in HOWS]
+    for b in range(len(ids)):
+        row = [ma.spread_segment_rewards(values[b:b + 1], starts[b:b + 1], inside[b:b + 1], how) for how in HOWS]
+        assert all(torch.equal(w[b:b + 1], r) for w, r in zip(whole, row))
+        assert torch.equal(ma.segment_positions(starts, inside)[b:b + 1],
+                           ma.segment_positions(starts[b:b + 1], inside[b:b + 1]))
+
+
+def test_whole_response_with_eos_is_the_sequence_rm():
+    # c_ent = infinity with EOS kept: one segment, its reward the head at the last real token
+    ids, mask, _, values = mixed_batch(5)
+    starts = ma.fixed_ngram_starts(mask, None)
+    ends = ma.segment_ends(starts, mask)
+    real = mask.sum(-1) > 0
+    assert torch.equal(ends.sum(-1), real.long())
+    end_rewards = ma.spread_segment_rewards(values, starts, mask, "end").sum(-1)
+    assert torch.equal(end_rewards[real], rm.last_token(values, mask)[real])
+    assert torch.equal(ma.segment_positions(starts, mask), mask.float())
+
+
+def test_unknown_interpolation_is_refused():
+    mask = torch.ones(1, 3, dtype=torch.long)
+    with pytest.raises(ValueError, match="interpolation 'linear'"):
+        ma.spread_segment_rewards(torch.ones(1, 3), ma.fixed_ngram_starts(mask, 1), mask, "linear")
+
+
+# --- location-aware normalizers --------------------------------------------------------------
+
+def on_a_line(Ks=(1, 2, 3, 4, 5, 8), w_mu=0.3, b_mu=1.0, w_sd=-0.2, b_sd=0.5):
+    """Two segment rewards per position k / K, at Mean(p) -/+ Std(p): every bucket on the lines."""
+    p, r = [], []
+    for K in Ks:
+        for k in range(1, K + 1):
+            mean, std = w_mu * math.log(k / K) + b_mu, w_sd * math.log(k / K) + b_sd
+            p += [k / K, k / K]
+            r += [mean - std, mean + std]
+    return torch.tensor(p), torch.tensor(r, dtype=torch.float64)
+
+
+def test_bucket_statistics_match_loop():
+    g = torch.Generator().manual_seed(0)
+    K = torch.randint(1, 30, (400,), generator=g)
+    p = (torch.randint(0, 1000, (400,), generator=g) % K + 1) / K
+    r = torch.randn(400, generator=g, dtype=torch.float64)
+    norm = rm.fit_location_normalizer(p, r)
+    ref = bucket_stats_loop(p.tolist(), r.tolist(), 3)
+    assert norm["buckets"]["p"] == pytest.approx(sorted(ref))
+    for key, count, mean, std in zip(*(norm["buckets"][k] for k in ("p", "count", "mean", "std"))):
+        assert (count, mean, std) == pytest.approx(ref[round(key, 3)], abs=1e-12)
+    assert norm["global"] == pytest.approx({"mean": r.mean().item(), "std": r.std(correction=0).item()})
+    assert norm["last"]["mean"] == pytest.approx(r[p == 1].mean().item())
+    assert norm["n_segments"] == 400 and norm["decimals"] == 3 and norm["epsilon"] == 1.35
+
+
+def test_exact_line_when_bucket_statistics_are_collinear_in_log_p():
+    p, r = on_a_line()
+    norm = rm.fit_location_normalizer(p, r)
+    assert (norm["mean"]["w"], norm["mean"]["b"]) == pytest.approx((0.3, 1.0), abs=1e-9)
+    assert (norm["std"]["w"], norm["std"]["b"]) == pytest.approx((-0.2, 0.5), abs=1e-9)
+    # so every calibration segment is normalized to -1 or +1
+    assert rm.normalize_segment_rewards(r, p, norm).abs().tolist() == pytest.approx([1.0] * len(r), abs=1e-7)
+
+
+def test_one_bucket_gives_a_flat_line():
+    norm = rm.fit_location_normalizer(torch.ones(4), torch.tensor([1.0, 2.0, 3.0, 6.0]))
+    assert norm["mean"] == pytest.approx({"w": 0.0, "b": 3.0})
+    assert norm["std"] == pytest.approx({"w": 0.0, "b": 3.5 ** 0.5})          # deviations -2, -1, 0, 3
+
+
+def test_huber_fit_resists_an_outlier_bucket_where_least_squares_does_not():
+    g = torch.Generator().manual_seed(1)
+    x = torch.linspace(-3, 0, 40, dtype=torch.float64)
+    y = 0.3 * x + 1.0 + 0.02 * torch.randn(40, generator=g, dtype=torch.float64)
+    y[0] += 20.0                                             # one bucket far off the line
+    w, b, _ = rm.huber_fit(x, y)
+    w_ls, b_ls = torch.linalg.lstsq(torch.stack([x, torch.ones_like(x)], 1), y[:, None]).solution[:, 0].tolist()
+    assert abs(w - 0.3) < 0.02 and abs(b - 1.0) < 0.02
+    assert abs(w_ls - 0.3) > 0.5 and abs(b_ls - 1.0) > 0.5
+
+
+def test_huber_fit_is_the_minimum_of_its_loss_and_scale_free():
+    g = torch.Generator().manual_seed(2)
+    x = torch.rand(60, generator=g, dtype=torch.float64).log()
+    y = -0.5 * x + 0.2 + 0.1 * torch.randn(60, generator=g, dtype=torch.float64) ** 3   # heavy tails
+    w, b, s = rm.huber_fit(x, y)
+    best = rm.huber_loss(y - w * x - b, s)
+    for dw, db, ds in [(1e-4, 0, 1), (-1e-4, 0, 1), (0, 1e-4, 1), (0, -1e-4, 1), (0, 0, 1.001), (0, 0, 0.999)]:
+        assert rm.huber_loss(y - (w + dw) * x - (b + db), s * ds) > best
+    # rewards in other units (c r + d): the same fit in those units
+    w2, b2, s2 = rm.huber_fit(x, 7.0 * y - 3.0)
+    assert (w2, b2, s2) == pytest.approx((7.0 * w, 7.0 * b - 3.0, 7.0 * s), rel=1e-6)
+
+
+def test_normalizer_is_json_and_std_is_floored():
+    p, r = on_a_line()
+    norm = json.loads(json.dumps(rm.fit_location_normalizer(p, r)))
+    assert norm["std_floor"] == pytest.approx(0.1 * r.std(correction=0).item())
+    tiny_p = torch.tensor([1e-6])                 # Std(p) = -0.2 log p + 0.5 < 0 far left of the data
+    norm["std"]["w"] = 0.2
+    out = rm.normalize_segment_rewards(torch.tensor([5.0]), tiny_p, norm)
+    mean = 0.3 * math.log(1e-6) + 1.0
+    assert out.item() == pytest.approx((5.0 - mean) / norm["std_floor"], rel=1e-5)
+
+
+def test_global_last_and_none_normalizations():
+    p, r = on_a_line()
+    norm = rm.fit_location_normalizer(p, r)
+    x, q = torch.tensor([[2.0, 3.0, 0.0]]), torch.tensor([[0.5, 1.0, 0.0]])     # last column: padding
+    g, last = norm["global"], norm["last"]
+    assert close(rm.normalize_segment_rewards(x, q, norm, "global"),
+                 [[(2 - g["mean"]) / g["std"], (3 - g["mean"]) / g["std"], 0]])
+    assert last == pytest.approx({"mean": 1.0, "std": 0.5})          # p = 1: Mean 1.0, Std 0.5
+    assert close(rm.normalize_segment_rewards(x, q, norm, "last"), [[2.0, 4.0, 0]])
+    assert rm.normalize_segment_rewards(x, q, None, "none").tolist() == [[2.0, 3.0, 0.0]]
+
+
+@pytest.mark.parametrize("broken,message", [
+    (None, "kind 'NoneType'"),
+    ({}, "kind None"),
+    ("mean", "kind 'str'"),
+    ({"kind": "sequence"}, "kind 'sequence'"),
+    ({"kind": "segment_location"}, "missing field 'std_floor'"),
+    ({"kind": "segment_location", "std_floor": 0.1, "mean": {"w": 1.0}}, "missing field 'mean.b'"),
+    ({"kind": "segment_location", "std_floor": 0.1, "mean": {"w": 1.0, "b": 0.0}}, "missing field 'std'"),
+    ({"kind": "segment_location", "std_floor": 0.1, "mean": {"w": "1", "b": 0.0}}, "'mean.w' must be a number"),
+])
+def test_missing_or_mismatched_normalizer_is_refused(broken, message):
+    with pytest.raises(ValueError, match=message):
+        rm.normalize_segment_rewards(torch.ones(2), torch.ones(2), broken)
+
+
+def test_bad_calibration_data_is_refused():
+    with pytest.raises(ValueError, match=r"\(0, 1\]"):
+        rm.fit_location_normalizer(torch.tensor([0.0, 1.0]), torch.ones(2))
+    with pytest.raises(ValueError, match="same non-zero length"):
+        rm.fit_location_normalizer(torch.ones(3), torch.ones(2))
+    with pytest.raises(ValueError, match="no last segment"):
+        rm.fit_location_normalizer(torch.tensor([0.5]), torch.ones(1))
+    with pytest.raises(ValueError, match="unknown normalization 'zscore'"):
+        norm = rm.fit_location_normalizer(torch.ones(2), torch.ones(2))
+        rm.normalize_segment_rewards(torch.ones(1), torch.ones(1), norm, "zscore")
+
+
+# --- segment and token reward models ---------------------------------------------------------
+
+PROMPTS = ["\n\nHuman: how are you\n\nAssistant:", "hi", "\n\nHuman: tell me about the quick brown fox\n\nAssistant:"]
+RESPONSES = [" fine", " hello there, friend, how was your day", ""]
+
+
+def test_one_segment_with_eos_is_bit_for_bit_the_sequence_rm(tokenizer):
+    from test_reward_model import tiny_rm
+    import data
+    model = tiny_rm(tokenizer)
+    batch = data.collate(tokenizer, PROMPTS * 2, RESPONSES + RESPONSES[::-1], 48, 32)
+    P, mask = batch["prompt_width"], batch["attention_mask"]
+    whole = ma.fixed_ngram_starts(mask[:, P:], None)                  # c_ent = infinity, EOS kept
+    ends = torch.cat([torch.zeros_like(mask[:, :P]), ma.segment_ends(whole, mask[:, P:])], 1).bool()
+    grads = []
+    for b in (batch, {**batch, "segment_ends": ends}):
+        model.zero_grad()
+        loss, acc = rm.bradley_terry(model, b)
+        loss.backward()
+        grads.append((loss, acc, [p.grad.clone() for p in model.parameters()]))
+    (l1, a1, g1), (l2, a2, g2) = grads
+    assert torch.equal(l1, l2) and torch.equal(a1, a2) and all(torch.equal(x, y) for x, y in zip(g1, g2))
+
+
+def test_segment_layout_matches_rows_segmented_alone(tokenizer):
+    """A padded batch segments each response as that response alone, by the loop's rule."""
+    import data
+    import sft
+    torch.manual_seed(0)
+    model = sft.tiny_gemma(tokenizer, hidden_size=32, num_layers=1).eval()
+    batch = data.collate(tokenizer, PROMPTS, RESPONSES, 48, 32)
+    P, ids, mask = batch["prompt_width"], batch["input_ids"], batch["attention_mask"]
+    alone = []
+    for b in range(len(PROMPTS)):
+        row = ids[b][mask[b].bool()].unsqueeze(0)
+        n_prompt = int(mask[b, :P].sum())
+        with torch.no_grad():
+            logp = model(input_ids=row).logits[0, n_prompt - 1:-1].float().log_softmax(-1)
+        alone.append((-(logp.exp() * logp).sum(-1)).tolist())
+    c_ent = sorted(h for row in alone for h in row)[len(sum(alone, [])) // 2]
+    entropy, _ = pad_right(alone, dtype=torch.float32)
+    entropy = torch.cat([entropy, torch.zeros(len(alone), ids.shape[1] - P - entropy.shape[1])], 1)
+    ref_starts, ref_inside = segments_loop(entropy, ids[:, P:], mask[:, P:], c_ent - 1e-4, tokenizer.eos_token_id)
+    ref_ends, ref_p, _ = segment_rewards_loop(torch.zeros(ref_inside.shape), ref_starts, ref_inside, "end")
+    ends, p = rm.segment_layout(model, batch, "segment", c_ent - 1e-4, tokenizer.eos_token_id)
+    assert not ends[:, :P].any() and torch.equal(ends[:, P:], ref_ends)
+    assert torch.allclose(p[:, P:], ref_p, atol=1e-7)
+    assert 1 < ends.sum() < ref_inside.sum()                    # the threshold splits, not everywhere
+    token_ends, _ = rm.segment_layout(None, batch, "token", None, tokenizer.eos_token_id)
+    assert torch.equal(token_ends[:, P:], ref_inside)           # EOS is in no segment; "" keeps its EOS
+
+
+def train_small(tiny_models, out, *flags):
+    from stages import run_stage
+    return run_stage("reward_model.py", "--sft_path", tiny_models / "sft", "--output_dir", out, "--batch_size", "4",
+                     "--max_prompt_len", "24", "--max_response_len", "12", "--max_steps", "2", "--eval_every", "2",
+                     "--n_eval", "8", "--n_gold_prompts", "4", "--n_calibration", "6", *flags)
+
+
+def test_segment_and_token_rms_save_their_settings_and_normalizer(tiny_models, tmp_path):
+    out = train_small(tiny_models, tmp_path / "segment", "--unit", "segment", "--c_ent", "1e9")
+    assert "held-out pairwise accuracy" in out and "RM-gold agreement" in out and "mean segment length" in out
+    settings = json.loads((tmp_path / "segment" / rm.SEGMENT_FILE).read_text())
+    assert settings["unit"] == "segment" and settings["c_ent"] == 1e9
+    assert settings["normalizer"]["n_segments"] == 12                     # no split: one per response
+    assert settings["normalizer"]["buckets"]["p"] == [1.0]
+    rm.normalize_segment_rewards(torch.ones(3), torch.ones(3), settings["normalizer"])   # a usable normalizer
+    train_small(tiny_models, tmp_path / "token", "--unit", "token")
+    settings = json.loads((tmp_path / "token" / rm.SEGMENT_FILE).read_text())
+    assert settings["unit"] == "token" and settings["c_ent"] is None and settings["mean_segment_len"] == 1.0
+    assert settings["normalizer"]["n_segments"] > 12
+
+
+def test_unknown_unit_is_refused(tiny_models, tmp_path):
+    with pytest.raises(ValueError, match="unknown --unit 'paragraph'"):
+        train_small(tiny_models, tmp_path, "--unit", "paragraph")
