@@ -87,8 +87,9 @@ def prepare_pair(accelerator, critic_accelerator, policy, policy_opt, critic, cr
 
 
 def is_sharded(accelerator):
-    """ZeRO-3 / FSDP shard the trained models: their forwards (generate included) are collective."""
-    return accelerator.num_processes > 1 and accelerator.distributed_type.value in ("FSDP", "DEEPSPEED")
+    """DeepSpeed / FSDP may partition the trained models (ZeRO-3 does even with one process): their
+    forwards (generate included) are collective, and saving gathers the whole weights first."""
+    return accelerator.distributed_type.value in ("FSDP", "DEEPSPEED")
 
 
 @contextlib.contextmanager
@@ -451,6 +452,15 @@ def batch_indices(n_rows, batch_size, step, seed, rank=0, world=1):
     order = torch.randperm(n_rows, generator=torch.Generator().manual_seed(seed + epoch))
     start = (k * world + rank) * batch_size
     return order[torch.arange(start, start + batch_size) % n_rows].tolist()
+
+
+def eval_batches(n_rows, batch_size, rank=0, world=1):
+    """(start, weight) of this process's held-out batches rows[start:start + batch_size]: every rank
+    gets the same number of batches, since a sharded forward needs every rank; a rank past the end
+    repeats the first batch with weight 0, so each row is counted exactly once."""
+    n_batches = -(-n_rows // (batch_size * world))
+    starts = [(k * world + rank) * batch_size for k in range(n_batches)]
+    return [(start, 1.0) if start < n_rows else (0, 0.0) for start in starts]
 
 
 # ---------------------------------------------------------------------------------------------

@@ -328,10 +328,10 @@ def main(args):
 
     def evaluate():
         total = torch.zeros(2, device=accelerator.device)
-        for i in range(rank * args.batch_size, len(eval_rows), world * args.batch_size):
+        for i, weight in harness.eval_batches(len(eval_rows), args.batch_size, rank, world):
             rows = eval_rows[i:i + args.batch_size]
             _, acc = bradley_terry(trainer.model, pairs_of(rows))
-            total += torch.tensor([acc.item() * len(rows), len(rows)], device=accelerator.device)
+            total += weight * torch.tensor([acc.item() * len(rows), len(rows)], device=accelerator.device)
         total = accelerator.reduce(total, "sum")
         accuracy = (total[0] / total[1].clamp(min=1)).item()
         return accuracy, f"held-out accuracy {accuracy:.3f}"
@@ -341,7 +341,7 @@ def main(args):
     if segmenter and accelerator.is_main_process:
         rows = train_rows[:args.n_calibration]
         batches = (pairs_of(rows[i:i + args.batch_size]) for i in range(0, len(rows), args.batch_size))
-        settings = calibrate(trainer.final.eval(), batches, args)     # the whole trained RM
+        settings = calibrate(trainer.final.to(accelerator.device).eval(), batches, args)   # the whole trained RM
         path = os.path.join(args.output_dir, SEGMENT_FILE)
         with open(path + ".tmp", "w") as f:
             json.dump(settings, f, indent=1)
@@ -351,9 +351,10 @@ def main(args):
     if args.task in data.GOLD_JUDGES and args.n_gold_prompts and accelerator.is_main_process:
         from transformers import AutoModelForCausalLM
         with harness.loading_whole():
-            policy = AutoModelForCausalLM.from_pretrained(args.sft_path).eval()
+            policy = AutoModelForCausalLM.from_pretrained(args.sft_path).to(accelerator.device).eval()
         rows = data.first_row_per_prompt(data.with_chat_template(splits["test"], tokenizer, args.chat_template))
-        agreement, n = gold_agreement(trainer.final.eval(), policy, tokenizer, rows[:args.n_gold_prompts], args,
+        rm_whole = trainer.final.to(accelerator.device).eval()
+        agreement, n = gold_agreement(rm_whole, policy, tokenizer, rows[:args.n_gold_prompts], args,
                                       segmenter)
         log(f"[rm] RM-gold agreement on {n} pairs of SFT samples: {agreement:.3f}")
     return accuracy

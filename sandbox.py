@@ -402,11 +402,12 @@ def _spawn(role, job, fds, limits):
     import subprocess
     import tempfile
     prefix, drop, kind, _, _ = isolation()
-    group = _Cgroup(kind, limits) if kind else None
-    folder = None if prefix else tempfile.mkdtemp(prefix=f"sandbox_{os.getpid()}_")   # whose it is, for leak checks
-    argv = [sys.executable, "-I", "-S", "-c", CHILD, role, "ns" if prefix else "plain",
-            str(limits.uid if drop else -1), ":".join(group.procs) if group else "", *map(str, fds)]
+    group = folder = None
     try:
+        group = _Cgroup(kind, limits) if kind else None
+        folder = None if prefix else tempfile.mkdtemp(prefix=f"sandbox_{os.getpid()}_")   # whose it is, for leak checks
+        argv = [sys.executable, "-I", "-S", "-c", CHILD, role, "ns" if prefix else "plain",
+                str(limits.uid if drop else -1), ":".join(group.procs) if group else "", *map(str, fds)]
         # no preexec_fn (unsafe with run_many's threads): the child joins its cgroup and sets its limits first
         proc = subprocess.Popen(prefix + argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                 cwd=folder or "/", pass_fds=fds, env={"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8"},
@@ -453,12 +454,16 @@ def _collect(caps, closers, deadline):
 
 
 def _end(started):
-    """Kill everything each child started (its cgroup, then its process group), reap, remove its folder."""
+    """Kill everything each child started (its cgroup, then its process group), reap, remove its folder.
+    Every child is cleaned up even when another's cleanup fails; the first failure is raised afterwards."""
     import shutil
+    failure = None
     for proc, group, folder in started:
         try:
             if group:
                 group.kill()
+        except Exception as err:  # noqa: BLE001 - the others are still cleaned up
+            failure = failure or err
         finally:
             if proc:
                 try:
@@ -470,6 +475,8 @@ def _end(started):
                     stream.close()
             if folder:
                 shutil.rmtree(folder, ignore_errors=True)
+    if failure:
+        raise failure
 
 
 def _last_record(data):
@@ -480,7 +487,17 @@ def _last_record(data):
 
 
 def run(program, tests, limits=None):
-    """Run one program against its tests; never raises for anything the program does."""
+    """Run one program against its tests; never raises. A failure of the sandbox itself (a cgroup that
+    cannot be made or killed, a process that cannot start) fails the run too, and is printed to stderr."""
+    try:
+        return _run(program, tests, limits)
+    except Exception as err:  # noqa: BLE001 - one sample must not end a training batch
+        print(f"[sandbox] warning: the sandbox failed on this run ({_error(err)}); scored as a runtime error",
+              file=sys.stderr)
+        return Result("runtime_error", detail=f"sandbox failure: {_error(err)}")
+
+
+def _run(program, tests, limits):
     import time
     limits = limits or Limits()
     humaneval = "entry_point" in tests

@@ -199,16 +199,16 @@ def main(args):
 
     def evaluate():
         total = torch.zeros(2, device=accelerator.device)
-        for i in range(rank * args.batch_size, len(eval_rows), world * args.batch_size):
+        for i, weight in harness.eval_batches(len(eval_rows), args.batch_size, rank, world):
             loss, n = sft_loss(trainer.model, batch_of(eval_rows[i:i + args.batch_size]))
-            total += torch.stack([loss * n, n.float()])
+            total += weight * torch.stack([loss * n, n.float()])
         total = accelerator.reduce(total, "sum")
         loss = (total[0] / total[1].clamp(min=1)).item()
         return loss, f"held-out loss {loss:.3f}  ppl {math.exp(loss):.1f}"
 
     trainer.fit(train_rows, lambda rows: sft_loss(trainer.model, batch_of(rows))[0], evaluate)
     if accelerator.is_main_process:
-        unwrapped = trainer.final.eval()     # whole weights (merged, if LoRA)
+        unwrapped = trainer.final.to(accelerator.device).eval()     # whole weights (merged, if LoRA)
         prompts = data.prompts_of(data.with_chat_template(splits["test"][:8], tokenizer, args.chat_template))[:4]
         r_ids = data.sample(unwrapped, tokenizer, prompts, args.max_prompt_len, args.max_response_len, temperature=0.8)[2]
         for p, r in zip(prompts, tokenizer.batch_decode(r_ids, skip_special_tokens=True)):

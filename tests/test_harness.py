@@ -152,3 +152,13 @@ def test_parameter_checksums_tell_apart_one_changed_or_moved_weight(model):
     assert torch.equal(base, harness.parameter_checksums(same))
     assert not torch.equal(base, harness.parameter_checksums(changed))
     assert not torch.equal(base, harness.parameter_checksums(moved))
+
+
+@pytest.mark.parametrize("n_rows,batch_size,world", [(10, 4, 1), (10, 4, 2), (5, 2, 3), (64, 32, 3), (1, 8, 2), (12, 3, 2)])
+def test_held_out_batches_are_as_many_on_every_rank_and_count_each_row_once(n_rows, batch_size, world):
+    per_rank = [harness.eval_batches(n_rows, batch_size, rank, world) for rank in range(world)]
+    assert len({len(b) for b in per_rank}) == 1                 # a sharded forward needs every rank
+    counted = [row for batches in per_rank for start, weight in batches if weight
+               for row in range(start, min(start + batch_size, n_rows))]
+    assert sorted(counted) == list(range(n_rows))
+    assert all(start < n_rows for batches in per_rank for start, _ in batches)      # no empty batch

@@ -260,6 +260,21 @@ def test_without_namespaces_the_first_run_warns_once_and_still_runs():
     assert proc.stderr.count("[sandbox] warning: no namespaces") == 1 and "rlimits" in proc.stderr
 
 
+def test_a_sandbox_that_cannot_start_its_program_gives_a_failed_verdict_and_leaves_nothing(monkeypatch, capsys):
+    """The trusted side's own failures (here: fork fails, as when the host is out of processes) end in a
+    failed verdict and a warning, never an exception in the trainer; the run's cgroup and folder are
+    removed (the fixture below checks). The failure is injected: a host cannot be made to run out here."""
+    import subprocess
+
+    def out_of_processes(*args, **kwargs):
+        raise BlockingIOError(11, "Resource temporarily unavailable")
+    monkeypatch.setattr(subprocess, "Popen", out_of_processes)
+    for tests in ({"inputs": ["1"], "outputs": ["2"]}, {"entry_point": "f", "test": "def check(f): pass"}):
+        result = sandbox.run("print(2)", tests)
+        assert result.outcome == "runtime_error" and "sandbox failure" in result.detail, result
+    assert "[sandbox] warning: the sandbox failed" in capsys.readouterr().err
+
+
 @pytest.fixture(scope="module", autouse=True)
 def nothing_is_left_behind():
     """After every test of this file: no temporary folder of the sandbox, no process of a program, no cgroup of
