@@ -8,6 +8,7 @@ Read top to bottom: the arguments, the math of one iteration as small pure funct
 The plumbing (accelerators, Ctrl-C / SIGTERM, checkpoints) lives in harness.py, evaluation and the
 final report in evaluate.py, the macro-action math in macro_actions.py.
 """
+import functools
 import json
 import os
 import subprocess
@@ -198,6 +199,15 @@ def token_rewards_of(kl_rewards, score, response_mask, starts, agg="sum", dense=
     return rewards.clamp(-clip, clip) if clip else rewards
 
 
+def segment_scorer(settings, sft, eos_token_id):
+    """The held-out score of a segment / token RM is e(x, y) on the segments of the SFT model `sft`
+    (`reward_model.segment_layout`, as in its training); None for a sequence RM."""
+    if settings is None:
+        return None
+    return functools.partial(rm.segment_layout, sft, unit=settings["unit"], c_ent=settings.get("c_ent"),
+                             eos_token_id=eos_token_id)
+
+
 def load_segment_settings(args):
     """The segment / token RM's settings (`reward_model.SEGMENT_FILE` beside its weights) that
     --reward segment and --termination segment read; a clear exit when they are missing or unusable."""
@@ -257,6 +267,9 @@ def resolve(args):
         sys.exit(f"error: --reward {args.reward!r}: choose rm, gold or segment")
     if code and "segment" in (args.reward, args.termination):
         sys.exit(f"error: --reward / --termination segment need a reward model; {args.task!r} runs its code")
+    if args.reward == "segment" and args.lora_r:
+        sys.exit("error: --reward segment scores held-out responses with the frozen SFT model's segments; "
+                 "it has none under --lora_r (the reference is the policy with its adapters off)")
     if args.seg_norm not in ("regression", "global", "last", "none"):
         sys.exit(f"error: --seg_norm {args.seg_norm!r}: choose regression, global, last or none")
     if args.seg_interp not in ("even", "repeat", "end"):
@@ -387,6 +400,7 @@ def main(args):
     build_default(args, acc, code)
     tokenizer, policy, critic, ref, reward_model = load_models(args, code)
     segments = load_segment_settings(args) if "segment" in (args.reward, args.termination) else None
+    scorer = segment_scorer(segments if args.reward == "segment" else None, ref, tokenizer.eos_token_id)
     score_name = "exec" if code else args.reward          # reward/<score_name> in the metrics
     splits = data.load_task(args.task, only=("ppo", "test"))
     problems = data.with_chat_template(data.first_row_per_prompt(splits["ppo"]), tokenizer, args.chat_template)
@@ -534,7 +548,7 @@ def main(args):
                                if torch.cuda.is_available() else {})})
             if (step + 1) % args.eval_every == 0 or step + 1 == args.steps:
                 evaluate_now(args, metrics, accelerator=acc, policy=policy, reward_model=reward_model,
-                             tokenizer=tokenizer, eval_rows=eval_rows)
+                             tokenizer=tokenizer, eval_rows=eval_rows, segmenter=scorer)
             if acc.is_main_process:
                 with open(metrics_path, "a") as f:
                     f.write(json.dumps(metrics) + "\n")
@@ -546,13 +560,13 @@ def main(args):
            tokenizer=tokenizer, eval_rows=eval_rows)
 
 
-def evaluate_now(args, metrics, *, accelerator, policy, reward_model, tokenizer, eval_rows):
+def evaluate_now(args, metrics, *, accelerator, policy, reward_model, tokenizer, eval_rows, segmenter=None):
     """7. Held-out score (and gold score / pass rate) of the current policy into `metrics`; a log line."""
     acc, sharded, code = accelerator, harness.is_sharded(accelerator), args.task in data.CODE_TASKS
     if acc.is_main_process or sharded:               # sharded weights: every rank takes part
         with harness.generation_model(acc, policy, args.gather_for_generation) as (model, synced):
             _, scores, second = evaluate.held_out(model.eval(), reward_model, tokenizer, eval_rows, args, args.seed,
-                                                  synced)
+                                                  synced, segmenter)
     if acc.is_main_process:
         key, second_key = ("exec", "pass@1") if code else ("rm", "gold")
         metrics[f"eval/{key}"] = round(scores.mean().item(), 4)
@@ -584,7 +598,9 @@ def finish(args, truncated, *, accelerators, policy, critic, reward_model, token
         with harness.loading_whole():
             policy = AutoModelForCausalLM.from_pretrained(final, dtype=dtype).to(acc.device).eval()
             sft_model = AutoModelForCausalLM.from_pretrained(args.sft_path, dtype=dtype).to(acc.device).eval()
-        evaluate.final_report(args, policy, sft_model, reward_model, tokenizer, eval_rows, metrics_path)
+        scorer = segment_scorer(load_segment_settings(args) if args.reward == "segment" else None, sft_model,
+                                tokenizer.eos_token_id)
+        evaluate.final_report(args, policy, sft_model, reward_model, tokenizer, eval_rows, metrics_path, scorer)
     acc.wait_for_everyone()
     if args.report_to != "none":
         acc.end_training()

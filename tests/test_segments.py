@@ -453,6 +453,7 @@ def test_segment_ppo_on_segment_macro_actions_with_a_critic_warmup(tiny_models, 
         for key in ("segment/mean_len", "segment/count", "reward/segment", "segment/norm_mean", "segment/norm_std"):
             assert math.isfinite(row[key]), key
         assert row["segment/count"] >= 1 and row["segment/mean_len"] >= 1 and "reward/rm" not in row
+    assert math.isfinite(rows[-1]["eval/rm"])              # held out: e(x, y) of the segment RM
     policy, sft_weights = load_file(tmp_path / "policy" / "model.safetensors"), load_file(tiny_models / "sft" / "model.safetensors")
     assert policy.keys() == sft_weights.keys() and all(torch.equal(policy[k], sft_weights[k]) for k in policy)
     assert rows[-1]["loss/value"] != rows[0]["loss/value"]
@@ -473,3 +474,9 @@ def test_reward_segment_refuses_a_sequence_rm_or_a_broken_settings_file(tiny_mod
         (rm_path / rm.SEGMENT_FILE).write_text(json.dumps(settings))
     with pytest.raises(SystemExit, match=message):
         ppo.main(ppo_args(tiny_models, rm_path, tmp_path / "out", reward="segment"))
+
+
+def test_reward_segment_refuses_lora(tiny_models, segment_rm, tmp_path):
+    import ppo
+    with pytest.raises(SystemExit, match="--lora_r"):
+        ppo.main(ppo_args(tiny_models, segment_rm, tmp_path, reward="segment", lora_r=4))
