@@ -326,26 +326,28 @@ def sample_responses(model, tokenizer, prompts, seed, max_prompt_len, max_respon
     return texts
 
 
-def held_out(policy, reward_model, tokenizer, rows, args, seed, synced_gpus=False):
+def held_out(policy, reward_model, tokenizer, rows, args, seed, synced_gpus=False, segmenter=None):
     """ppo.py's evaluation: held-out rows -> (responses, score, second score); RM score and gold score
     (tasks with a gold judge: chitchat, count; else None), or for code tasks the execution reward and
-    pass (1.0 / 0.0). Sampling as in training (args.temperature / top_k / top_p)."""
+    pass (1.0 / 0.0). Sampling as in training (args.temperature / top_k / top_p). With `segmenter` (a
+    segment RM's `reward_model.segment_layout` partial) the RM score is e(x, y)."""
     prompts = [r["prompt"] for r in rows]
     texts = sample_responses(policy, tokenizer, prompts, seed, args.max_prompt_len, args.max_response_len,
                              args.temperature, args.top_k, args.top_p, synced_gpus)
     if args.task in data.CODE_TASKS:
         return (texts, *map(torch.tensor, sandbox.execution_reward(rows, texts)))
-    scores = rm.score(reward_model, tokenizer, prompts, texts, args.max_prompt_len, args.max_response_len)
+    scores = rm.score(reward_model, tokenizer, prompts, texts, args.max_prompt_len, args.max_response_len,
+                      segmenter=segmenter)
     gold = torch.tensor(data.gold(args.task, data.judged_prompts(rows), texts)) if args.task in data.GOLD_JUDGES else None
     return texts, scores, gold
 
 
-def final_report(args, policy, sft_model, reward_model, tokenizer, rows, metrics_path):
+def final_report(args, policy, sft_model, reward_model, tokenizer, rows, metrics_path, segmenter=None):
     """ppo.py's closing table: SFT vs the trained policy on the held-out prompts (mean RM score, mean
     gold score, gold win rate; for code tasks mean execution reward and pass@1 of one sample), the
-    learning curve, and summary.md in the run folder."""
-    _, s_score, s_second = held_out(sft_model, reward_model, tokenizer, rows, args, args.seed + 1)
-    _, p_score, p_second = held_out(policy, reward_model, tokenizer, rows, args, args.seed + 1)
+    learning curve, and summary.md in the run folder. `segmenter`: as in `held_out`."""
+    _, s_score, s_second = held_out(sft_model, reward_model, tokenizer, rows, args, args.seed + 1, segmenter=segmenter)
+    _, p_score, p_second = held_out(policy, reward_model, tokenizer, rows, args, args.seed + 1, segmenter=segmenter)
     code = args.task in data.CODE_TASKS
     lines = ["", f"| held-out ({len(rows)} prompts) | SFT | policy (n={args.n}, {args.termination}) |", "|---|---|---|",
              f"| {'mean execution reward' if code else 'mean RM score'} | {s_score.mean():.3f} | {p_score.mean():.3f} |"]

@@ -8,6 +8,7 @@ Read top to bottom: the arguments, the math of one iteration as small pure funct
 The plumbing (accelerators, Ctrl-C / SIGTERM, checkpoints) lives in harness.py, evaluation and the
 final report in evaluate.py, the macro-action math in macro_actions.py.
 """
+import functools
 import json
 import os
 import subprocess
@@ -29,13 +30,17 @@ class PPOArgs:
     task: str = field(default="chitchat", metadata={"help": "chitchat, count, tldr, tldr_carper, hh, webgpt, code, apps, or a local json/jsonl/parquet file"})
     sft_path: str = field(default="", metadata={"help": "SFT model (policy init and frozen reference); default runs/<task>/sft, built if missing on chitchat, count and code"})
     rm_path: str = field(default="", metadata={"help": "reward model (also the critic's init); default runs/<task>/rm, built if missing on chitchat and count; unused for code tasks"})
-    reward: str = field(default="rm", metadata={"help": "the sequence score: rm (the reward model, the paper) | gold (the task's gold judge as a verifiable reward: chitchat, count); code tasks always run the program"})
+    reward: str = field(default="rm", metadata={"help": "the sequence score: rm (the reward model, the paper) | gold (the task's gold judge as a verifiable reward: chitchat, count) | segment (a segment or token RM's rewards spread over each segment's tokens, Yin et al. 2025; needs the RM's segment_reward.json); code tasks always run the program"})
     critic_path: str = field(default="", metadata={"help": "critic init: default the RM (App. B.2; the SFT model for code tasks); any causal LM or RM folder, a fresh value head on an LM"})
     output_dir: str = field(default="", metadata={"help": "default runs/<task>/ppo_n<n>_fixed, or runs/<task>/ppo_<termination> for the other terminations"})
     sft_args: str = field(default="", metadata={"help": "extra sft.py flags used when the default SFT model is built, e.g. '--max_steps 600' (count: '--max_steps 1600 ...' when empty)"})
     rm_args: str = field(default="", metadata={"help": "extra reward_model.py flags used when the default RM is built (count: '--max_steps 1000 ...' when empty)"})
     n: int = field(default=5, metadata={"help": "macro action length for --termination fixed: 1 = vanilla PPO, 0 = the whole response"})
-    termination: str = field(default="fixed", metadata={"help": "fixed | randomized | parsing | ppl | entropy (paper §3.2.1)"})
+    termination: str = field(default="fixed", metadata={"help": "fixed | randomized | parsing | ppl | entropy (paper §3.2.1) | segment (the segment RM's entropy segments, c_ent from its segment_reward.json)"})
+    seg_norm: str = field(default="regression", metadata={"help": "--reward segment: normalizer of the segment rewards: regression (Mean(p), Std(p) on log p, the paper's) | global | last (one mean and std) | none"})
+    seg_interp: str = field(default="even", metadata={"help": "--reward segment: a segment's reward on its tokens: even (divided by its length, the paper's) | repeat (on every token) | end (on its last token)"})
+    reward_clip: float = field(default=10.0, metadata={"help": "--reward segment: per-token reward (segment reward and KL penalty) clipped to [-c, c] as in the released code; 0 = off"})
+    critic_warmup: int = field(default=0, metadata={"help": "value-only updates for the first k iterations, the policy not stepped (OpenRLHF's --freezing_actor_steps)"})
     sigma: str = field(default="equal", metadata={"help": "macro value weights: equal | unit | position | first (App. D.1)"})
     reward_agg: str = field(default="sum", metadata={"help": "macro reward: sum (the paper's equation) | mean (the released code: each macro action's KL penalty averaged, the score kept whole)"})
     ratio: str = field(default="token", metadata={"help": "token: per-token ratios with macro advantages (released code) | macro: pi(omega)/pi_old(omega)"})
@@ -91,18 +96,22 @@ def masked_whiten(x, mask):
     return (x - mean) * torch.rsqrt(var + 1e-8) * mask
 
 
-def response_logprobs(model, ids, attention_mask, prompt_width, temperature, with_entropy=False):
+def response_logprobs(model, ids, attention_mask, prompt_width, temperature, with_entropy=False, t1_entropy=False):
     """(log pi(y_t | x, y_<t) of every response token under the sampling distribution (logits /
     temperature), the entropy there or None): both [B, R]. The entropy is computed without a graph,
-    and only `with_entropy`: the update needs no [B, R, V] tensor kept alive for it."""
+    and only `with_entropy`: the update needs no [B, R, V] tensor kept alive for it. `t1_entropy`:
+    the entropy at temperature 1 instead (segments), from the same logits before the division."""
     logits = model(input_ids=ids, attention_mask=attention_mask, position_ids=data.position_ids(attention_mask)).logits
-    logits = logits[:, prompt_width - 1:-1].float() / temperature
-    logp_all = logits.log_softmax(-1)
+    logits = logits[:, prompt_width - 1:-1].float()
+    entropy = None
+    if t1_entropy:
+        with torch.no_grad():
+            entropy = rm.next_token_entropy(logits)
+    logp_all = (logits / temperature).log_softmax(-1)
     logp = logp_all.gather(-1, ids[:, prompt_width:].unsqueeze(-1)).squeeze(-1)
-    if not with_entropy:
-        return logp, None
-    with torch.no_grad():
-        entropy = -(logp_all.exp() * logp_all).sum(-1)
+    if with_entropy:
+        with torch.no_grad():
+            entropy = -(logp_all.exp() * logp_all).sum(-1)
     return logp, entropy
 
 
@@ -119,13 +128,14 @@ class Critic(torch.nn.Module):
         return rm.token_values(model, ids, attention_mask)
 
 
-def reference_logprobs(ref, accelerator, policy, ids, attention_mask, prompt_width, temperature):
-    """log pi_ref of the response tokens: the frozen SFT model's, or under LoRA (ref None) the policy's
-    with its adapters switched off, which is the SFT model."""
+def reference_logprobs(ref, accelerator, policy, ids, attention_mask, prompt_width, temperature, t1_entropy=False):
+    """(log pi_ref of the response tokens, the SFT entropy at temperature 1 if `t1_entropy` else None):
+    the frozen SFT model's, or under LoRA (ref None) the policy's with its adapters switched off, which
+    is the SFT model."""
     if ref is not None:
-        return response_logprobs(ref, ids, attention_mask, prompt_width, temperature)[0]
+        return response_logprobs(ref, ids, attention_mask, prompt_width, temperature, t1_entropy=t1_entropy)
     with accelerator.unwrap_model(policy).disable_adapter():
-        return response_logprobs(policy, ids, attention_mask, prompt_width, temperature)[0]
+        return response_logprobs(policy, ids, attention_mask, prompt_width, temperature, t1_entropy=t1_entropy)
 
 
 def critic_values(critic, ids, attention_mask, prompt_width):
@@ -134,9 +144,12 @@ def critic_values(critic, ids, attention_mask, prompt_width):
 
 
 def macro_starts(termination, response_ids, response_mask, *, n=5, logprobs=None, entropy=None,
-                 entropy_threshold=2.0, tokenizer=None, cutoff=5, language="text", generator=None):
+                 entropy_threshold=2.0, tokenizer=None, cutoff=5, language="text", generator=None, segments=None):
     """4. Which response tokens begin a macro action ([B, R] bool), and the share of rows whose parse
-    fell back to n=1. ppl reads `logprobs`, entropy `entropy`, parsing `tokenizer` ([B, R] inputs)."""
+    fell back to n=1. ppl reads `logprobs`, entropy `entropy`, parsing `tokenizer`, segment the
+    segments' `starts` (EOS joins the last segment's macro action) ([B, R] inputs)."""
+    if termination == "segment":
+        return segments, 0.0
     if termination == "fixed":
         return ma.fixed_ngram_starts(response_mask, n), 0.0
     if termination == "randomized":
@@ -150,6 +163,69 @@ def macro_starts(termination, response_ids, response_mask, *, n=5, logprobs=None
                                              return_fallback=True)
         return starts, fallback.float().mean().item()
     raise ValueError(f"unknown --termination {termination!r}")
+
+
+def rollout_segments(settings, response_ids, response_mask, eos_token_id, sft_entropy):
+    """4. (starts, inside) [B, R] of the segments that the RM's training (`reward_model.segment_layout`)
+    makes of the same text: one function, the SFT entropy at temperature 1; (None, None) without settings."""
+    if settings is None:
+        return None, None
+    return rm.segment_starts(response_ids, response_mask, settings["unit"], settings.get("c_ent"), eos_token_id,
+                             sft_entropy)
+
+
+def segment_rewards(values, starts, inside, settings, how="regression", interp="even"):
+    """3. Segment rewards (Yin et al. 2025, §2): the RM's head `values` [B, R] read at each segment's
+    last token, normalized at its location p = k / K (`settings["normalizer"]`, the RM's), spread over
+    its tokens by `interp`. Returns (dense per-token rewards [B, R], e = each response's mean raw segment
+    reward [B], their stats)."""
+    ends = ma.segment_ends(starts, inside)
+    r_hat = rm.normalize_segment_rewards(values, ma.segment_positions(starts, inside), settings.get("normalizer"), how)
+    count = ends.sum(-1).float()
+    normalized = r_hat[ends]
+    stats = {"segment/count": count.mean(), "segment/mean_len": (inside.sum(-1) / count.clamp(min=1)).mean(),
+             "segment/norm_mean": normalized.mean(), "segment/norm_std": normalized.std(correction=0)}
+    return ma.spread_segment_rewards(r_hat, starts, inside, interp), rm.segment_evaluation(values, ends), stats
+
+
+def token_rewards_of(kl_rewards, score, response_mask, starts, agg="sum", dense=None, clip=0.0):
+    """3. Per-token rewards: the KL rewards with the score at the last real token (`macro_rewards`), plus
+    the `dense` segment rewards when given, then clipped to [-clip, clip] (0 = off) as the segment
+    rewards' released code clips the combined per-token reward."""
+    rewards = ma.macro_rewards(kl_rewards, score, response_mask, starts, agg)
+    if dense is None:
+        return rewards
+    rewards = rewards + dense
+    return rewards.clamp(-clip, clip) if clip else rewards
+
+
+def segment_scorer(settings, sft, eos_token_id):
+    """The held-out score of a segment / token RM is e(x, y) on the segments of the SFT model `sft`
+    (`reward_model.segment_layout`, as in its training); None for a sequence RM."""
+    if settings is None:
+        return None
+    return functools.partial(rm.segment_layout, sft, unit=settings["unit"], c_ent=settings.get("c_ent"),
+                             eos_token_id=eos_token_id)
+
+
+def load_segment_settings(args):
+    """The segment / token RM's settings (`reward_model.SEGMENT_FILE` beside its weights) that
+    --reward segment and --termination segment read; a clear exit when they are missing or unusable."""
+    path = os.path.join(args.rm_path, rm.SEGMENT_FILE)
+    if not os.path.exists(path):
+        sys.exit(f"error: --reward segment / --termination segment need a segment or token RM: no {path} "
+                 f"(train one with reward_model.py --unit segment)")
+    settings = json.load(open(path))
+    unit, c_ent = settings.get("unit"), settings.get("c_ent")
+    if unit not in ("segment", "token"):
+        sys.exit(f"error: {path}: field 'unit' is {unit!r}, expected segment or token")
+    if unit == "segment" and (not isinstance(c_ent, (int, float)) or isinstance(c_ent, bool)):
+        sys.exit(f"error: {path}: field 'c_ent' is {c_ent!r}, expected a number")
+    try:                                                     # fail here, not at the first rollout
+        rm.normalize_segment_rewards(torch.ones(1), torch.ones(1), settings.get("normalizer"), args.seg_norm)
+    except ValueError as e:
+        sys.exit(f"error: {path}: field 'normalizer': {e}")
+    return settings
 
 
 def ppo_losses(logp, old_logp, values, old_values, advantages, returns, response_mask, starts, *,
@@ -187,8 +263,17 @@ def resolve(args):
     args.max_response_len = data.response_len(args.task, args.max_response_len)
     code = args.task in data.CODE_TASKS       # score = running the program; critic from SFT (App. B.2)
     args.critic_path = args.critic_path or (args.sft_path if code else args.rm_path)
-    if args.reward not in ("rm", "gold"):
-        sys.exit(f"error: --reward {args.reward!r}: choose rm or gold")
+    if args.reward not in ("rm", "gold", "segment"):
+        sys.exit(f"error: --reward {args.reward!r}: choose rm, gold or segment")
+    if code and "segment" in (args.reward, args.termination):
+        sys.exit(f"error: --reward / --termination segment need a reward model; {args.task!r} runs its code")
+    if args.reward == "segment" and args.lora_r:
+        sys.exit("error: --reward segment scores held-out responses with the frozen SFT model's segments; "
+                 "it has none under --lora_r (the reference is the policy with its adapters off)")
+    if args.seg_norm not in ("regression", "global", "last", "none"):
+        sys.exit(f"error: --seg_norm {args.seg_norm!r}: choose regression, global, last or none")
+    if args.seg_interp not in ("even", "repeat", "end"):
+        sys.exit(f"error: --seg_interp {args.seg_interp!r}: choose even, repeat or end")
     if args.reward == "gold" and args.task not in data.GOLD_JUDGES:
         sys.exit(f"error: --reward gold needs a task with a gold judge ({', '.join(data.GOLD_JUDGES)}), not {args.task!r}")
     return args, code
@@ -210,6 +295,7 @@ class Iteration:
     has_eos: torch.Tensor           # [B] bool, the response ended with EOS
     parse_fallback: float           # share of rows whose parse fell back to n=1
     update_stats: list              # one dict of losses and ratio stats per minibatch
+    segment_stats: dict = field(default_factory=dict)      # --reward segment: segment counts and normalized rewards
 
 
 def iteration_metrics(it, score_name):
@@ -230,7 +316,7 @@ def iteration_metrics(it, score_name):
             "q/l2_macro": (it.returns ** 2 * starts).sum(-1).sqrt().mean(),
             "macro/mean_len": (lengths / n_macro).mean(), "macro/parse_fallback": torch.tensor(it.parse_fallback),
             "response/len": lengths.mean(), "response/eos_rate": it.has_eos.float().mean(),
-            **{k: torch.stack([s[k] for s in it.update_stats]).mean() for k in it.update_stats[0]}}
+            **{k: torch.stack([s[k] for s in it.update_stats]).mean() for k in it.update_stats[0]}, **it.segment_stats}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -313,6 +399,8 @@ def main(args):
             "do not: the first ratio is not 1 and the KL is off-policy")
     build_default(args, acc, code)
     tokenizer, policy, critic, ref, reward_model = load_models(args, code)
+    segments = load_segment_settings(args) if "segment" in (args.reward, args.termination) else None
+    scorer = segment_scorer(segments if args.reward == "segment" else None, ref, tokenizer.eos_token_id)
     score_name = "exec" if code else args.reward          # reward/<score_name> in the metrics
     splits = data.load_task(args.task, only=("ppo", "test"))
     problems = data.with_chat_template(data.first_row_per_prompt(splits["ppo"]), tokenizer, args.chat_template)
@@ -375,21 +463,27 @@ def main(args):
             # 2. Score: old and reference logprobs, values V(s_t), the sequence score
             with torch.no_grad():
                 old_logp, entropy = response_logprobs(policy, ids, attention_mask, P, args.temperature, with_entropy=True)
-                ref_logp = reference_logprobs(ref, acc, policy, ids, attention_mask, P, args.temperature)
+                ref_logp, sft_entropy = reference_logprobs(ref, acc, policy, ids, attention_mask, P, args.temperature,
+                                                           t1_entropy=segments is not None)
                 old_values = critic_values(critic, ids, attention_mask, P) * response_mask
+                seg_starts, inside = rollout_segments(segments, r_ids, r_mask, tokenizer.eos_token_id, sft_entropy)
+                dense, seg_stats, passed = None, {}, None
                 if score_name in ("exec", "gold"):      # scores of the decoded text
                     texts = tokenizer.batch_decode(r_ids, skip_special_tokens=True)
                 if code:    # App. B.5: the compiler / test signal of running prefix + response
                     score, passed = map(torch.tensor, sandbox.execution_reward([problems[i] for i in idx], texts))
                     score = score.to(acc.device)
                 elif score_name == "gold":     # a verifiable reward: the gold judge reads the whole response
-                    score, passed = torch.tensor(data.gold(args.task, data.judged_prompts([problems[i] for i in idx]), texts),
-                                                 device=acc.device), None
+                    score = torch.tensor(data.gold(args.task, data.judged_prompts([problems[i] for i in idx]), texts),
+                                         device=acc.device)
+                elif score_name == "segment":   # the head at each segment's end; the score is e, their mean
+                    values = rm.token_values(reward_model, ids, attention_mask)[:, P:]
+                    dense, score, seg_stats = segment_rewards(values, seg_starts, inside, segments, args.seg_norm, args.seg_interp)
                 else:       # the RM's head at the last real token
                     score = rm.last_token(rm.token_values(reward_model, ids, attention_mask), attention_mask)
-                    passed = None
             has_eos = ((r_ids == tokenizer.eos_token_id) & response_mask.bool()).any(-1)
-            score = score + args.missing_eos_penalty * (~has_eos).float()
+            penalty = args.missing_eos_penalty * (~has_eos).float()
+            score = score + penalty
             # 3. Rewards (§2): r_t = -beta * KL_t per token, the score added at the last token (in step 5)
             log_r = old_logp - ref_logp
             kl = log_r if args.kl_estimator == "k1" else (torch.exp(-log_r) - 1) + log_r    # k1 or k3
@@ -402,9 +496,10 @@ def main(args):
             starts, fallback = macro_starts(args.termination, r_ids, response_mask, n=args.n, logprobs=old_logp,
                                             entropy=entropy, entropy_threshold=args.entropy_threshold,
                                             tokenizer=tokenizer, cutoff=args.cutoff, generator=generator,
-                                            language="python" if code else "text")
+                                            language="python" if code else "text", segments=seg_starts)
             # 5. Advantages (§3.3, Eq. 4-5): macro rewards R_tau, sigma-weighted macro values, macro GAE
-            token_rewards = ma.macro_rewards(kl_rewards, score, response_mask, starts, args.reward_agg)
+            token_rewards = token_rewards_of(kl_rewards, score if dense is None else penalty, response_mask, starts,
+                                             args.reward_agg, dense, args.reward_clip)
             advantages, returns = ma.macro_advantages(old_values, token_rewards, response_mask, starts, args.gamma,
                                                       args.lam, args.sigma)
             raw_adv = advantages
@@ -412,6 +507,7 @@ def main(args):
                 advantages = masked_whiten(advantages, response_mask)
             clock.lap("macro")
             # 6. PPO update: epochs over minibatches, the policy and the critic each with its optimizer
+            frozen = ("policy_opt", "policy_sched") if step < args.critic_warmup else ()    # value-only updates
             policy.train()
             critic.train()
             stats = []
@@ -428,19 +524,20 @@ def main(args):
                         if not (torch.isfinite(pg_loss) and torch.isfinite(vf_loss)):
                             raise FloatingPointError(f"non-finite loss at iteration {step}; last good checkpoint "
                                                      f"in {harness.checkpoint_dir(args.output_dir)}")
-                        acc.backward(pg_loss)          # the two graphs are disjoint: one backward per model
+                        if not frozen:
+                            acc.backward(pg_loss)      # the two graphs are disjoint: one backward per model
                         critic_acc.backward(vf_loss)
-                        for opt in opts.values():
+                        for opt in [o for k, o in opts.items() if k not in frozen]:
                             opt.step()
                         for opt in opts.values():
                             opt.zero_grad()
                     stats.append({"loss/policy": pg_loss.detach(), "loss/value": vf_loss.detach(), **s})
-            for sched in scheds.values():
+            for sched in [s for k, s in scheds.items() if k not in frozen]:   # the policy's warmup starts with it
                 sched.step()
             clock.lap("update")
             # 7. Log (averaged over processes), evaluate on held-out prompts, checkpoint
             local = iteration_metrics(Iteration(score, passed, token_rewards, kl, entropy, response_mask, starts,
-                                                old_values, raw_adv, returns, has_eos, fallback, stats), score_name)
+                                                old_values, raw_adv, returns, has_eos, fallback, stats, seg_stats), score_name)
             keys = sorted(local)
             reduced = acc.reduce(torch.stack([local[k].float().to(acc.device) for k in keys]), "mean")
             metrics = {k: round(v, 5) for k, v in zip(keys, reduced.tolist())}
@@ -451,7 +548,7 @@ def main(args):
                                if torch.cuda.is_available() else {})})
             if (step + 1) % args.eval_every == 0 or step + 1 == args.steps:
                 evaluate_now(args, metrics, accelerator=acc, policy=policy, reward_model=reward_model,
-                             tokenizer=tokenizer, eval_rows=eval_rows)
+                             tokenizer=tokenizer, eval_rows=eval_rows, segmenter=scorer)
             if acc.is_main_process:
                 with open(metrics_path, "a") as f:
                     f.write(json.dumps(metrics) + "\n")
@@ -463,13 +560,13 @@ def main(args):
            tokenizer=tokenizer, eval_rows=eval_rows)
 
 
-def evaluate_now(args, metrics, *, accelerator, policy, reward_model, tokenizer, eval_rows):
+def evaluate_now(args, metrics, *, accelerator, policy, reward_model, tokenizer, eval_rows, segmenter=None):
     """7. Held-out score (and gold score / pass rate) of the current policy into `metrics`; a log line."""
     acc, sharded, code = accelerator, harness.is_sharded(accelerator), args.task in data.CODE_TASKS
     if acc.is_main_process or sharded:               # sharded weights: every rank takes part
         with harness.generation_model(acc, policy, args.gather_for_generation) as (model, synced):
             _, scores, second = evaluate.held_out(model.eval(), reward_model, tokenizer, eval_rows, args, args.seed,
-                                                  synced)
+                                                  synced, segmenter)
     if acc.is_main_process:
         key, second_key = ("exec", "pass@1") if code else ("rm", "gold")
         metrics[f"eval/{key}"] = round(scores.mean().item(), 4)
@@ -501,7 +598,9 @@ def finish(args, truncated, *, accelerators, policy, critic, reward_model, token
         with harness.loading_whole():
             policy = AutoModelForCausalLM.from_pretrained(final, dtype=dtype).to(acc.device).eval()
             sft_model = AutoModelForCausalLM.from_pretrained(args.sft_path, dtype=dtype).to(acc.device).eval()
-        evaluate.final_report(args, policy, sft_model, reward_model, tokenizer, eval_rows, metrics_path)
+        scorer = segment_scorer(load_segment_settings(args) if args.reward == "segment" else None, sft_model,
+                                tokenizer.eos_token_id)
+        evaluate.final_report(args, policy, sft_model, reward_model, tokenizer, eval_rows, metrics_path, scorer)
     acc.wait_for_everyone()
     if args.report_to != "none":
         acc.end_training()

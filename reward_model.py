@@ -103,6 +103,30 @@ def segment_evaluation(values, ends):
     return (values * ends).sum(-1) / ends.sum(-1).clamp(min=1)
 
 
+def next_token_entropy(logits):
+    """Entropy (nats) of softmax(logits) over the last dimension; logits at temperature 1 give the
+    entropy that segments a response."""
+    logp = logits.log_softmax(-1)
+    return -(logp.exp() * logp).sum(-1)
+
+
+def segment_starts(response_ids, response_mask, unit, c_ent, eos_token_id, entropy=None):
+    """(starts, inside), bool [B, R], of right-padded responses: `inside` the tokens that belong to
+    segments, `starts` where one begins. `segment`: a token whose SFT entropy at temperature 1
+    (`entropy` [B, R]) exceeds c_ent; `token`: every token; EOS belongs to none of them. `sequence`:
+    the whole response, EOS included, is one segment (the ordinary RM). Training (`segment_layout`) and
+    PPO's rollouts segment with this one function."""
+    if unit == "sequence":
+        inside = response_mask.bool()
+        return ma.fixed_ngram_starts(inside, None), inside
+    inside = ma.segment_mask(response_ids, response_mask, eos_token_id)
+    if unit == "segment":
+        return ma.entropy_starts(entropy, inside, c_ent), inside
+    if unit == "token":
+        return inside, inside
+    raise ValueError(f"unknown unit {unit!r}; choose sequence, segment or token")
+
+
 @torch.no_grad()
 def segment_layout(sft, batch, unit, c_ent, eos_token_id):
     """Segments of the responses of a collated batch [prompt | response], as (ends bool, positions
@@ -110,12 +134,11 @@ def segment_layout(sft, batch, unit, c_ent, eos_token_id):
     at temperature 1 exceeds c_ent starts a segment; `token`: every token does. EOS is in none
     (`macro_actions.segment_mask`)."""
     P, ids, mask = batch["prompt_width"], batch["input_ids"], batch["attention_mask"]
-    inside = ma.segment_mask(ids[:, P:], mask[:, P:], eos_token_id)
-    starts = inside
+    entropy = None
     if unit == "segment":
         logits = sft(input_ids=ids, attention_mask=mask, position_ids=data.position_ids(mask)).logits
-        logp = logits[:, P - 1:-1].float().log_softmax(-1)
-        starts = ma.entropy_starts(-(logp.exp() * logp).sum(-1), inside, c_ent)
+        entropy = next_token_entropy(logits[:, P - 1:-1].float())
+    starts, inside = segment_starts(ids[:, P:], mask[:, P:], unit, c_ent, eos_token_id, entropy)
     ends, p = ma.segment_ends(starts, inside), ma.segment_positions(starts, inside)
     return torch.cat([ends.new_zeros(len(ends), P), ends], 1), torch.cat([p.new_zeros(len(p), P), p], 1)
 

@@ -327,3 +327,156 @@ def test_segment_and_token_rms_save_their_settings_and_normalizer(tiny_models, t
 def test_unknown_unit_is_refused(tiny_models, tmp_path):
     with pytest.raises(ValueError, match="unknown --unit 'paragraph'"):
         train_small(tiny_models, tmp_path, "--unit", "paragraph")
+
+
+# --- PPO on segment rewards (ppo.py --reward segment, --termination segment, --critic_warmup) ----------
+
+@pytest.mark.parametrize("n", [1, 5, None])
+def test_sequence_rm_through_the_segment_path_is_exactly_reward_rm(n):
+    """The bandit identity: one segment holding the whole response (EOS included), its reward on its last
+    token, no normalization, gives the per-token rewards and the advantages of --reward rm exactly."""
+    import ppo
+    ids, mask, _, _ = mixed_batch(3)
+    g = torch.Generator().manual_seed(3)
+    P = 4
+    attention = torch.cat([torch.ones(len(ids), P, dtype=mask.dtype), mask], 1)
+    head = torch.randn(attention.shape, generator=g)                    # the RM's head at every position
+    kl_rewards = torch.randn(ids.shape, generator=g) * 0.05 * mask
+    old_values = torch.randn(ids.shape, generator=g) * mask
+    starts = ma.fixed_ngram_starts(mask, n)
+    # --reward rm: the head at the last real token; an empty response's last real token is a prompt token
+    score = rm.last_token(head, attention)
+    seq_rewards = ppo.token_rewards_of(kl_rewards, score, mask, starts)
+    settings = {"unit": "sequence", "normalizer": None}
+    seg_starts, inside = ppo.rollout_segments(settings, ids, mask, EOS, None)
+    dense, e, _ = ppo.segment_rewards(head[:, P:], seg_starts, inside, settings, how="none", interp="end")
+    seg_rewards = ppo.token_rewards_of(kl_rewards, torch.zeros(len(ids)), mask, starts, dense=dense, clip=0.0)
+    real = mask.sum(-1) > 0
+    assert torch.equal(e[real], score[real])
+    assert torch.equal(seg_rewards[real], seq_rewards[real])
+    adv_seq = ma.macro_advantages(old_values, seq_rewards, mask, starts)
+    adv_seg = ma.macro_advantages(old_values, seg_rewards, mask, starts)
+    assert all(torch.equal(a[real], b[real]) for a, b in zip(adv_seq, adv_seg))
+    clipped = ppo.token_rewards_of(kl_rewards, torch.zeros(len(ids)), mask, starts, dense=dense * 100, clip=10.0)
+    assert clipped.abs().max() <= 10.0 and (clipped.abs() == 10.0).any()
+
+
+def test_segment_rewards_spread_normalized_rewards_and_report_their_stats():
+    ids, mask, entropy, values = mixed_batch(1)
+    import ppo
+    positions = torch.tensor([k / K for K in (1, 2, 3, 4, 5) for k in range(1, K + 1)] * 3)
+    norm = rm.fit_location_normalizer(positions, torch.randn(len(positions), generator=torch.Generator().manual_seed(0)))
+    settings = {"unit": "segment", "c_ent": 6.0, "normalizer": norm}
+    starts, inside = ppo.rollout_segments(settings, ids, mask, EOS, entropy)
+    ref_starts, ref_inside = segments_loop(entropy, ids, mask, 6.0, EOS)
+    assert torch.equal(starts, ref_starts) and torch.equal(inside, ref_inside)
+    dense, e, stats = ppo.segment_rewards(values, starts, inside, settings, "regression", "even")
+    p = ma.segment_positions(starts, inside)
+    r_hat = rm.normalize_segment_rewards(values, p, norm)
+    assert torch.allclose(dense, ma.spread_segment_rewards(r_hat, starts, inside, "even"))
+    ends = ma.segment_ends(starts, inside)
+    assert stats["segment/count"].item() == pytest.approx(ends.sum().item() / len(ids))
+    assert stats["segment/norm_mean"].item() == pytest.approx(r_hat[ends].mean().item(), abs=1e-6)
+    assert torch.allclose(e, rm.segment_evaluation(values, ends))
+
+
+def tiny_sft_batch(tokenizer):
+    import data
+    import sft
+    torch.manual_seed(0)
+    model = sft.tiny_gemma(tokenizer, hidden_size=32, num_layers=1).eval()
+    return model, data.collate(tokenizer, PROMPTS, RESPONSES, 48, 32)
+
+
+def test_rollout_and_training_segment_the_same_text(tokenizer):
+    """ppo.py's segments (the T=1 entropy of the reference forward, taken before the division by the
+    sampling temperature) are those reward_model.py trained on; the logprobs do not change."""
+    import ppo
+    model, batch = tiny_sft_batch(tokenizer)
+    P, ids, mask = batch["prompt_width"], batch["input_ids"], batch["attention_mask"]
+    with torch.no_grad():
+        logp, entropy = ppo.response_logprobs(model, ids, mask, P, 0.7, t1_entropy=True)
+        plain, _ = ppo.response_logprobs(model, ids, mask, P, 0.7)
+    assert torch.equal(logp, plain)
+    real = entropy[mask[:, P:].bool()]
+    c_ent = real.median().item()
+    starts, inside = ppo.rollout_segments({"unit": "segment", "c_ent": c_ent}, ids[:, P:], mask[:, P:],
+                                          tokenizer.eos_token_id, entropy)
+    ends, p = rm.segment_layout(model, batch, "segment", c_ent, tokenizer.eos_token_id)
+    assert torch.equal(ends[:, P:], ma.segment_ends(starts, inside))
+    assert torch.equal(p[:, P:], ma.segment_positions(starts, inside))
+    assert 1 < starts.sum() < inside.sum()                      # the threshold splits, not everywhere
+
+
+@pytest.fixture(scope="module")
+def segment_rm(tiny_models, tmp_path_factory, tokenizer):
+    """The tiny RM with a segment_reward.json: c_ent at the tiny SFT model's median entropy, a normalizer
+    fitted on its segment rewards of a few texts."""
+    import shutil
+    from transformers import AutoModelForCausalLM
+    out = tmp_path_factory.mktemp("segment_rm") / "rm"
+    shutil.copytree(tiny_models / "rm", out)
+    sft_model = AutoModelForCausalLM.from_pretrained(tiny_models / "sft").eval()
+    import data
+    batch = data.collate(tokenizer, PROMPTS, RESPONSES, 48, 32)
+    P, ids, mask = batch["prompt_width"], batch["input_ids"], batch["attention_mask"]
+    with torch.no_grad():
+        logits = sft_model(input_ids=ids, attention_mask=mask, position_ids=batch["position_ids"]).logits
+    entropy = rm.next_token_entropy(logits[:, P - 1:-1].float())
+    c_ent = entropy[mask[:, P:].bool()].median().item()
+    reward, _ = rm.load_reward_model(str(out))
+    ends, p = rm.segment_layout(sft_model, batch, "segment", c_ent, tokenizer.eos_token_id)
+    with torch.no_grad():
+        values = rm.token_values(reward, ids, mask)
+    settings = {"unit": "segment", "c_ent": c_ent, "normalizer": rm.fit_location_normalizer(p[ends], values[ends])}
+    (out / rm.SEGMENT_FILE).write_text(json.dumps(settings))
+    return out
+
+
+def ppo_args(tiny_models, rm_path, out, **flags):
+    import ppo
+    return ppo.PPOArgs(sft_path=str(tiny_models / "sft"), rm_path=str(rm_path), output_dir=str(out), steps=2,
+                       rollout_batch_size=4, mini_batch_size=2, max_prompt_len=16, max_response_len=8,
+                       n_eval_prompts=4, **flags)
+
+
+@pytest.mark.launch
+def test_segment_ppo_on_segment_macro_actions_with_a_critic_warmup(tiny_models, segment_rm, tmp_path):
+    """ppo.py --reward segment --termination segment --critic_warmup 2, two iterations: the segment metrics
+    are there and finite, the policy is the SFT model still, the critic has moved."""
+    import ppo
+    from safetensors.torch import load_file
+    ppo.main(ppo_args(tiny_models, segment_rm, tmp_path, reward="segment", termination="segment", critic_warmup=2))
+    rows = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
+    assert len(rows) == 2
+    for row in rows:
+        for key in ("segment/mean_len", "segment/count", "reward/segment", "segment/norm_mean", "segment/norm_std"):
+            assert math.isfinite(row[key]), key
+        assert row["segment/count"] >= 1 and row["segment/mean_len"] >= 1 and "reward/rm" not in row
+    assert math.isfinite(rows[-1]["eval/rm"])              # held out: e(x, y) of the segment RM
+    policy, sft_weights = load_file(tmp_path / "policy" / "model.safetensors"), load_file(tiny_models / "sft" / "model.safetensors")
+    assert policy.keys() == sft_weights.keys() and all(torch.equal(policy[k], sft_weights[k]) for k in policy)
+    assert rows[-1]["loss/value"] != rows[0]["loss/value"]
+
+
+@pytest.mark.parametrize("settings, message", [
+    (None, "segment_reward.json"),
+    ({"unit": "sequence"}, "field 'unit'"),
+    ({"unit": "segment", "c_ent": "high"}, "field 'c_ent'"),
+    ({"unit": "segment", "c_ent": 6.0, "normalizer": {"kind": "segment_location"}}, "field 'normalizer'"),
+])
+def test_reward_segment_refuses_a_sequence_rm_or_a_broken_settings_file(tiny_models, tmp_path, settings, message):
+    import shutil
+    import ppo
+    rm_path = tmp_path / "rm"
+    shutil.copytree(tiny_models / "rm", rm_path)
+    if settings is not None:
+        (rm_path / rm.SEGMENT_FILE).write_text(json.dumps(settings))
+    with pytest.raises(SystemExit, match=message):
+        ppo.main(ppo_args(tiny_models, rm_path, tmp_path / "out", reward="segment"))
+
+
+def test_reward_segment_refuses_lora(tiny_models, segment_rm, tmp_path):
+    import ppo
+    with pytest.raises(SystemExit, match="--lora_r"):
+        ppo.main(ppo_args(tiny_models, segment_rm, tmp_path, reward="segment", lora_r=4))
