@@ -8,7 +8,6 @@ Read top to bottom: the arguments, the math of one iteration as small pure funct
 The plumbing (accelerators, Ctrl-C / SIGTERM, checkpoints) lives in harness.py, evaluation and the
 final report in evaluate.py, the macro-action math in macro_actions.py.
 """
-import functools
 import json
 import os
 import subprocess
@@ -165,29 +164,6 @@ def macro_starts(termination, response_ids, response_mask, *, n=5, logprobs=None
     raise ValueError(f"unknown --termination {termination!r}")
 
 
-def rollout_segments(settings, response_ids, response_mask, eos_token_id, sft_entropy):
-    """4. (starts, inside) [B, R] of the segments that the RM's training (`reward_model.segment_layout`)
-    makes of the same text: one function, the SFT entropy at temperature 1; (None, None) without settings."""
-    if settings is None:
-        return None, None
-    return rm.segment_starts(response_ids, response_mask, settings["unit"], settings.get("c_ent"), eos_token_id,
-                             sft_entropy)
-
-
-def segment_rewards(values, starts, inside, settings, how="regression", interp="even"):
-    """3. Segment rewards (Yin et al. 2025, §2): the RM's head `values` [B, R] read at each segment's
-    last token, normalized at its location p = k / K (`settings["normalizer"]`, the RM's), spread over
-    its tokens by `interp`. Returns (dense per-token rewards [B, R], e = each response's mean raw segment
-    reward [B], their stats)."""
-    ends = ma.segment_ends(starts, inside)
-    r_hat = rm.normalize_segment_rewards(values, ma.segment_positions(starts, inside), settings.get("normalizer"), how)
-    count = ends.sum(-1).float()
-    normalized = r_hat[ends]
-    stats = {"segment/count": count.mean(), "segment/mean_len": (inside.sum(-1) / count.clamp(min=1)).mean(),
-             "segment/norm_mean": normalized.mean(), "segment/norm_std": normalized.std(correction=0)}
-    return ma.spread_segment_rewards(r_hat, starts, inside, interp), rm.segment_evaluation(values, ends), stats
-
-
 def token_rewards_of(kl_rewards, score, response_mask, starts, agg="sum", dense=None, clip=0.0):
     """3. Per-token rewards: the KL rewards with the score at the last real token (`macro_rewards`), plus
     the `dense` segment rewards when given, then clipped to [-clip, clip] (0 = off) as the segment
@@ -197,35 +173,6 @@ def token_rewards_of(kl_rewards, score, response_mask, starts, agg="sum", dense=
         return rewards
     rewards = rewards + dense
     return rewards.clamp(-clip, clip) if clip else rewards
-
-
-def segment_scorer(settings, sft, eos_token_id):
-    """The held-out score of a segment / token RM is e(x, y) on the segments of the SFT model `sft`
-    (`reward_model.segment_layout`, as in its training); None for a sequence RM."""
-    if settings is None:
-        return None
-    return functools.partial(rm.segment_layout, sft, unit=settings["unit"], c_ent=settings.get("c_ent"),
-                             eos_token_id=eos_token_id)
-
-
-def load_segment_settings(args):
-    """The segment / token RM's settings (`reward_model.SEGMENT_FILE` beside its weights) that
-    --reward segment and --termination segment read; a clear exit when they are missing or unusable."""
-    path = os.path.join(args.rm_path, rm.SEGMENT_FILE)
-    if not os.path.exists(path):
-        sys.exit(f"error: --reward segment / --termination segment need a segment or token RM: no {path} "
-                 f"(train one with reward_model.py --unit segment)")
-    settings = json.load(open(path))
-    unit, c_ent = settings.get("unit"), settings.get("c_ent")
-    if unit not in ("segment", "token"):
-        sys.exit(f"error: {path}: field 'unit' is {unit!r}, expected segment or token")
-    if unit == "segment" and (not isinstance(c_ent, (int, float)) or isinstance(c_ent, bool)):
-        sys.exit(f"error: {path}: field 'c_ent' is {c_ent!r}, expected a number")
-    try:                                                     # fail here, not at the first rollout
-        rm.normalize_segment_rewards(torch.ones(1), torch.ones(1), settings.get("normalizer"), args.seg_norm)
-    except ValueError as e:
-        sys.exit(f"error: {path}: field 'normalizer': {e}")
-    return settings
 
 
 def ppo_losses(logp, old_logp, values, old_values, advantages, returns, response_mask, starts, *,
@@ -399,8 +346,8 @@ def main(args):
             "do not: the first ratio is not 1 and the KL is off-policy")
     build_default(args, acc, code)
     tokenizer, policy, critic, ref, reward_model = load_models(args, code)
-    segments = load_segment_settings(args) if "segment" in (args.reward, args.termination) else None
-    scorer = segment_scorer(segments if args.reward == "segment" else None, ref, tokenizer.eos_token_id)
+    segments = rm.load_segment_settings(args) if "segment" in (args.reward, args.termination) else None
+    scorer = rm.segment_scorer(segments if args.reward == "segment" else None, ref, tokenizer.eos_token_id)
     score_name = "exec" if code else args.reward          # reward/<score_name> in the metrics
     splits = data.load_task(args.task, only=("ppo", "test"))
     problems = data.with_chat_template(data.first_row_per_prompt(splits["ppo"]), tokenizer, args.chat_template)
@@ -466,7 +413,7 @@ def main(args):
                 ref_logp, sft_entropy = reference_logprobs(ref, acc, policy, ids, attention_mask, P, args.temperature,
                                                            t1_entropy=segments is not None)
                 old_values = critic_values(critic, ids, attention_mask, P) * response_mask
-                seg_starts, inside = rollout_segments(segments, r_ids, r_mask, tokenizer.eos_token_id, sft_entropy)
+                seg_starts, inside = rm.rollout_segments(segments, r_ids, r_mask, tokenizer.eos_token_id, sft_entropy)
                 dense, seg_stats, passed = None, {}, None
                 if score_name in ("exec", "gold"):      # scores of the decoded text
                     texts = tokenizer.batch_decode(r_ids, skip_special_tokens=True)
@@ -478,7 +425,7 @@ def main(args):
                                          device=acc.device)
                 elif score_name == "segment":   # the head at each segment's end; the score is e, their mean
                     values = rm.token_values(reward_model, ids, attention_mask)[:, P:]
-                    dense, score, seg_stats = segment_rewards(values, seg_starts, inside, segments, args.seg_norm, args.seg_interp)
+                    dense, score, seg_stats = rm.segment_rewards(values, seg_starts, inside, segments, args.seg_norm, args.seg_interp)
                 else:       # the RM's head at the last real token
                     score = rm.last_token(rm.token_values(reward_model, ids, attention_mask), attention_mask)
             has_eos = ((r_ids == tokenizer.eos_token_id) & response_mask.bool()).any(-1)
@@ -598,7 +545,7 @@ def finish(args, truncated, *, accelerators, policy, critic, reward_model, token
         with harness.loading_whole():
             policy = AutoModelForCausalLM.from_pretrained(final, dtype=dtype).to(acc.device).eval()
             sft_model = AutoModelForCausalLM.from_pretrained(args.sft_path, dtype=dtype).to(acc.device).eval()
-        scorer = segment_scorer(load_segment_settings(args) if args.reward == "segment" else None, sft_model,
+        scorer = rm.segment_scorer(rm.load_segment_settings(args) if args.reward == "segment" else None, sft_model,
                                 tokenizer.eos_token_id)
         evaluate.final_report(args, policy, sft_model, reward_model, tokenizer, eval_rows, metrics_path, scorer)
     acc.wait_for_everyone()

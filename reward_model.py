@@ -16,6 +16,7 @@ by the mean of its segment rewards, and saves its settings and location-aware no
 import functools
 import json
 import os
+import sys
 from dataclasses import dataclass, field
 
 import torch
@@ -308,6 +309,62 @@ def calibrate(model, batches, args):
             "segments": "a token whose SFT next-token entropy (nats, temperature 1) exceeds c_ent starts a segment; "
                         "the first always does; EOS belongs to none", "evaluation": "mean of the segment rewards",
             "mean_segment_len": tokens / len(r), "normalizer": fit_location_normalizer(p, r)}
+
+
+# ---------------------------------------------------------------------------------------------
+# Scoring with a segment / token RM in PPO: its settings, the rollout's segments, dense rewards
+# ---------------------------------------------------------------------------------------------
+
+def rollout_segments(settings, response_ids, response_mask, eos_token_id, sft_entropy):
+    """(starts, inside) [B, R] of the segments that the RM's training (`reward_model.segment_layout`)
+    makes of the same text: one function, the SFT entropy at temperature 1; (None, None) without settings."""
+    if settings is None:
+        return None, None
+    return segment_starts(response_ids, response_mask, settings["unit"], settings.get("c_ent"), eos_token_id,
+                             sft_entropy)
+
+
+def segment_rewards(values, starts, inside, settings, how="regression", interp="even"):
+    """Segment rewards (Yin et al. 2025, §2): the RM's head `values` [B, R] read at each segment's
+    last token, normalized at its location p = k / K (`settings["normalizer"]`, the RM's), spread over
+    its tokens by `interp`. Returns (dense per-token rewards [B, R], e = each response's mean raw segment
+    reward [B], their stats)."""
+    ends = ma.segment_ends(starts, inside)
+    r_hat = normalize_segment_rewards(values, ma.segment_positions(starts, inside), settings.get("normalizer"), how)
+    count = ends.sum(-1).float()
+    normalized = r_hat[ends]
+    stats = {"segment/count": count.mean(), "segment/mean_len": (inside.sum(-1) / count.clamp(min=1)).mean(),
+             "segment/norm_mean": normalized.mean(), "segment/norm_std": normalized.std(correction=0)}
+    return ma.spread_segment_rewards(r_hat, starts, inside, interp), segment_evaluation(values, ends), stats
+
+
+def segment_scorer(settings, sft, eos_token_id):
+    """The held-out score of a segment / token RM is e(x, y) on the segments of the SFT model `sft`
+    (`reward_model.segment_layout`, as in its training); None for a sequence RM."""
+    if settings is None:
+        return None
+    return functools.partial(segment_layout, sft, unit=settings["unit"], c_ent=settings.get("c_ent"),
+                             eos_token_id=eos_token_id)
+
+
+def load_segment_settings(args):
+    """The segment / token RM's settings (`reward_model.SEGMENT_FILE` beside its weights) that
+    ppo.py's --reward segment and --termination segment read; a clear exit when they are missing or unusable."""
+    path = os.path.join(args.rm_path, SEGMENT_FILE)
+    if not os.path.exists(path):
+        sys.exit(f"error: --reward segment / --termination segment need a segment or token RM: no {path} "
+                 f"(train one with reward_model.py --unit segment)")
+    settings = json.load(open(path))
+    unit, c_ent = settings.get("unit"), settings.get("c_ent")
+    if unit not in ("segment", "token"):
+        sys.exit(f"error: {path}: field 'unit' is {unit!r}, expected segment or token")
+    if unit == "segment" and (not isinstance(c_ent, (int, float)) or isinstance(c_ent, bool)):
+        sys.exit(f"error: {path}: field 'c_ent' is {c_ent!r}, expected a number")
+    try:                                                     # fail here, not at the first rollout
+        normalize_segment_rewards(torch.ones(1), torch.ones(1), settings.get("normalizer"), args.seg_norm)
+    except ValueError as e:
+        sys.exit(f"error: {path}: field 'normalizer': {e}")
+    return settings
 
 
 def main(args):

@@ -348,8 +348,8 @@ def test_sequence_rm_through_the_segment_path_is_exactly_reward_rm(n):
     score = rm.last_token(head, attention)
     seq_rewards = ppo.token_rewards_of(kl_rewards, score, mask, starts)
     settings = {"unit": "sequence", "normalizer": None}
-    seg_starts, inside = ppo.rollout_segments(settings, ids, mask, EOS, None)
-    dense, e, _ = ppo.segment_rewards(head[:, P:], seg_starts, inside, settings, how="none", interp="end")
+    seg_starts, inside = rm.rollout_segments(settings, ids, mask, EOS, None)
+    dense, e, _ = rm.segment_rewards(head[:, P:], seg_starts, inside, settings, how="none", interp="end")
     seg_rewards = ppo.token_rewards_of(kl_rewards, torch.zeros(len(ids)), mask, starts, dense=dense, clip=0.0)
     real = mask.sum(-1) > 0
     assert torch.equal(e[real], score[real])
@@ -367,10 +367,10 @@ def test_segment_rewards_spread_normalized_rewards_and_report_their_stats():
     positions = torch.tensor([k / K for K in (1, 2, 3, 4, 5) for k in range(1, K + 1)] * 3)
     norm = rm.fit_location_normalizer(positions, torch.randn(len(positions), generator=torch.Generator().manual_seed(0)))
     settings = {"unit": "segment", "c_ent": 6.0, "normalizer": norm}
-    starts, inside = ppo.rollout_segments(settings, ids, mask, EOS, entropy)
+    starts, inside = rm.rollout_segments(settings, ids, mask, EOS, entropy)
     ref_starts, ref_inside = segments_loop(entropy, ids, mask, 6.0, EOS)
     assert torch.equal(starts, ref_starts) and torch.equal(inside, ref_inside)
-    dense, e, stats = ppo.segment_rewards(values, starts, inside, settings, "regression", "even")
+    dense, e, stats = rm.segment_rewards(values, starts, inside, settings, "regression", "even")
     p = ma.segment_positions(starts, inside)
     r_hat = rm.normalize_segment_rewards(values, p, norm)
     assert torch.allclose(dense, ma.spread_segment_rewards(r_hat, starts, inside, "even"))
@@ -400,7 +400,7 @@ def test_rollout_and_training_segment_the_same_text(tokenizer):
     assert torch.equal(logp, plain)
     real = entropy[mask[:, P:].bool()]
     c_ent = real.median().item()
-    starts, inside = ppo.rollout_segments({"unit": "segment", "c_ent": c_ent}, ids[:, P:], mask[:, P:],
+    starts, inside = rm.rollout_segments({"unit": "segment", "c_ent": c_ent}, ids[:, P:], mask[:, P:],
                                           tokenizer.eos_token_id, entropy)
     ends, p = rm.segment_layout(model, batch, "segment", c_ent, tokenizer.eos_token_id)
     assert torch.equal(ends[:, P:], ma.segment_ends(starts, inside))
