@@ -165,7 +165,7 @@ def test_lora_reference_is_the_sft_model_with_adapters_off(tiny_models):
     ids, mask, _ = data.encode_prompts(tokenizer, ["\n\nHuman: hi there, how are you\n\nAssistant: fine"] * 2, 24)
     with torch.no_grad():
         expected = ppo.response_logprobs(sft_model, ids, mask, 10, 0.8)[0]
-        ref = ppo.reference_logprobs(None, harness.make_accelerator(), policy.eval(), ids, mask, 10, 0.8)
+        ref = ppo.reference_logprobs(None, harness.make_accelerator(), policy.eval(), ids, mask, 10, 0.8)[0]
         adapted = ppo.response_logprobs(policy, ids, mask, 10, 0.8)[0]
     assert torch.equal(ref, expected)
     assert not torch.allclose(adapted, expected)
