@@ -35,7 +35,8 @@ class PPOArgs:
     sft_args: str = field(default="", metadata={"help": "extra sft.py flags used when the default SFT model is built, e.g. '--max_steps 600' (count: '--max_steps 1600 ...' when empty)"})
     rm_args: str = field(default="", metadata={"help": "extra reward_model.py flags used when the default RM is built (count: '--max_steps 1000 ...' when empty)"})
     n: int = field(default=5, metadata={"help": "macro action length for --termination fixed: 1 = vanilla PPO, 0 = the whole response"})
-    termination: str = field(default="fixed", metadata={"help": "fixed | randomized | parsing | ppl | entropy (paper §3.2.1) | segment (the segment RM's entropy segments, c_ent from its segment_reward.json)"})
+    termination: str = field(default="fixed", metadata={"help": "fixed | randomized | parsing | ppl | entropy (paper §3.2.1) | segment (the segment RM's entropy segments, c_ent from its segment_reward.json, or --c_ent)"})
+    c_ent: float = field(default=0.0, metadata={"help": "--termination segment with --reward rm or gold: the SFT entropy threshold (nats) of the segments, e.g. a segment RM's c_ent to compare on the same segments; 0 = read the --rm_path's segment_reward.json"})
     seg_norm: str = field(default="regression", metadata={"help": "--reward segment: normalizer of the segment rewards: regression (Mean(p), Std(p) on log p, the paper's) | global | last (one mean and std) | none"})
     seg_interp: str = field(default="even", metadata={"help": "--reward segment: a segment's reward on its tokens: even (divided by its length, the paper's) | repeat (on every token) | end (on its last token)"})
     reward_clip: float = field(default=10.0, metadata={"help": "--reward segment: per-token reward (segment reward and KL penalty) clipped to [-c, c] as in the released code; 0 = off"})
@@ -217,6 +218,9 @@ def resolve(args):
     if args.reward == "segment" and args.lora_r:
         sys.exit("error: --reward segment scores held-out responses with the frozen SFT model's segments; "
                  "it has none under --lora_r (the reference is the policy with its adapters off)")
+    if args.c_ent and (args.reward == "segment" or args.termination != "segment"):
+        sys.exit("error: --c_ent sets the segments of --termination segment with --reward rm or gold; "
+                 "under --reward segment the segments are the RM's own (its segment_reward.json)")
     if args.seg_norm not in ("regression", "global", "last", "none"):
         sys.exit(f"error: --seg_norm {args.seg_norm!r}: choose regression, global, last or none")
     if args.seg_interp not in ("even", "repeat", "end"):

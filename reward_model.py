@@ -349,7 +349,10 @@ def segment_scorer(settings, sft, eos_token_id):
 
 def load_segment_settings(args):
     """The segment / token RM's settings (`reward_model.SEGMENT_FILE` beside its weights) that
-    ppo.py's --reward segment and --termination segment read; a clear exit when they are missing or unusable."""
+    ppo.py's --reward segment and --termination segment read; a clear exit when they are missing or unusable.
+    ppo.py's --c_ent (segments for --termination segment under another reward) needs no file."""
+    if getattr(args, "c_ent", 0) and args.reward != "segment":
+        return {"unit": "segment", "c_ent": args.c_ent}
     path = os.path.join(args.rm_path, SEGMENT_FILE)
     if not os.path.exists(path):
         sys.exit(f"error: --reward segment / --termination segment need a segment or token RM: no {path} "

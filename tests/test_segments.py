@@ -459,6 +459,28 @@ def test_segment_ppo_on_segment_macro_actions_with_a_critic_warmup(tiny_models, 
     assert rows[-1]["loss/value"] != rows[0]["loss/value"]
 
 
+@pytest.mark.launch
+def test_termination_segment_under_a_sequence_rm_takes_its_segments_from_c_ent(tiny_models, tmp_path):
+    """--reward rm --termination segment --c_ent C: MA-PPO's macro actions are the SFT entropy segments
+    at C, with no segment RM: a threshold below every entropy makes each token a macro action, one above
+    every entropy makes the response one (EOS joins it)."""
+    import ppo
+    lengths = {}
+    for c_ent in (1e-6, 1e6):
+        ppo.main(ppo_args(tiny_models, tiny_models / "rm", tmp_path / str(c_ent), termination="segment", c_ent=c_ent))
+        rows = [json.loads(line) for line in open(tmp_path / str(c_ent) / "metrics.jsonl")]
+        lengths[c_ent] = [(row["macro/mean_len"], row["response/len"]) for row in rows]
+    assert all(macro == 1.0 for macro, _ in lengths[1e-6])
+    assert all(macro == length for macro, length in lengths[1e6]) and any(length > 1 for _, length in lengths[1e6])
+
+
+def test_c_ent_is_refused_where_the_segments_are_the_segment_rms(tiny_models, segment_rm, tmp_path):
+    import ppo
+    for flags in ({"reward": "segment", "c_ent": 2.0}, {"c_ent": 2.0}):
+        with pytest.raises(SystemExit, match="--c_ent"):
+            ppo.main(ppo_args(tiny_models, segment_rm, tmp_path / "out", **flags))
+
+
 @pytest.mark.parametrize("settings, message", [
     (None, "segment_reward.json"),
     ({"unit": "sequence"}, "field 'unit'"),
