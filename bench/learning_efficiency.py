@@ -31,7 +31,8 @@ A configuration whose record exists is never run again, and the report reads onl
   task, passing the tests);
 - where a change applies to both methods (critic, lr), each MA-PPO configuration paired by seed with
   PPO under the same change (its `partner`): the gap in first-half mean score and the win rate;
-- the first evaluation (score and KL), the final mean macro length and, on count, the share of exact counts.
+- the first evaluation (score and KL), the final mean macro and response lengths and, on count, the share
+  of exact counts.
 """
 import argparse
 import concurrent.futures
@@ -80,7 +81,11 @@ class Config:
         return "exec_pass" if self.task == "code" else "gold"
 
     def argv(self, sft_path):
-        return (["--task", self.task] if self.task != "chitchat" else []) + [f.format(sft=sft_path) for f in self.flags]
+        """ppo.py flags: "{sft}" is the task's SFT model, "{rm_segment}" / "{rm_token}" its segment / token
+        RM (SEGMENT_RMS), "{c_ent}" the segment RM's entropy threshold."""
+        paths = {"sft": sft_path, "c_ent": SEGMENT_C_ENT.get(self.task),
+                 **{f"rm_{unit}": segment_rm_path(sft_path, unit) for unit in ("segment", "token")}}
+        return (["--task", self.task] if self.task != "chitchat" else []) + [f.format(**paths) for f in self.flags]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -96,6 +101,42 @@ def ppo(name="n1", label="PPO (n=1)", flags=(), task="chitchat"):
 
 def ma(name, label, flags, task="chitchat", partner=None):
     return Config(name, label, tuple(flags), task, partner or ("n1" if task == "chitchat" else f"{task}_n1"))
+
+
+# Segment-level rewards (Yin et al. 2025): the segment and token RMs of the `segment*` hypotheses, trained
+# from the task's SFT model like its sequence RM (same steps), the segments at SEGMENT_C_ENT nats.
+SEGMENT_C_ENT = {"chitchat": 6.0, "count": 1.0}
+
+
+def segment_rm_path(sft_path, unit):
+    """Beside the SFT model it segments with: runs/<task>/rm_segment, runs/<task>/rm_token."""
+    return os.path.join(os.path.dirname(sft_path), f"rm_{unit}")
+
+
+def segment_arms(task, prefix):
+    """The five arms on one task, every critic from the SFT model: (A) sequence RM + PPO,
+    (B) segment RM + PPO, (C) token RM + PPO, (D) segment RM + MA-PPO on its segments, (E) sequence RM +
+    MA-PPO on the same segments; the task's gold score first (RM scores of different RMs do not compare)."""
+    seq = ("--reward", "rm") if task == "count" else ()       # the count runs' default reward is the gold judge
+    sft_critic, gold = ("--critic_path", "{sft}"), ("eval/gold", "eval/rm")
+    a = Config("n1_critic_sft" if task == "chitchat" else f"{prefix}n1_critic_sft", "(A) sequence RM, PPO", ("--n", "1", *sft_critic, *seq), task, None, gold)
+    seg = ("--reward", "segment", "--rm_path", "{rm_segment}", *sft_critic)
+    return (a, Config(f"{prefix}seg_n1", "(B) segment RM, PPO", ("--n", "1", *seg), task, None, gold),
+            Config(f"{prefix}tok_n1", "(C) token RM, PPO",
+                   ("--n", "1", "--reward", "segment", "--rm_path", "{rm_token}", *sft_critic), task, None, gold),
+            Config(f"{prefix}seg_term", "(D) segment RM, MA-PPO on its segments", (*seg, "--termination", "segment"),
+                   task, a.name, gold),
+            Config(f"{prefix}seq_term", "(E) sequence RM, MA-PPO on the same segments",
+                   ("--termination", "segment", "--c_ent", "{c_ent}", *sft_critic, *seq), task, a.name, gold))
+
+
+def segment_ablations(task, prefix):
+    """(B) with the normalizer and the interpolation changed one at a time."""
+    b = segment_arms(task, prefix)[1]
+    return (b, *(dataclasses.replace(b, name=f"{b.name}_{flag}_{value}", label=f"(B) --{flag} {value}",
+                                     flags=(*b.flags, f"--{flag}", value))
+                 for flag, values in (("seg_norm", ("global", "last", "none")), ("seg_interp", ("repeat", "end")))
+                 for value in values))
 
 
 PPO = ppo()
@@ -149,6 +190,13 @@ HYPOTHESES = {
         (COUNT_PPO, COUNT_MA5, ppo("count_n1_critic_sft", "PPO (critic from SFT)", ("--critic_path", "{sft}"), "count"),
          ma("count_n5_critic_sft", "MA-PPO (n=5, critic from SFT)", ("--n", "5", "--critic_path", "{sft}"), "count",
             partner="count_n1_critic_sft")), paired=True),
+    "segment_count": Hypothesis(
+        "Segment-level rewards on count (its sequence RM is weak): do denser rewards, or macro actions on the same "
+        "segments, learn the gold count faster?", segment_arms("count", "segment_count_")),
+    "segment": Hypothesis("Segment-level rewards on chitchat: the same five arms", segment_arms("chitchat", "segment_")),
+    "segment_ablation": Hypothesis("Segment RM + PPO: the location normalizer and the interpolation",
+                                   segment_ablations("chitchat", "segment_")),
+    "segment_count_ablation": Hypothesis("The same ablations on count", segment_ablations("count", "segment_count_")),
 }
 TIE = 1e-9
 T_975 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262, 10: 2.228}
@@ -262,6 +310,17 @@ def final_scores(args, run_dir, task):
     return {"rm": [round(x, 4) for x in ctx.rm_scores(texts)], "gold": [round(x, 4) for x in ctx.gold(texts)]}
 
 
+def ppo_flags(args, config, seed, run_dir):
+    """ppo.py's command line for one run: the study's settings, --ppo_args, the task's --<task>_args, then
+    the configuration's own flags (last, so they win)."""
+    sft_path, rm_path = args.models[config.task]
+    return ["--seed", str(seed), "--steps", str(args.steps), "--eval_every", str(args.eval_every),
+            "--n_eval_prompts", str(args.n_eval_prompts), "--output_dir", run_dir, "--sft_path", sft_path,
+            "--rm_path", rm_path, *shlex.split(args.ppo_args),
+            *(shlex.split(getattr(args, f"{config.task}_args")) if config.task in ("code", "count") else []),
+            *config.argv(sft_path)]
+
+
 def train(args, config, seed):
     """One ppo.py run of `config`, or its committed record; returns the record."""
     path = record_path(args, config.name, seed)
@@ -269,14 +328,9 @@ def train(args, config, seed):
         return json.load(open(path))
     if args.report_only:
         return None
-    sft_path, rm_path = args.models[config.task]
-    flags = config.argv(sft_path)
+    flags = config.argv(args.models[config.task][0])
     run_dir = os.path.join(args.runs_dir, config.name, f"seed{seed}")
-    cmd = [sys.executable, "ppo.py", "--seed", str(seed), "--steps", str(args.steps), "--eval_every",
-           str(args.eval_every), "--n_eval_prompts", str(args.n_eval_prompts), "--output_dir", run_dir,
-           "--sft_path", sft_path, "--rm_path", rm_path, *shlex.split(args.ppo_args), *flags]
-    if config.task in ("code", "count"):
-        cmd += shlex.split(getattr(args, f"{config.task}_args"))
+    cmd = [sys.executable, "ppo.py", *ppo_flags(args, config, seed, run_dir)]
     done = os.path.join(run_dir, "policy", "config.json")
     if not os.path.exists(done) and os.path.exists(os.path.join(run_dir, "checkpoint", "policy", "config.json")):
         cmd.append("--resume")
@@ -303,6 +357,40 @@ def train(args, config, seed):
     return record
 
 
+def build_flags(args, task):
+    """The sft.py / reward_model.py flags that ppo.py would build the task's default models with."""
+    parser = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+    parser.add_argument("--sft_args")
+    parser.add_argument("--rm_args")
+    task_args = getattr(args, f"{task}_args", "")
+    known = parser.parse_known_args(shlex.split(args.ppo_args) + shlex.split(task_args))[0]
+    sft_args, rm_args = data.BUILD_ARGS.get(task, ("", ""))
+    return shlex.split(known.sft_args or sft_args), shlex.split(known.rm_args or rm_args)
+
+
+def build_segment_rms(args, todo):
+    """Train the segment / token RMs that the configurations in `todo` score with, once each, from the
+    task's SFT model (built first if missing) with the sequence RM's flags, segments at SEGMENT_C_ENT."""
+    needed = dict.fromkeys((c.task, unit) for c, _ in todo for unit in ("segment", "token")
+                           if f"{{rm_{unit}}}" in c.flags)
+    for task, unit in needed:
+        sft_path = args.models[task][0]
+        path = segment_rm_path(sft_path, unit)
+        if os.path.exists(os.path.join(ROOT, path, "config.json")):
+            continue
+        sft_args, rm_args = build_flags(args, task)
+        stages = [] if os.path.exists(os.path.join(ROOT, sft_path, "config.json")) else [
+            ["sft.py", "--task", task, "--output_dir", sft_path, *sft_args]]
+        stages.append(["reward_model.py", "--task", task, "--sft_path", sft_path, "--output_dir", path, "--unit", unit,
+                       "--c_ent", str(SEGMENT_C_ENT[task]), *rm_args])
+        for stage in stages:
+            log = os.path.join(ROOT, stage[stage.index("--output_dir") + 1] + ".log")
+            print(f"[study] {shlex.join(stage)} (log {log})", flush=True)
+            with open(log, "a") as f:
+                if subprocess.run([sys.executable, *stage], cwd=ROOT, stdout=f, stderr=subprocess.STDOUT).returncode:
+                    sys.exit(f"error: {shlex.join(stage)} failed; see {log}")
+
+
 def _one_job_threads(threads):
     """Worker initializer: every ppo.py this worker starts (and its own evaluation) uses `threads` threads."""
     os.environ["OMP_NUM_THREADS"] = str(threads)
@@ -315,6 +403,7 @@ def train_all(args, todo):
     todo = [t for t in todo if not os.path.exists(record_path(args, t[0].name, t[1]))]
     if args.report_only or not todo:
         return
+    build_segment_rms(args, todo)
     if args.jobs == 1:
         for config, seed in todo:
             train(args, config, seed)
@@ -329,6 +418,98 @@ def train_all(args, todo):
     with concurrent.futures.ProcessPoolExecutor(args.jobs, initializer=_one_job_threads, initargs=(threads,)) as pool:
         for future in concurrent.futures.as_completed([pool.submit(train, args, *t) for t in todo]):
             future.result()                      # a failed run stops the study (its checkpoint is kept)
+
+
+# ---------------------------------------------------------------- where a segment RM puts a counting error
+
+def count_error_spans(prompt, text):
+    """Character spans of `text` (a response to "Count from a to b.") that hold its errors, as the gold
+    judge aligns them (`data.count_errors`): an extra or wrong item's own span; a missing run of numbers,
+    the gap where it belongs (from the end of the item before it to the start of the one after, or to
+    the end of the text)."""
+    import difflib
+    match = data.COUNT_PATTERN.search(prompt)
+    target = list(range(int(match.group(1)), int(match.group(2)) + 1))
+    found = list(data.COUNT_ITEM.finditer(text))
+    items = [int(m.group()) if m.group().lstrip("-").isdecimal() else m.group() for m in found]
+    spans = []
+    for tag, i1, i2, _, _ in difflib.SequenceMatcher(None, items, target, autojunk=False).get_opcodes():
+        if tag in ("replace", "delete"):
+            spans.append((found[i1].start(), found[i2 - 1].end()))
+        elif tag == "insert":
+            spans.append((found[i1 - 1].end() if i1 else 0, found[i1].start() if i1 < len(found) else len(text)))
+    return spans
+
+
+def overlaps(span, spans):
+    return any(span[0] < b and a < span[1] for a, b in spans)
+
+
+def segment_error_hits(rm_path, sft_path, rows, batch_size=64):
+    """How often the lowest-reward segment of a response with counting errors holds one of them, by the
+    raw head value and by the normalized one (the RM's own Mean(p), Std(p)), against chance (the share of
+    its segments that hold one). `rows`: prompt / response pairs."""
+    import torch
+    from transformers import AutoModelForCausalLM
+    sys.path.insert(0, ROOT)
+    import reward_model as rm
+    settings = json.load(open(os.path.join(rm_path, rm.SEGMENT_FILE)))
+    model, tokenizer = rm.load_reward_model(rm_path)
+    sft = AutoModelForCausalLM.from_pretrained(sft_path).eval()
+    hits = {"raw": 0, "normalized": 0}
+    chance, n, segments_seen = 0.0, 0, 0
+    for i in range(0, len(rows), batch_size):
+        chunk = rows[i:i + batch_size]
+        b = data.collate(tokenizer, [r["prompt"] for r in chunk], [r["response"] for r in chunk], 48, 64)
+        with torch.no_grad():
+            ends, p = rm.segment_layout(sft, b, settings["unit"], settings.get("c_ent"), tokenizer.eos_token_id)
+            values = rm.token_values(model.eval(), b["input_ids"], b["attention_mask"])
+        P = b["prompt_width"]
+        ends, p, values = ends[:, P:], p[:, P:], values[:, P:]
+        normalized = rm.normalize_segment_rewards(values, p, settings["normalizer"])
+        for row, ids, end, raw, norm in zip(chunk, b["input_ids"][:, P:], ends, values, normalized):
+            last = end.nonzero().squeeze(-1).tolist()
+            text = tokenizer.decode(ids[:last[-1] + 1]) if last else ""
+            errors = count_error_spans(row["prompt"], text)
+            if not errors or not last:
+                continue
+            offsets = [len(tokenizer.decode(ids[:t + 1])) for t in last]       # each segment's end in `text`
+            segments = list(zip([0] + offsets[:-1], offsets))
+            held = [overlaps(span, errors) for span in segments]
+            chance += sum(held) / len(held)
+            segments_seen += len(held)
+            for name, r in (("raw", raw), ("normalized", norm)):
+                hits[name] += held[int(r[last].argmin())]
+            n += 1
+    return {"responses": n, "unit": settings["unit"], "mean_segments": segments_seen / max(n, 1),
+            "raw": hits["raw"] / max(n, 1), "normalized": hits["normalized"] / max(n, 1), "chance": chance / max(n, 1)}
+
+
+def error_table(args):
+    """segment_count's table of `segment_error_hits` for the count task's segment and token RMs on the
+    responses of its held-out pairs that have errors; computed once into the results, then read."""
+    path = os.path.join(args.results_dir, "segment_count_errors.json")
+    if not os.path.exists(path):
+        sft_path = args.models["count"][0]
+        rms = {unit: segment_rm_path(sft_path, unit) for unit in ("segment", "token")}
+        if args.report_only or not all(os.path.exists(os.path.join(ROOT, p, "config.json")) for p in rms.values()):
+            return []
+        test = data.load_task("count", only=("test",))["test"]
+        rows = [{"prompt": r["prompt"], "response": r[side]} for r in test for side in ("chosen", "rejected")]
+        result = {unit: segment_error_hits(os.path.join(ROOT, p), os.path.join(ROOT, sft_path), rows)
+                  for unit, p in rms.items()}
+        with open(path, "w") as f:
+            json.dump(result, f, indent=1)
+    result = json.load(open(path))
+    lines = ["", "Where the segment RM puts a counting error: of the held-out responses (chosen and rejected) with at "
+             "least one error, how often the segment with the lowest reward (the head's raw value, or normalized at "
+             "its location) holds one, against chance (the share of a response's segments that hold one).", "",
+             "| RM | responses | segments per response | lowest raw reward holds an error | lowest normalized | chance |",
+             "|---" * 6 + "|"]
+    for unit, r in result.items():
+        lines.append(f"| {unit} | {r['responses']} | {r['mean_segments']:.1f} | {r['raw']:.1%} | {r['normalized']:.1%} "
+                     f"| {r['chance']:.1%} |")
+    return lines
 
 
 # ---------------------------------------------------------------- report
@@ -414,10 +595,10 @@ def early_table(h, records, result):
     first = next((runs[0]["rows"][0]["step"] for runs in done.values() if runs), None)
     if first is None:
         return []
-    lines = ["", f"The first evaluation (iteration {first}), the final mean macro length"
+    lines = ["", f"The first evaluation (iteration {first}), the final mean macro length and response length (tokens)"
              + (" and the share of exact counts among the final policies' answers:" if exact else ":"), "",
-             f"| configuration | {score} at iteration {first} | KL at iteration {first} | final mean macro length"
-             + (" | final exact counts |" if exact else " |"), "|---" * (5 if exact else 4) + "|"]
+             f"| configuration | {score} at iteration {first} | KL at iteration {first} | final mean macro length | "
+             "final response length" + (" | final exact counts |" if exact else " |"), "|---" * (6 if exact else 5) + "|"]
     for config in h.configs:
         runs = done[config.name]
         if not runs:
@@ -425,8 +606,10 @@ def early_table(h, records, result):
         at_first = [r["rows"][0] for r in runs]
         entry = {"first_step": first, "score_at_first": t_interval([x[score] for x in at_first]),
                  "kl_at_first": t_interval([x["kl"] for x in at_first]),
-                 "macro_len": t_interval([r["rows"][-1]["macro/mean_len"] for r in runs])}
-        cells = [fmt(*entry["score_at_first"]), fmt(*entry["kl_at_first"]), f"{entry['macro_len'][0]:.1f}"]
+                 "macro_len": t_interval([r["rows"][-1]["macro/mean_len"] for r in runs]),
+                 "response_len": t_interval([r["rows"][-1]["response/len"] for r in runs])}
+        cells = [fmt(*entry["score_at_first"]), fmt(*entry["kl_at_first"]), f"{entry['macro_len'][0]:.1f}",
+                 f"{entry['response_len'][0]:.1f}"]
         if exact:
             golds = [g for r in runs for g in r["final"]["gold"]]
             entry["exact"] = sum(g == 1.0 for g in golds) / len(golds)
@@ -506,6 +689,8 @@ def main(argv=None):
     for hypothesis in names:
         records = {c.name: [train(args, c, seed) for seed in seeds] for c in HYPOTHESES[hypothesis].configs}
         h_lines, result[hypothesis] = report(args, hypothesis, records)
+        if hypothesis == "segment_count":
+            h_lines += error_table(args)
         png = plot(args, hypothesis, records)
         h_lines += ["", f"![{hypothesis}]({os.path.basename(png)})"] if png else []
         blocks[hypothesis] = h_lines[2:]                 # the page has its own heading

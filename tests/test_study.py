@@ -7,6 +7,7 @@ import pytest
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench"))
 import learning_efficiency as study  # noqa: E402
+import data  # noqa: E402
 
 
 def test_t_interval_by_hand():
@@ -80,6 +81,41 @@ def test_a_configuration_knows_its_command_line_and_scores():
     assert study.HYPOTHESES["baseline"].configs[1].argv("x") == ["--n", "5"]
 
 
+def test_a_configurations_own_flags_win_over_the_tasks_and_segment_arms_point_at_their_rms():
+    """ppo.py parses each run's command line: the count arms' --reward rm beats --count_args' --reward gold,
+    the segment arms read the segment / token RMs beside the SFT model, (E) segments at the segment RM's c_ent."""
+    from transformers import HfArgumentParser
+    import ppo
+    args = argparse.Namespace(steps=120, eval_every=10, n_eval_prompts=128, ppo_args="--beta 0.04",
+                              count_args="--reward gold --policy_lr 1e-4", code_args="",
+                              models={"count": ("runs/count/sft", "runs/count/rm")})
+    parsed = {c.name: HfArgumentParser(ppo.PPOArgs).parse_args_into_dataclasses(
+        args=study.ppo_flags(args, c, 3, "out"))[0] for c in (study.COUNT_PPO, *study.HYPOTHESES["segment_count"].configs)}
+    a, b, c, d, e = (parsed[x.name] for x in study.HYPOTHESES["segment_count"].configs)
+    assert parsed[study.COUNT_PPO.name].reward == "gold" and a.reward == e.reward == "rm"
+    assert b.reward == c.reward == d.reward == "segment" and a.rm_path == e.rm_path == "runs/count/rm"
+    assert b.rm_path == d.rm_path == os.path.join("runs/count", "rm_segment") and c.rm_path == os.path.join("runs/count", "rm_token")
+    assert (d.termination, e.termination, b.termination) == ("segment", "segment", "fixed")
+    assert e.c_ent == study.SEGMENT_C_ENT["count"] and d.c_ent == 0.0
+    assert all(x.critic_path == "runs/count/sft" and x.policy_lr == 1e-4 and x.beta == 0.04 and x.seed == 3
+               for x in (a, b, c, d, e))
+
+
+@pytest.mark.parametrize("text, errors", [
+    (" 3, 4, 5, 6.", []),
+    (" 3, 4, 4, 5, 6.", [(4, 5)]),           # an extra 4 (the judge's alignment marks the first)
+    (" 3, 5, 6.", [(2, 4)]),                 # 4 missing: the gap between 3 and 5
+    (" 3, 4, 5.", [(8, 9)]),                 # stopped early: the gap after 5, to the end
+    (" 3, 4, x, 6.", [(7, 8)]),              # a word where 5 belongs
+    (" 2, 3, 4, 5, 6.", [(1, 2)]),           # one too many at the start
+])
+def test_count_error_spans_by_hand(text, errors):
+    prompt = "\n\nHuman: Count from 3 to 6.\n\nAssistant:"
+    assert study.count_error_spans(prompt, text) == errors
+    assert (data.count_gold([prompt], [text])[0] == 1.0) == (not errors)
+    assert study.overlaps((6, 9), [(7, 8)]) and not study.overlaps((0, 7), [(7, 8)])
+
+
 def test_first_half_mean_averages_the_evaluations_up_to_half_the_run():
     rows = [{"step": s, "eval/rm": v} for s, v in [(10, 1.0), (20, 2.0), (30, 6.0), (40, 100.0)]]
     assert study.first_half_mean(rows, "eval/rm") == 1.5            # steps 10 and 20 of 40
@@ -101,7 +137,7 @@ def test_paired_comparisons_match_seeds_by_hand():
 def test_report_pairs_configurations_with_their_own_ppo(tmp_path):
     def run(seed, level):
         return {"seed": seed, "rows": [{"step": s, "eval/rm": level, "eval/gold": 0.5, "kl": 1.0,
-                                        "macro/mean_len": 1.0 if level != 0.0 else 5.0} for s in (10, 20)],
+                                        "macro/mean_len": 1.0 if level != 0.0 else 5.0, "response/len": 20.0} for s in (10, 20)],
                 "final": {"gold": [level] * 4, "rm": [level] * 4}}
     records = {"n1": [run(1, 1.0), run(2, 1.0)], "n5": [run(1, 0.0), run(2, 0.0)],
                "n1_critic_sft": [run(1, 0.0), run(2, 0.0)], "n5_critic_sft": [run(1, 2.0), run(2, 2.0)]}
@@ -119,11 +155,13 @@ def test_report_pairs_configurations_with_their_own_ppo(tmp_path):
 def test_count_reports_the_share_of_exact_counts_by_hand():
     def run(seed, golds):
         return {"seed": seed, "rows": [{"step": s, "eval/gold": 0.5, "eval/rm": 0.0, "kl": 1.0,
-                                        "macro/mean_len": 1.0} for s in (10, 20)], "final": {"gold": golds, "rm": golds}}
+                                        "macro/mean_len": 1.0, "response/len": 30.0 + seed} for s in (10, 20)],
+                "final": {"gold": golds, "rm": golds}}
     records = {"count_n1": [run(1, [1.0, 0.8, 0.6, 1.0])], "count_n5": [run(1, [1.0, 0.2, 0.0, 0.0])]}
     lines, result = study.report(argparse.Namespace(smooth=1), "count", records)
     assert result["count_n1"]["early"]["exact"] == 0.5 and result["count_n5"]["early"]["exact"] == 0.25
-    assert any(line.startswith("| MA-PPO (n=5) |") and line.endswith("| 25.0% |") for line in lines)
+    assert any(line.startswith("| MA-PPO (n=5) |") and line.endswith("| 1.0 | 31.0 | 25.0% |") for line in lines)
+    assert result["count_n1"]["early"]["response_len"][0] == 31.0
 
 
 def test_fill_blocks_replaces_only_between_its_markers():
