@@ -395,7 +395,7 @@ def main(args):
         acc.wait_for_everyone()
 
     from tqdm.auto import tqdm
-    bar = tqdm(range(start, args.steps), desc=f"ppo n={args.n}" if args.termination == "fixed" else f"ppo {args.termination}", disable=not acc.is_local_main_process)
+    bar = tqdm(range(start, args.steps), desc=run_name(args), disable=not acc.is_local_main_process)
     with harness.GracefulStop(acc, "ppo", "iteration", harness.checkpoint_dir(args.output_dir), start) as stop:
         for step in bar:
             clock = harness.Stopwatch()
