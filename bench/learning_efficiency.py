@@ -105,7 +105,7 @@ def ma(name, label, flags, task="chitchat", partner=None):
 
 # Segment-level rewards (Yin et al. 2025): the segment and token RMs of the `segment*` hypotheses, trained
 # from the task's SFT model like its sequence RM (same steps), the segments at SEGMENT_C_ENT nats.
-SEGMENT_C_ENT = {"chitchat": 6.0, "count": 1.0}
+SEGMENT_C_ENT = {"chitchat": 6.0, "count": 0.5}
 
 
 def segment_rm_path(sft_path, unit):
