@@ -204,6 +204,16 @@ def ranks_in_sync(accelerator, model):
     return bool((every == every[0]).all())
 
 
+def all_finite(accelerator, *tensors):
+    """True when every tensor is finite on every process. One reduction over the processes, so that all
+    of them stop together: a process that raised alone would leave the others waiting for it in their
+    next collective (a hang instead of an error)."""
+    finite = torch.tensor([float(all(bool(torch.isfinite(t).all()) for t in tensors))], device=accelerator.device)
+    if accelerator.num_processes > 1:
+        finite = accelerator.reduce(finite, "sum") / accelerator.num_processes
+    return bool(finite.item() == 1.0)
+
+
 def cpu_threads(num_processes, environ=os.environ):
     """Threads a CPU process should use, or None to keep torch's choice. `accelerate launch` without
     --num_cpu_threads_per_process sets OMP_NUM_THREADS=1 in every process, so `accelerate launch ppo.py`
@@ -513,7 +523,7 @@ class Trainer:
                                         rank, world)
                     with acc.accumulate(self.model):
                         loss = loss_fn([rows[i] for i in idx])
-                        if not torch.isfinite(loss):
+                        if not all_finite(acc, loss):        # on any process: every one stops
                             raise FloatingPointError(f"non-finite {name} loss at step {step}; last good "
                                                      f"checkpoint kept at {checkpoint_dir(args.output_dir)}")
                         acc.backward(loss)

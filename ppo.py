@@ -439,7 +439,7 @@ def main(args):
             log_r = old_logp - ref_logp
             kl = log_r if args.kl_estimator == "k1" else (torch.exp(-log_r) - 1) + log_r    # k1 or k3
             kl_rewards = -args.beta * kl * response_mask
-            if not (torch.isfinite(kl_rewards).all() and torch.isfinite(score).all()):
+            if not harness.all_finite(acc, kl_rewards, score):     # on any process: every one stops
                 raise FloatingPointError(f"non-finite reward at iteration {step}; last good checkpoint in "
                                          f"{harness.checkpoint_dir(args.output_dir)}")
             clock.lap("forward")
@@ -472,7 +472,7 @@ def main(args):
                         pg_loss, vf_loss, s = ppo_losses(logp, old_logp[mb], values, old_values[mb], advantages[mb],
                                                          returns[mb], response_mask[mb], starts[mb], clip=args.clip,
                                                          value_clip=args.value_clip, ratio=args.ratio)
-                        if not (torch.isfinite(pg_loss) and torch.isfinite(vf_loss)):
+                        if not harness.all_finite(acc, pg_loss, vf_loss):
                             raise FloatingPointError(f"non-finite loss at iteration {step}; last good checkpoint "
                                                      f"in {harness.checkpoint_dir(args.output_dir)}")
                         if not frozen:

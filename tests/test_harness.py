@@ -162,3 +162,28 @@ def test_held_out_batches_are_as_many_on_every_rank_and_count_each_row_once(n_ro
                for row in range(start, min(start + batch_size, n_rows))]
     assert sorted(counted) == list(range(n_rows))
     assert all(start < n_rows for batches in per_rank for start, _ in batches)      # no empty batch
+
+
+@pytest.mark.launch
+def test_a_non_finite_loss_on_one_process_is_seen_by_every_process(tmp_path):
+    """harness.all_finite reduces over the processes: under a 2-process launch, a NaN on rank 1 alone makes
+    both ranks stop (a rank that raised alone would leave the other waiting in its next collective)."""
+    import subprocess
+    import textwrap
+    from stages import LAUNCH
+    script = tmp_path / "nan_on_rank1.py"
+    script.write_text(textwrap.dedent(f"""
+        import sys
+        sys.path.insert(0, {os.path.dirname(os.path.abspath(harness.__file__))!r})
+        import torch
+        import harness
+        acc = harness.make_accelerator()
+        loss = torch.tensor(float("nan") if acc.process_index == 1 else 1.0)
+        ok = torch.tensor(2.0)
+        print(f"rank {{acc.process_index}}: nan seen {{not harness.all_finite(acc, ok, loss)}}, "
+              f"finite seen {{harness.all_finite(acc, ok)}}", flush=True)
+    """))
+    out = subprocess.run([*LAUNCH, str(script)], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    for rank in (0, 1):
+        assert f"rank {rank}: nan seen True, finite seen True" in out.stdout, out.stdout
