@@ -21,7 +21,7 @@ from stages import LAUNCH, comparable
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 SFT = ["--hidden_size", "32", "--num_layers", "1", "--vocab_size", "300", "--batch_size", "4", "--max_prompt_len",
-       "24", "--max_response_len", "12", "--n_eval", "16", "--seed", "3", "--max_steps", "60", "--save_every", "5"]
+       "24", "--max_response_len", "12", "--n_eval", "16", "--seed", "3", "--max_steps", "60"]
 
 
 def ppo_flags(tiny_models):
@@ -64,7 +64,7 @@ def sft_interrupted(tmp_path_factory):
     """sft.py under a 2-process launch, SIGINT to the worker of rank 1 alone once the first checkpoint is
     there: (output_dir, returncode, stdout, stderr, the step of its checkpoint)."""
     split = tmp_path_factory.mktemp("sft") / "split"
-    rc, out, err = signal_launch(["sft.py", *SFT, "--eval_every", "1000", "--output_dir", split],
+    rc, out, err = signal_launch(["sft.py", *SFT, "--eval_every", "1000", "--save_every", "5", "--output_dir", split],
                                  lambda: (split / "checkpoint" / "trainer_state.pt").exists(),
                                  lambda launcher: os.kill(worker(launcher.pid, 1), signal.SIGINT))
     return split, rc, out, err, checkpoint_step(split)
@@ -91,12 +91,13 @@ def launched(tiny_models, tmp_path_factory, sft_interrupted, ppo_interrupted):
     tmp = tmp_path_factory.mktemp("launched")
     runs = {}
     if sft_interrupted[-1] is not None:
-        runs["sft_resumed"] = (sft_interrupted[0], ["sft.py", *SFT, "--eval_every", "1000", "--resume"])
+        runs["sft_resumed"] = (sft_interrupted[0], ["sft.py", *SFT, "--eval_every", "1000", "--save_every", "1000",
+                                                    "--resume"])
     done = ppo_interrupted[-1]
     if done is not None:                          # (the schedule does not depend on --steps)
         runs["ppo_resumed"] = (ppo_interrupted[0], ["ppo.py", *ppo_flags(tiny_models), "--eval_every", "2",
                                                     "--steps", str(done + 2), "--resume"])
-    runs["sft"] = (tmp / "sft", ["sft.py", *SFT, "--eval_every", "30"])
+    runs["sft"] = (tmp / "sft", ["sft.py", *SFT, "--eval_every", "30", "--save_every", "1000"])
     runs["ppo"] = (tmp / "ppo", ["ppo.py", *ppo_flags(tiny_models), "--eval_every", "2", "--steps", "6"])
     runs["ppo_lora"] = (tmp / "ppo_lora", ["ppo.py", *ppo_flags(tiny_models), "--eval_every", "2", "--steps", "3",
                                            "--lora_r", "4"])
@@ -144,7 +145,8 @@ def test_ctrl_c_to_one_rank_under_accelerate_launch_stops_both_at_one_step_and_r
     """SIGINT to rank 1 alone must also stop rank 0 at the same step (not leave it waiting for rank 1
     in a collective), and --resume then ends with the weights of an uninterrupted 2-process run. (A
     terminal's Ctrl-C reaches every process and the launcher forwards it again: the repeat is covered
-    in test_harness.py.) Evaluation does not move the weights: the interrupted run evaluates never."""
+    in test_harness.py.) Evaluations and checkpoints do not move the weights: the interrupted run evaluates
+    never and saves every 5 steps, the others evaluate and save only at the end."""
     split, rc, out, err, step = sft_interrupted
     assert rc != 0 and "interrupted after step" in out, err[-3000:]      # printed by rank 0
     assert "exitcode: -9" not in err and "Signals.SIGKILL" not in err   # no rank had to be killed
