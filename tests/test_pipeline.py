@@ -38,8 +38,8 @@ def sft_runs(tmp_path_factory):
     whole = str(tmp / "whole")
     out = run_stage("sft.py", *TINY, *steps, "--save_every", "1000", "--output_dir", whole)
     split = str(tmp / "split")
-    proc = subprocess.Popen([sys.executable, "sft.py", *TINY, *steps, "--save_every", "5", "--output_dir", split], cwd=ROOT,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen([sys.executable, "sft.py", *TINY, *steps, "--save_every", "5", "--output_dir", split],
+                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     deadline = time.time() + 120
     while not os.path.exists(os.path.join(split, "checkpoint", "trainer_state.pt")) and time.time() < deadline:
         time.sleep(0.02)

@@ -54,7 +54,8 @@ def assert_same(a, b):
 @pytest.mark.parametrize("stage", ["2", "3"])
 def test_sft_and_rm_save_whole_weights_that_load_key_for_key_and_resume(zero_runs, stage):
     out, stdout = zero_runs[stage]
-    assert [line.split(" under ")[-1] for line in stdout.splitlines() if line.startswith("STAGE ")] == [f"ZeRO-{stage}"] * 7
+    ran_under = [line.split(" under ")[-1] for line in stdout.splitlines() if line.startswith("STAGE ")]
+    assert ran_under == [f"ZeRO-{stage}"] * 7                         # every stage's engines
     assert "resumed at step 2" in stdout and "2 process(es)" in stdout
     for part, auto_class in (("sft", "AutoModelForCausalLM"), ("rm", "AutoModelForSequenceClassification")):
         final, last = (loads_key_for_key(f, auto_class) for f in (out / part, out / part / "checkpoint" / "model"))
