@@ -16,6 +16,7 @@ into SFT 20% / RM 40% / PPO 40%; `test` is the dataset's own test split (or a he
 documents when it has none). Rows of one document never appear in two splits.
 """
 import contextlib
+import functools
 import hashlib
 import json
 import os
@@ -146,12 +147,17 @@ def _chitchat_pairs(examples, split, seed):
     return out
 
 
+@functools.lru_cache(maxsize=1)
+def _chitchat_split(seed):
+    """The conversations' examples split by conversation: read once per process (a few seconds on one
+    core), then shared by every stage or evaluation that runs in it; read-only, never handed out."""
+    return split_by_group(chitchat_examples(chitchat_conversations()), seed, test_fraction=TEST_FRACTION)
+
+
 def load_chitchat(seed=SEED, only=None):
     """Splits of the embedded task; `only` names the splits to build (gold labelling takes a few
     seconds per 10k pairs, so a stage builds just what it reads)."""
-    examples = chitchat_examples(chitchat_conversations())
-    splits = split_by_group(examples, seed, test_fraction=TEST_FRACTION)
-    return {name: _chitchat_pairs(rows, name, seed) for name, rows in splits.items()
+    return {name: _chitchat_pairs(rows, name, seed) for name, rows in _chitchat_split(seed).items()
             if only is None or name in only}
 
 

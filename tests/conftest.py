@@ -1,4 +1,18 @@
+import os
+
 import pytest
+
+
+def pytest_configure(config):
+    """One thread per process, for this process and every process it starts (OMP_NUM_THREADS; and
+    MA_RLHF_CPU_THREADS for the stages ppo.py starts, which do not inherit OMP_ variables; a user's own
+    values are kept): the tests' models are tiny, a second thread gains nothing on them, and where other
+    processes share the cores (the suite's own launches, a busy CI runner) threads waiting for each other make
+    small ops many times slower. The thread count does not change the numbers. The slow real-model test keeps
+    torch's default."""
+    if "slow" not in (config.getoption("markexpr") or ""):
+        os.environ.setdefault("OMP_NUM_THREADS", "1")
+        os.environ.setdefault("MA_RLHF_CPU_THREADS", "1")
 
 
 def pytest_collection_modifyitems(config, items):

@@ -23,3 +23,8 @@ def run_stage(script, *argv):
     with contextlib.redirect_stdout(printed), contextlib.redirect_stderr(printed):
         module.main(args)
     return printed.getvalue()
+
+
+def comparable(row):
+    """A metrics row without what depends on time or on when the run evaluated."""
+    return {k: v for k, v in row.items() if not k.startswith(("time/", "tokens_per_s", "eval/"))}

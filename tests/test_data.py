@@ -34,6 +34,7 @@ def test_chitchat_splits_are_disjoint_by_conversation_and_sized_20_40_40(chitcha
 
 def test_chitchat_is_deterministic_and_its_cache_gives_the_same_rows(chitchat, tmp_path, monkeypatch):
     monkeypatch.setenv("MA_RLHF_CACHE", str(tmp_path))
+    data._chitchat_split.cache_clear()                             # the conversations read and split again,
     fresh = data.load_chitchat()                                   # an empty cache: labelled by the judge again
     assert len(list(tmp_path.glob("gold-*.json"))) == 2            # the rm and test splits' labels
     cached = data.load_chitchat()

@@ -182,7 +182,8 @@ def cli(*args, code=0):
 
 def main(capsys, *args, code=0):
     """evaluate.main on a command line, in this process: the argv parsing and exit code of a run from the
-    shell, without starting another interpreter (each test still runs one command through cli())."""
+    shell, without starting another interpreter (cli() runs one through `python evaluate.py`, with its exit
+    code: test_no_usable_judge_answers_is_a_clear_error_and_valid_json)."""
     try:
         evaluate.main(list(args))
         rc = 0
@@ -243,7 +244,7 @@ def test_no_usable_judge_answers_is_a_clear_error_and_valid_json(tiny_models, tm
 def test_every_command_runs_from_the_command_line(tiny_models, tmp_path, server, capsys):
     common = ["--sft_path", str(tiny_models / "sft"), "--rm_path", str(tiny_models / "rm"), "--n_prompts", "8",
               "--max_prompt_len", "16", "--max_response_len", "6", "--output_dir", str(tmp_path)]
-    cli("score", "--policies", "sft", str(tiny_models / "sft"), *common)
+    main(capsys, "score", "--policies", "sft", str(tiny_models / "sft"), *common)
     score = json.load(open(tmp_path / "score.json"))
     assert score["sft"]["n"] == 8 and score["sft"] == score[str(tiny_models / "sft")]   # same seed, same model
     assert os.path.getsize(tmp_path / "score.png") > 0
@@ -263,24 +264,24 @@ def test_every_command_runs_from_the_command_line(tiny_models, tmp_path, server,
     assert "40.0%" in main(capsys, "passk", "--results", str(rows), "--ks", "1", "--output_dir", str(tmp_path))
 
 
-@pytest.mark.launch
-def test_curves_command_and_a_clear_error_for_missing_runs(tmp_path):
+def test_curves_command_and_a_clear_error_for_missing_runs(tmp_path, capsys):
     for seed, offset in [(1, 0.0), (2, 1.0)]:
         d = tmp_path / "runs" / f"seed{seed}"
         d.mkdir(parents=True)
         d.joinpath("metrics.jsonl").write_text("".join(
             json.dumps({"step": s, "eval/rm": s + offset, "adv/l2": 1.0}) + "\n" for s in (1, 2)))
-    out = cli("curves", "--runs", f"ppo={tmp_path}/runs/seed*", "--metrics", "eval/rm,adv/l2", "--output_dir", str(tmp_path))
+    out = main(capsys, "curves", "--runs", f"ppo={tmp_path}/runs/seed*", "--metrics", "eval/rm,adv/l2",
+               "--output_dir", str(tmp_path))
     assert "2.500 ± 0.707" in out and os.path.getsize(tmp_path / "curves.png") > 0
     with pytest.raises(SystemExit, match="no run folder with a metrics.jsonl"):
         evaluate.main(["curves", "--runs", f"x={tmp_path}/nothing*"])
 
 
 @pytest.mark.launch
-def test_passk_samples_code_policies_through_the_sandbox(tiny_models, tmp_path):
-    out = cli("passk", "--task", "code", "--sft_path", str(tiny_models / "sft"), "--policies", "sft",
-              "--samples", "3", "--ks", "1,3", "--n_prompts", "6", "--max_response_len", "6",
-              "--output_dir", str(tmp_path))
+def test_passk_samples_code_policies_through_the_sandbox(tiny_models, tmp_path, capsys):
+    out = main(capsys, "passk", "--task", "code", "--sft_path", str(tiny_models / "sft"), "--policies", "sft",
+               "--samples", "3", "--ks", "1,3", "--n_prompts", "6", "--max_response_len", "6",
+               "--output_dir", str(tmp_path))
     rows = [json.loads(line) for line in open(tmp_path / "passk_results.jsonl")]
     assert len(rows) == 6 and all(r["n"] == 3 and 0 <= r["correct"] <= 3 for r in rows)
     table = json.load(open(tmp_path / "passk.json"))

@@ -12,7 +12,7 @@ import macro_actions as ma
 import ppo
 import sandbox
 from reference import token_gae
-from stages import LAUNCH, run_stage
+from stages import comparable, run_stage
 
 PROMPTS = ["\n\nHuman: how are you\n\nAssistant:", "hi", "\n\nHuman: tell me about the quick brown fox please\n\nAssistant:",
            "\n\nHuman: The quick brown fox (a clever one) jumped over the lazy dog, then what?\n\nAssistant:"]
@@ -179,21 +179,17 @@ def test_execution_reward_runs_prefix_plus_response():
     assert reward == [1.0, 1.0, -1.0] and passed == [1.0, 1.0, 0.0]
 
 
-def run_ppo(tiny_models, out, *extra, launch=(), here=False):
-    """ppo.py on the tiny models: its own process (under `launch` if given), or in this one (`here`)."""
-    cmd = [*launch, "ppo.py", "--sft_path", str(tiny_models / "sft"), "--rm_path", str(tiny_models / "rm"),
+def run_ppo(tiny_models, out, *extra, here=False):
+    """ppo.py on the tiny models: its own process, or in this one (`here`)."""
+    cmd = ["ppo.py", "--sft_path", str(tiny_models / "sft"), "--rm_path", str(tiny_models / "rm"),
            "--output_dir", str(out), "--rollout_batch_size", "4", "--mini_batch_size", "2", "--max_prompt_len", "16",
            "--max_response_len", "8", "--n_eval_prompts", "4", "--eval_every", "2", *extra]
     if here:
         return run_stage(*cmd), [json.loads(line) for line in open(out / "metrics.jsonl")]
-    proc = subprocess.run(cmd if launch else [sys.executable, *cmd], cwd=os.path.dirname(os.path.dirname(__file__)),
+    proc = subprocess.run([sys.executable, *cmd], cwd=os.path.dirname(os.path.dirname(__file__)),
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     return proc.stdout, [json.loads(line) for line in open(out / "metrics.jsonl")]
-
-
-def comparable(row):
-    return {k: v for k, v in row.items() if not k.startswith(("time/", "tokens_per_s", "eval/"))}
 
 
 @pytest.mark.launch
@@ -202,48 +198,6 @@ def test_resume_continues_with_the_numbers_of_an_uninterrupted_run(tiny_models, 
     out, rest = run_ppo(tiny_models, tmp_path / "split", "--steps", "5", "--save_every", "3", "--resume", here=True)
     assert "resumed at iteration 3" in out
     assert [comparable(r) for r in rest] == [comparable(r) for r in uninterrupted[:5]]   # the same file, appended
-
-
-@pytest.fixture(scope="module")
-def launched(tiny_models, tmp_path_factory):
-    """An uninterrupted 2-process run of 6 iterations: (stdout, metrics rows)."""
-    return run_ppo(tiny_models, tmp_path_factory.mktemp("launched"), "--steps", "6", launch=LAUNCH)
-
-
-@pytest.mark.launch
-def test_two_cpu_processes_stay_in_sync(launched):
-    out, rows = launched
-    assert "2 process(es)" in out and "ranks in sync: True" in out
-    assert len(rows) == 6                                            # one metrics line per iteration
-
-
-@pytest.mark.launch
-def test_two_cpu_processes_with_lora_stay_in_sync(tiny_models, tmp_path):
-    out, rows = run_ppo(tiny_models, tmp_path / "ddp", "--steps", "3", "--lora_r", "4", launch=LAUNCH)
-    assert "2 process(es)" in out and "ranks in sync: True" in out
-    assert len(rows) == 3
-
-
-@pytest.mark.launch
-def test_zero3_generation_gathers_the_weights_once_and_samples_the_unsharded_tokens(tiny_models):
-    """Under a 2-process ZeRO-3 launch: generation inside harness.generation_model gives the tokens of an
-    unsharded copy for the same seed, needs no synced_gpus, and its number of all-gathers does not grow with
-    the number of generated tokens; sharded generation (the fallback) gives the same tokens, gathering
-    again for every token."""
-    launch = (sys.executable, "-m", "accelerate.commands.launch", "--use_deepspeed", "--zero_stage", "3",
-              "--zero3_init_flag", "false", "--gradient_accumulation_steps", "1", "--num_processes", "2",
-              "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", "tests/deepspeed_cpu.py")
-    proc = subprocess.run([*launch, "tests/zero3_generation.py", str(tiny_models / "sft")], capture_output=True, text=True,
-                          timeout=300, cwd=os.path.dirname(os.path.dirname(__file__)))
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
-    ranks = json.loads(next(line for line in proc.stdout.splitlines() if line.startswith("RESULT "))[7:])
-    assert len(ranks) == 2
-    for r in ranks:
-        assert r["gathered_equals_unsharded"] and r["sharded_equals_unsharded"], r
-        assert r["synced_gpus"] == [False, True]
-        g = r["all_gathers"]
-        assert g["gathered_12"] == g["gathered_4"] > 0, g               # once per generate(), whatever the length
-        assert g["sharded_12"] > g["sharded_4"] > 0, g                  # sharded: again for every token
 
 
 @pytest.mark.launch
@@ -274,7 +228,7 @@ def uninterrupted(tiny_models, tmp_path_factory):
 
 
 # SIGTERM here; SIGINT (Ctrl-C) takes the same path through harness.GracefulStop, tested end to end on
-# sft.py (one process and a 2-process launch, test_pipeline.py) and for both signals in test_harness.py
+# sft.py (one process, test_pipeline.py; a 2-process launch, test_two_processes.py) and for both signals in test_harness.py
 @pytest.mark.launch
 @pytest.mark.parametrize("signame,code", [("SIGTERM", 143)])
 def test_sigterm_saves_a_checkpoint_that_resumes(tiny_models, tmp_path, uninterrupted, signame, code):
@@ -301,41 +255,6 @@ def test_sigterm_saves_a_checkpoint_that_resumes(tiny_models, tmp_path, uninterr
     assert f"resumed at iteration {done}" in resumed
     whole = uninterrupted[:done + 2]              # (the schedule does not depend on --steps; evaluation aside)
     assert [comparable(r) for r in rows] == [comparable(r) for r in whole]     # the numbers, not only the steps
-
-
-@pytest.mark.launch
-def test_sigterm_to_a_two_process_launch_checkpoints_and_resumes_to_the_same_numbers(tiny_models, tmp_path, launched):
-    """What SLURM / Kubernetes do before preempting: SIGTERM to the launcher, which passes it on to its
-    workers; both stop at the end of the same iteration with one checkpoint, and --resume continues
-    with the numbers of an uninterrupted 2-process run."""
-    import signal
-    import time
-    launch = LAUNCH
-    flags = ["--sft_path", str(tiny_models / "sft"), "--rm_path", str(tiny_models / "rm"), "--rollout_batch_size", "4",
-             "--mini_batch_size", "2", "--max_prompt_len", "16", "--max_response_len", "8", "--n_eval_prompts", "4",
-             "--eval_every", "1000", "--save_every", "1000"]
-    out = tmp_path / "run"
-    proc = subprocess.Popen([*launch, "ppo.py", *flags, "--output_dir", str(out), "--steps", "1000"],
-                            cwd=os.path.dirname(os.path.dirname(__file__)), stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, start_new_session=True)
-    metrics = out / "metrics.jsonl"
-    deadline = time.time() + 180
-    while time.time() < deadline and not (metrics.exists() and len(metrics.read_text().splitlines()) >= 2):
-        time.sleep(0.05)
-    try:
-        proc.send_signal(signal.SIGTERM)                               # the launcher only
-        stdout, stderr = proc.communicate(timeout=120)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        raise
-    done = torch.load(out / "checkpoint" / "trainer_state.pt", weights_only=False)["step"]
-    assert f"interrupted after iteration {done}" in stdout and done >= 2, stderr[-3000:]
-    assert "Signals.SIGKILL" not in stderr                              # no worker had to be killed
-    assert done + 2 <= len(launched[1])
-    resumed, rows = run_ppo(tiny_models, out, "--steps", str(done + 2), "--resume", launch=launch)
-    assert f"resumed at iteration {done}" in resumed and "ranks in sync: True" in resumed
-    whole = launched[1][:done + 2]                # an uninterrupted 2-process run (evaluation aside, same numbers)
-    assert [comparable(r) for r in rows] == [comparable(r) for r in whole]
 
 
 CHAT_TEMPLATE = ("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}"

@@ -1,6 +1,7 @@
-"""The scale path on a CPU: every stage under DeepSpeed ZeRO-2 and ZeRO-3 with two gloo processes (one launch per
-ZeRO stage, tests/zero_stages.py): whatever is saved loads with from_pretrained, key for key, and holds the
-trained weights; --resume continues under each; LoRA's final policy is the plain merged model."""
+"""The scale path on a CPU: every stage under DeepSpeed ZeRO-2 and ZeRO-3 with two gloo processes (one launch
+for both ZeRO stages, tests/zero_stages.py): whatever is saved loads with from_pretrained, key for key, and holds
+the trained weights; --resume continues under each; LoRA's final policy is the plain merged model; ZeRO-3
+generation gathers the partitioned policy once and samples the unsharded tokens."""
 import json
 import os
 import pathlib
@@ -12,25 +13,27 @@ import torch
 from safetensors.torch import load_file
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
-
-
-def zero_launch(stage):
-    return (sys.executable, "-m", "accelerate.commands.launch", "--use_deepspeed", "--zero_stage", stage,
-            "--gradient_accumulation_steps", "1", "--num_processes", "2", "--num_machines", "1",
-            "--mixed_precision", "no", "--dynamo_backend", "no", "tests/deepspeed_cpu.py")
+LAUNCH = (sys.executable, "-m", "accelerate.commands.launch", "--use_deepspeed", "--zero_stage", "3",
+          "--gradient_accumulation_steps", "1", "--num_processes", "2", "--num_machines", "1",
+          "--mixed_precision", "no", "--dynamo_backend", "no", "tests/deepspeed_cpu.py")
 
 
 @pytest.fixture(scope="module")
-def zero_runs(tmp_path_factory):
-    """{ZeRO stage: (output folder, stdout)} of tests/zero_stages.py under ZeRO-2 and ZeRO-3."""
-    runs = {}
-    for stage in ("2", "3"):
-        out = tmp_path_factory.mktemp(f"zero{stage}")
-        proc = subprocess.run([*zero_launch(stage), "tests/zero_stages.py", str(out)], cwd=ROOT, capture_output=True,
-                              text=True, timeout=600)
-        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-4000:]
-        runs[stage] = out, proc.stdout
-    return runs
+def zero_launch(tmp_path_factory):
+    """(output folder, stdout) of tests/zero_stages.py: ZeRO-2, then ZeRO-3, then ZeRO-3 generation."""
+    out = tmp_path_factory.mktemp("zero")
+    proc = subprocess.run([*LAUNCH, "tests/zero_stages.py", str(out)], cwd=ROOT, capture_output=True, text=True,
+                          timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-4000:]
+    return out, proc.stdout
+
+
+@pytest.fixture(scope="module")
+def zero_runs(zero_launch):
+    """{ZeRO stage: (its output folder, what its stages printed)}."""
+    out, stdout = zero_launch
+    two, three = stdout.split("ZERO STAGE 2", 1)[1].split("ZERO STAGE 3", 1)
+    return {"2": (out / "zero2", two), "3": (out / "zero3", three.split("ZERO3 GENERATION", 1)[0])}
 
 
 def loads_key_for_key(path, auto_class):
@@ -51,6 +54,8 @@ def assert_same(a, b):
 @pytest.mark.parametrize("stage", ["2", "3"])
 def test_sft_and_rm_save_whole_weights_that_load_key_for_key_and_resume(zero_runs, stage):
     out, stdout = zero_runs[stage]
+    ran_under = [line.split(" under ")[-1] for line in stdout.splitlines() if line.startswith("STAGE ")]
+    assert ran_under == [f"ZeRO-{stage}"] * 7                         # every stage's engines
     assert "resumed at step 2" in stdout and "2 process(es)" in stdout
     for part, auto_class in (("sft", "AutoModelForCausalLM"), ("rm", "AutoModelForSequenceClassification")):
         final, last = (loads_key_for_key(f, auto_class) for f in (out / part, out / part / "checkpoint" / "model"))
@@ -115,3 +120,20 @@ def test_zero2_and_zero3_train_the_same_weights(zero_runs):
         assert two.keys() == three.keys()
         for k in two:
             assert torch.allclose(two[k], three[k], atol=1e-5), (folder, k)
+
+
+@pytest.mark.launch
+def test_zero3_generation_gathers_the_weights_once_and_samples_the_unsharded_tokens(zero_launch):
+    """Under a 2-process ZeRO-3 launch: generation inside harness.generation_model gives the tokens of an
+    unsharded copy for the same seed, needs no synced_gpus, and its number of all-gathers does not grow with
+    the number of generated tokens; sharded generation (the fallback) gives the same tokens, gathering
+    again for every token (tests/zero3_generation.py)."""
+    printed = zero_launch[1].split("ZERO3 GENERATION", 1)[1]
+    ranks = json.loads(next(line for line in printed.splitlines() if line.startswith("RESULT "))[7:])
+    assert len(ranks) == 2
+    for r in ranks:
+        assert r["gathered_equals_unsharded"] and r["sharded_equals_unsharded"], r
+        assert r["synced_gpus"] == [False, True]
+        g = r["all_gathers"]
+        assert g["gathered_12"] == g["gathered_4"] > 0, g               # once per generate(), whatever the length
+        assert g["sharded_12"] > g["sharded_4"] > 0, g                  # sharded: again for every token

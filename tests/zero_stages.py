@@ -1,14 +1,19 @@
 """Run by test_scale.py under a 2-process DeepSpeed launch (through tests/deepspeed_cpu.py): the three stages
-one after the other in this process, each as its command line runs it, each stopped and resumed once:
+one after the other in this process, each as its command line runs it, each stopped and resumed once, first
+under ZeRO-2, then under ZeRO-3 (OUT_DIR/zero2, OUT_DIR/zero3):
 
     sft.py (2 steps, then --resume to 3) -> sft.py --lora_r 4 on that model (2 steps) -> reward_model.py
     (2 steps) -> ppo.py (1 iteration) and ppo.py --lora_r 4 (1 iteration, then --resume to 2)
 
+then, last, tests/zero3_generation.py on the ZeRO-3 SFT model (it counts the launch's all-gathers).
+
     python tests/zero_stages.py OUT_DIR
 
-One launch instead of seven (a DeepSpeed launch costs ~30 s of imports and setup on 2 cores); accelerate's
+One launch instead of fifteen (a DeepSpeed launch costs ~30 s of imports and setup on 2 cores). accelerate's
 process-wide state is reset between stages, as accelerate's own tests do, so that each stage builds its
-accelerators and DeepSpeed plugins from the launch config afresh.
+accelerators and DeepSpeed plugins afresh from the launch's environment; the ZeRO stage is the one variable
+of that environment a `--zero_stage` launch sets (ACCELERATE_DEEPSPEED_ZERO_STAGE), set here before each
+stage's accelerator reads it.
 """
 import os
 import sys
@@ -24,14 +29,25 @@ PPO = ["--lora_r", "4", "--rollout_batch_size", "4", "--mini_batch_size", "2", "
        "--max_response_len", "8", "--n_eval_prompts", "4", "--eval_every", "1", "--save_every", "1"]
 
 
-def stage(script, *argv):
+def mark(title):
+    """A line that splits the launch's output (rank 0's: what the stages print, they print on rank 0)."""
+    if os.environ.get("RANK", "0") == "0":
+        print(title, flush=True)
+
+
+def reset():
     AcceleratorState._reset_state()
     GradientState._reset_state()
+
+
+def stage(script, *argv):
+    reset()
     out = run_stage(script, *argv)
-    print(f"STAGE {script} {' '.join(a for a in argv if a.startswith('--resume'))}\n{out}", flush=True)
+    zero = AcceleratorState().deepspeed_plugin.zero_stage        # the stage its engines ran under
+    mark(f"STAGE {script} {' '.join(a for a in argv if a.startswith('--resume'))} under ZeRO-{zero}\n{out}")
 
 
-def main(out):
+def stages(out):
     sft, rm, ppo = (os.path.join(out, name) for name in ("sft", "rm", "ppo"))
     stage("sft.py", *TINY, "--max_steps", "2", "--output_dir", sft)
     stage("sft.py", *TINY, "--max_steps", "3", "--output_dir", sft, "--resume")
@@ -41,6 +57,18 @@ def main(out):
     stage("ppo.py", *PPO[2:], "--steps", "1", "--sft_path", sft, "--rm_path", rm, "--output_dir", ppo + "_full")
     stage("ppo.py", *PPO, "--steps", "1", "--sft_path", sft, "--rm_path", rm, "--output_dir", ppo)
     stage("ppo.py", *PPO, "--steps", "2", "--sft_path", sft, "--rm_path", rm, "--output_dir", ppo, "--resume")
+
+
+def main(out):
+    for zero in ("2", "3"):
+        os.environ["ACCELERATE_DEEPSPEED_ZERO_STAGE"] = zero
+        mark(f"ZERO STAGE {zero}")
+        stages(os.path.join(out, f"zero{zero}"))
+    import zero3_generation
+    os.environ["ACCELERATE_DEEPSPEED_ZERO3_INIT"] = "false"     # as `--zero3_init_flag false`: the policy loads
+    reset()                                                     # whole, then the engine partitions it
+    mark("ZERO3 GENERATION")
+    zero3_generation.main(os.path.join(out, "zero3", "sft"))
 
 
 if __name__ == "__main__":

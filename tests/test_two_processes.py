@@ -1,0 +1,172 @@
+"""sft.py and ppo.py with two CPU processes under `accelerate launch` (gloo): the ranks stay in sync and the
+main process alone prints; a signal stops every rank at the same step with one checkpoint, and --resume
+continues with the numbers of an uninterrupted 2-process run: SIGINT to one rank alone (sft.py), and SIGTERM
+to the launcher, which passes it on to its workers, as SLURM / Kubernetes do before preempting (ppo.py).
+
+A launch costs ~15 s of imports and setup on 2 cores: the two interrupted runs are launches of their own (a
+signal ends the process); the rest is one launch of tests/launched_stages.py: the two resumed runs first,
+then the uninterrupted runs they are compared with, and a PPO run with LoRA."""
+import json
+import os
+import pathlib
+import signal
+import subprocess
+import time
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from stages import LAUNCH, comparable
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+SFT = ["--hidden_size", "32", "--num_layers", "1", "--vocab_size", "300", "--batch_size", "4", "--max_prompt_len",
+       "24", "--max_response_len", "12", "--n_eval", "16", "--seed", "3", "--max_steps", "60"]
+
+
+def ppo_flags(tiny_models):
+    return ["--sft_path", str(tiny_models / "sft"), "--rm_path", str(tiny_models / "rm"), "--rollout_batch_size", "4",
+            "--mini_batch_size", "2", "--max_prompt_len", "16", "--max_response_len", "8", "--n_eval_prompts", "4"]
+
+
+def checkpoint_step(output_dir):
+    state = output_dir / "checkpoint" / "trainer_state.pt"
+    return torch.load(state, weights_only=False)["step"] if state.exists() else None
+
+
+def worker(launcher_pid, rank):
+    import psutil
+    for child in psutil.Process(launcher_pid).children(recursive=True):
+        if child.environ().get("RANK") == str(rank):
+            return child.pid
+    raise AssertionError(f"no worker of rank {rank}")
+
+
+def signal_launch(argv, ready, send):
+    """Start `accelerate launch` with two processes, wait until `ready()`, then `send(launcher)` a signal;
+    returns (returncode, stdout, stderr)."""
+    proc = subprocess.Popen([*LAUNCH, *map(str, argv)], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, start_new_session=True)
+    deadline = time.time() + 180
+    while not ready() and time.time() < deadline:
+        time.sleep(0.02)
+    try:
+        send(proc)
+        out, err = proc.communicate(timeout=120)
+    except (AssertionError, subprocess.TimeoutExpired):
+        os.killpg(proc.pid, signal.SIGKILL)                             # e.g. a rank left hanging in a collective
+        raise
+    return proc.returncode, out, err
+
+
+@pytest.fixture(scope="module")
+def sft_interrupted(tmp_path_factory):
+    """sft.py under a 2-process launch, SIGINT to the worker of rank 1 alone once the first checkpoint is
+    there: (output_dir, returncode, stdout, stderr, the step of its checkpoint)."""
+    split = tmp_path_factory.mktemp("sft") / "split"
+    rc, out, err = signal_launch(["sft.py", *SFT, "--eval_every", "1000", "--save_every", "5", "--output_dir", split],
+                                 lambda: (split / "checkpoint" / "trainer_state.pt").exists(),
+                                 lambda launcher: os.kill(worker(launcher.pid, 1), signal.SIGINT))
+    return split, rc, out, err, checkpoint_step(split)
+
+
+@pytest.fixture(scope="module")
+def ppo_interrupted(tiny_models, tmp_path_factory):
+    """ppo.py under a 2-process launch, SIGTERM to the launcher only after two iterations:
+    (output_dir, returncode, stdout, stderr, the iteration of its checkpoint)."""
+    split = tmp_path_factory.mktemp("ppo") / "split"
+    metrics = split / "metrics.jsonl"
+    rc, out, err = signal_launch(["ppo.py", *ppo_flags(tiny_models), "--eval_every", "1000", "--save_every", "1000",
+                                  "--steps", "1000", "--output_dir", split],
+                                 lambda: metrics.exists() and len(metrics.read_text().splitlines()) >= 2,
+                                 lambda launcher: launcher.send_signal(signal.SIGTERM))
+    return split, rc, out, err, checkpoint_step(split)
+
+
+@pytest.fixture(scope="module")
+def launched(tiny_models, tmp_path_factory, sft_interrupted, ppo_interrupted):
+    """One 2-process launch of tests/launched_stages.py: {name: (output_dir, [what rank 0 printed, rank 1])}
+    for the resumed runs (where the interrupted ones left a checkpoint), an uninterrupted SFT run of 60 steps
+    (held-out loss at 30 and 60), an uninterrupted PPO run of 6 iterations and a PPO run with --lora_r 4."""
+    tmp = tmp_path_factory.mktemp("launched")
+    runs = {}
+    if sft_interrupted[-1] is not None:
+        runs["sft_resumed"] = (sft_interrupted[0], ["sft.py", *SFT, "--eval_every", "1000", "--save_every", "1000",
+                                                    "--resume"])
+    done = ppo_interrupted[-1]
+    if done is not None:                          # (the schedule does not depend on --steps)
+        runs["ppo_resumed"] = (ppo_interrupted[0], ["ppo.py", *ppo_flags(tiny_models), "--eval_every", "2",
+                                                    "--steps", str(done + 2), "--resume"])
+    runs["sft"] = (tmp / "sft", ["sft.py", *SFT, "--eval_every", "30", "--save_every", "1000"])
+    runs["ppo"] = (tmp / "ppo", ["ppo.py", *ppo_flags(tiny_models), "--eval_every", "2", "--steps", "6"])
+    runs["ppo_lora"] = (tmp / "ppo_lora", ["ppo.py", *ppo_flags(tiny_models), "--eval_every", "2", "--steps", "3",
+                                           "--lora_r", "4"])
+    lines = [[*argv, "--output_dir", str(out)] for out, argv in runs.values()]
+    proc = subprocess.run([*LAUNCH, "tests/launched_stages.py", str(tmp), json.dumps(lines)], cwd=ROOT,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return {name: (out, [(tmp / f"{i}.{rank}.txt").read_text() for rank in (0, 1)])
+            for i, (name, (out, _)) in enumerate(runs.items())}
+
+
+def metrics(output_dir):
+    return [json.loads(line) for line in open(output_dir / "metrics.jsonl")]
+
+
+def weights(output_dir):
+    return load_file(output_dir / "model.safetensors")
+
+
+@pytest.mark.launch
+def test_sft_under_accelerate_launch_with_two_cpu_processes(launched):
+    out, printed = launched["sft"]
+    assert "2 process(es)" in printed[0]
+    assert "".join(printed).count("held-out loss") == 2                # printed by the main process only
+    assert os.path.exists(out / "model.safetensors")
+
+
+@pytest.mark.launch
+def test_two_cpu_processes_stay_in_sync(launched):
+    out, printed = launched["ppo"]
+    assert "2 process(es)" in printed[0] and "ranks in sync: True" in printed[0]
+    assert len(metrics(out)) == 6                                      # one metrics line per iteration
+
+
+@pytest.mark.launch
+def test_two_cpu_processes_with_lora_stay_in_sync(launched):
+    out, printed = launched["ppo_lora"]
+    assert "2 process(es)" in printed[0] and "ranks in sync: True" in printed[0]
+    assert len(metrics(out)) == 3
+
+
+@pytest.mark.launch
+def test_ctrl_c_to_one_rank_under_accelerate_launch_stops_both_at_one_step_and_resumes_exactly(sft_interrupted,
+                                                                                                 launched):
+    """SIGINT to rank 1 alone must also stop rank 0 at the same step (not leave it waiting for rank 1
+    in a collective), and --resume then ends with the weights of an uninterrupted 2-process run. (A
+    terminal's Ctrl-C reaches every process and the launcher forwards it again: the repeat is covered
+    in test_harness.py.) Evaluations and checkpoints do not move the weights: the interrupted run evaluates
+    never and saves every 5 steps, the others evaluate and save only at the end."""
+    split, rc, out, err, step = sft_interrupted
+    assert rc != 0 and "interrupted after step" in out, err[-3000:]      # printed by rank 0
+    assert "exitcode: -9" not in err and "Signals.SIGKILL" not in err   # no rank had to be killed
+    assert f"interrupted after step {step}:" in out and 5 <= step < 60
+    assert f"resumed at step {step}" in launched["sft_resumed"][1][0]
+    a, b = weights(launched["sft"][0]), weights(split)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.mark.launch
+def test_sigterm_to_a_two_process_launch_checkpoints_and_resumes_to_the_same_numbers(ppo_interrupted, launched):
+    """What SLURM / Kubernetes do before preempting: SIGTERM to the launcher, which passes it on to its
+    workers; both stop at the end of the same iteration with one checkpoint, and --resume continues
+    with the numbers of an uninterrupted 2-process run."""
+    split, rc, out, err, done = ppo_interrupted
+    assert done is not None and f"interrupted after iteration {done}" in out and done >= 2, err[-3000:]
+    assert "Signals.SIGKILL" not in err                                 # no worker had to be killed
+    whole = metrics(launched["ppo"][0])
+    assert done + 2 <= len(whole)
+    resumed = launched["ppo_resumed"][1][0]
+    assert f"resumed at iteration {done}" in resumed and "ranks in sync: True" in resumed
+    # an uninterrupted 2-process run (evaluation aside, same numbers)
+    assert [comparable(r) for r in metrics(split)] == [comparable(r) for r in whole[:done + 2]]
