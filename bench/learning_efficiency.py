@@ -370,7 +370,8 @@ def build_flags(args, task):
 
 def build_segment_rms(args, todo):
     """Train the segment / token RMs that the configurations in `todo` score with, once each, from the
-    task's SFT model (built first if missing) with the sequence RM's flags, segments at SEGMENT_C_ENT."""
+    task's SFT model (built first if missing) with the sequence RM's flags, segments at SEGMENT_C_ENT;
+    an interrupted build resumes from its checkpoint."""
     needed = dict.fromkeys((c.task, unit) for c, _ in todo for unit in ("segment", "token")
                            if f"{{rm_{unit}}}" in c.flags)
     for task, unit in needed:
@@ -384,7 +385,10 @@ def build_segment_rms(args, todo):
         stages.append(["reward_model.py", "--task", task, "--sft_path", sft_path, "--output_dir", path, "--unit", unit,
                        "--c_ent", str(SEGMENT_C_ENT[task]), *rm_args])
         for stage in stages:
-            log = os.path.join(ROOT, stage[stage.index("--output_dir") + 1] + ".log")
+            out = stage[stage.index("--output_dir") + 1]
+            if os.path.isdir(os.path.join(ROOT, out, "checkpoint")):         # an interrupted build continues
+                stage.append("--resume")
+            log = os.path.join(ROOT, out + ".log")
             print(f"[study] {shlex.join(stage)} (log {log})", flush=True)
             with open(log, "a") as f:
                 if subprocess.run([sys.executable, *stage], cwd=ROOT, stdout=f, stderr=subprocess.STDOUT).returncode:
