@@ -203,3 +203,35 @@ def test_sft_with_lora_saves_a_merged_model(tmp_path):
     import sft
     with pytest.raises(SystemExit, match="--lora_r adapts a pretrained --model"):
         sft.main(sft.SFTArgs(lora_r=4, output_dir=str(tmp_path / "x")))
+
+
+def test_lora_critic_reads_the_reward_models_own_weights(tiny_models, tmp_path):
+    """Under LoRA the critic initialised from the RM is the RM's weights plus adapters: no copy of the base
+    (two copies of the base weights in all, the policy's and the RM's), and training the critic leaves
+    the frozen RM's weights and scores as they were."""
+    import data
+    import ppo
+    import reward_model as rm
+    args, code = ppo.resolve(ppo.PPOArgs(sft_path=str(tiny_models / "sft"), rm_path=str(tiny_models / "rm"),
+                                         output_dir=str(tmp_path / "ppo"), lora_r=4))
+    _, policy, critic, ref, reward_model = ppo.load_models(args, code)
+    frozen = {p.data_ptr() for p in critic.parameters() if not p.requires_grad}
+    assert ref is None and frozen == {p.data_ptr() for p in reward_model.parameters()}
+    assert not frozen & {p.data_ptr() for p in policy.parameters()}
+    tokenizer = data.load_tokenizer(tiny_models / "sft")
+    ids, mask, _ = data.encode_prompts(tokenizer, ["\n\nHuman: hi there, how are you\n\nAssistant: fine"] * 2, 24)
+    before = {k: v.clone() for k, v in reward_model.state_dict().items()}
+    with torch.no_grad():
+        score = rm.last_token(rm.token_values(reward_model, ids, mask), mask)
+        values = critic(ids, mask)
+    assert torch.equal(rm.last_token(values, mask), score)          # adapters start as a no-op
+    opt = torch.optim.AdamW([p for p in critic.parameters() if p.requires_grad], lr=0.1)
+    for _ in range(2):
+        critic.train()
+        (critic(ids, mask) - 5).pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+    with torch.no_grad():
+        assert not torch.allclose(critic(ids, mask), values)
+        assert torch.equal(rm.last_token(rm.token_values(reward_model, ids, mask), mask), score)
+    assert all(torch.equal(v, before[k]) for k, v in reward_model.state_dict().items())
