@@ -7,7 +7,8 @@ peak RSS, on the same SFT and RM folders, prompts, batch, lengths and LoRA setti
 Sizes: 16 prompts (at most 48 tokens, the chat template's), at most 64 new tokens, temperature 0.8, one
 PPO epoch over one minibatch of 16, LoRA r=16 (alpha 16) on every linear layer of the policy and of the
 critic (the critic's score head trains too), token-level PPO (ours: --n 1). The first iteration is
-warm-up; the table gives the median of the others. Each side runs in a subprocess of its own and reports
+warm-up; the table gives the median of the others, wall-clock and CPU seconds (all threads of the
+process: the steadier number on a machine shared with other jobs). Each side runs in a subprocess of its own and reports
 its peak resident memory (VmHWM: loading and training), so the two do not share a process.
 
 - ours: the real ppo.py loop (ppo.main), held-out evaluation and the final report left out (they are not
@@ -57,7 +58,22 @@ def peak_rss_mb():
 
 def ours(cli):
     sys.path.insert(0, ROOT)
+    import harness
     import ppo
+    cpu = []            # the CPU seconds of every phase, beside ppo.py's wall-clock laps
+
+    class Both(harness.Stopwatch):
+        def __init__(self):
+            super().__init__()
+            self.cpu_last, self.cpu_laps = time.process_time(), {}
+            cpu.append(self.cpu_laps)
+
+        def lap(self, name):
+            super().lap(name)
+            now = time.process_time()
+            self.cpu_laps[name], self.cpu_last = now - self.cpu_last, now
+
+    harness.Stopwatch = Both
     ppo.evaluate_now = lambda *a, **k: None          # the loop only: no held-out evaluation,
     ppo.finish = lambda *a, **k: None                # no final report
     out = os.path.join(cli.tmp, "ours")
@@ -69,7 +85,10 @@ def ours(cli):
     rows = [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl"))]
     return {"iterations": [{"generate": r["time/generate"], "forwards": r["time/forward"],
                             "update": r["time/macro"] + r["time/update"], "total": r["time/step"],
-                            "response_len": r["response/len"]} for r in rows], "peak_rss_mb": peak_rss_mb()}
+                            "response_len": r["response/len"], "cpu": {"generate": c["generate"], "forwards": c["forward"],
+                                                                      "update": c["macro"] + c["update"],
+                                                                      "total": sum(c.values())}}
+                           for r, c in zip(rows, cpu)], "peak_rss_mb": peak_rss_mb()}
 
 
 def trl(cli):
@@ -99,10 +118,13 @@ def trl(cli):
                        learning_rate=LR, seed=SEED, disable_tqdm=True, logging_steps=1)
     clock = {"gen": [], "grad_fwd": None, "ends": [], "iters": [], "lens": []}
 
+    def stamp():
+        return time.time(), time.process_time()
+
     def timed_generation(*a, **k):
-        t0 = time.time()
+        t0 = stamp()
         query_responses, logits = generation(*a, **k)
-        clock["gen"] = [t0, time.time()]
+        clock["gen"] = [t0, stamp()]
         response = query_responses[:, a[1].shape[1]:]
         eos = (response == tokenizer.eos_token_id)
         clock["lens"].append(torch.where(eos.any(-1), eos.float().argmax(-1) + 1, response.shape[1]).float().mean().item())
@@ -110,16 +132,17 @@ def trl(cli):
 
     def timed_forward(*a, **k):
         if torch.is_grad_enabled() and clock["grad_fwd"] is None:
-            clock["grad_fwd"] = time.time()
+            clock["grad_fwd"] = stamp()
         return forward(*a, **k)
 
     class Ends(TrainerCallback):
         def on_step_end(self, *a, **k):
-            now = time.time()
+            now = stamp()
             (g0, g1), u0 = clock["gen"], clock["grad_fwd"]
-            clock["iters"].append({"generate": g1 - g0, "forwards": u0 - g1, "update": now - u0,
-                                   "total": now - (clock["ends"][-1] if clock["ends"] else clock["t0"]),
-                                   "response_len": clock["lens"][-1]})
+            start = clock["ends"][-1] if clock["ends"] else clock["t0"]
+            phases = (lambda i: {"generate": g1[i] - g0[i], "forwards": u0[i] - g1[i], "update": now[i] - u0[i],
+                                 "total": now[i] - start[i]})
+            clock["iters"].append({**phases(0), "response_len": clock["lens"][-1], "cpu": phases(1)})
             clock["ends"].append(now)
             clock["grad_fwd"] = None
 
@@ -130,7 +153,7 @@ def trl(cli):
                          peft_config=LoraConfig(task_type="CAUSAL_LM", **lora))
     trainer.dataloader = DataLoader(rows, batch_size=B, shuffle=False, drop_last=True,      # our batches, in order
                                     collate_fn=DataCollatorWithPadding(tokenizer))
-    clock["t0"] = time.time()
+    clock["t0"] = stamp()
     trainer.train()
     return {"iterations": clock["iters"], "peak_rss_mb": peak_rss_mb()}
 
@@ -187,17 +210,21 @@ def main():
                for side in ("ours", "trl") if os.path.exists(os.path.join(keep, f"{side}.json"))}
     print(f"\n{B} prompts (<= {PROMPT} tokens, chat template), <= {RESPONSE} new tokens, LoRA r={R} on policy and "
           f"critic, 1 epoch x 1 minibatch, median of the iterations after the first\n")
-    print("| side | generate s | no-grad forwards s | update s | iteration s | response tokens | peak RSS MB | process s | finished |")
+    print("wall-clock seconds (CPU seconds of the process, all threads)\n")
+    print("| side | generate | no-grad forwards | update | iteration | response tokens | peak RSS MB | process s | finished |")
     print("|---|---|---|---|---|---|---|---|---|")
     for side, r in results.items():
         its = r["iterations"][1:]
-        med = {k: statistics.median(i[k] for i in its) for k in its[0]}
-        print(f"| {side} | {med['generate']:.2f} | {med['forwards']:.2f} | {med['update']:.2f} | {med['total']:.2f} | "
-              f"{med['response_len']:.1f} | {r['peak_rss_mb']:.0f} | {r['wall_s']:.0f} | {r['finished']} |")
-    print("\nevery iteration (s: generate / forwards / update / total, response tokens):")
+        cell = (lambda k: f"{statistics.median(i[k] for i in its):.1f} ({statistics.median(i['cpu'][k] for i in its):.1f})")
+        print(f"| {side} | {cell('generate')} | {cell('forwards')} | {cell('update')} | {cell('total')} | "
+              f"{statistics.median(i['response_len'] for i in its):.1f} | {r['peak_rss_mb']:.0f} | {r['wall_s']:.0f} | "
+              f"{r['finished']} |")
+    print("\nevery iteration (wall s, then CPU s: generate / forwards / update / total; response tokens):")
+    phases = ("generate", "forwards", "update", "total")
     for side, r in results.items():
-        print(f"  {side}: " + "; ".join(f"{i['generate']:.1f}/{i['forwards']:.1f}/{i['update']:.1f}/{i['total']:.1f}, "
-                                        f"{i['response_len']:.0f}" for i in r["iterations"]))
+        print(f"  {side}: " + "; ".join("/".join(f"{i[k]:.1f}" for k in phases) + " (" +
+                                        "/".join(f"{i['cpu'][k]:.1f}" for k in phases) + f"), {i['response_len']:.0f}"
+                                        for i in r["iterations"]))
     print(f"\nraw: {keep}/<side>.json")
 
 
