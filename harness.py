@@ -17,6 +17,7 @@ Checkpoint layout, the same for every stage:
         trainer_state.pt    step, optimizer / schedule states, RNG states, the run's arguments
 """
 import contextlib
+import copy
 import math
 import os
 import random
@@ -266,6 +267,14 @@ def with_lora(model, r, alpha, target_modules, task_type):
     targets = target_modules if target_modules == "all-linear" else target_modules.split(",")
     return get_peft_model(model, LoraConfig(r=r, lora_alpha=alpha, lora_dropout=0.0, target_modules=targets,
                                             task_type=task_type))
+
+
+def twin(model):
+    """A second module tree over `model`'s own parameter and buffer tensors: no copy of the weights.
+    Under LoRA the critic is a twin of the frozen reward model with adapters (and its own score head)
+    on top: both read one copy of the base weights, which neither changes (the base stays frozen)."""
+    shared = {id(t): t for t in (*model.parameters(), *model.buffers())}
+    return copy.deepcopy(model, memo=shared)
 
 
 def load_lora(base, adapters):

