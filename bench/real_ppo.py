@@ -24,8 +24,8 @@ its peak resident memory (VmHWM: loading and training), so the two do not share 
 
 TRL stays out of the project's requirements: it runs in a virtual environment of its own,
 
-    python3 -m venv /work/trl-venv
-    /work/trl-venv/bin/pip install trl==1.12.0 torch==2.13.0 transformers==5.23.0 peft==0.21.2 \\
+    python3 -m venv .venv-trl              # in the repository root; git ignores it
+    .venv-trl/bin/pip install trl==1.12.0 torch==2.13.0 transformers==5.23.0 peft==0.21.2 \\
         accelerate==1.15.0 datasets==5.2.0       # torch pinned: the CPU wheel, not a CUDA build
 
 and --trl_python points at its interpreter. This file runs under both: the TRL side imports nothing
@@ -180,7 +180,7 @@ def main():
     parser.add_argument("--rm_path", required=True, help="reward model folder (reward_model.py's output)")
     parser.add_argument("--task", default="chitchat", help="the task whose PPO prompts are used")
     parser.add_argument("--steps", type=int, default=4, help="iterations per side, the first one warm-up")
-    parser.add_argument("--trl_python", default="/work/trl-venv/bin/python", help="python of the TRL venv")
+    parser.add_argument("--trl_python", default=".venv-trl/bin/python", help="python of the TRL venv")
     parser.add_argument("--sides", default="ours,trl", help="which sides to run, in this order")
     parser.add_argument("--results_dir", default="", help="keep each side's timings here (<side>.json) and print the "
                         "table of every side found there: one side per call, e.g. with a pause in between")
@@ -192,6 +192,8 @@ def main():
     if cli.side:
         json.dump({"ours": ours, "trl": trl}[cli.side](cli), open(cli.result, "w"))
         return
+    if "trl" in cli.sides.split(",") and not os.path.exists(cli.trl_python):
+        sys.exit(f"error: --trl_python {cli.trl_python!r} does not exist: make TRL's venv first (see --help)")
     tmp = tempfile.mkdtemp(prefix="real_ppo_bench_")
     keep = cli.results_dir or tmp
     os.makedirs(keep, exist_ok=True)
