@@ -182,8 +182,10 @@ def test_a_non_finite_loss_on_one_process_is_seen_by_every_process(tmp_path):
         ok = torch.tensor(2.0)
         print(f"rank {{acc.process_index}}: nan seen {{not harness.all_finite(acc, ok, loss)}}, "
               f"finite seen {{harness.all_finite(acc, ok)}}", flush=True)
+        acc.wait_for_everyone()                      # neither rank leaves while the other still talks to it
+        torch.distributed.destroy_process_group()
     """))
     out = subprocess.run([*LAUNCH, str(script)], capture_output=True, text=True, timeout=300)
-    assert out.returncode == 0, out.stderr[-2000:]
     for rank in (0, 1):
-        assert f"rank {rank}: nan seen True, finite seen True" in out.stdout, out.stdout
+        assert f"rank {rank}: nan seen True, finite seen True" in out.stdout, out.stdout + out.stderr[-3000:]
+    assert out.returncode == 0, out.stderr[-3000:]
