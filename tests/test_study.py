@@ -101,6 +101,30 @@ def test_a_configurations_own_flags_win_over_the_tasks_and_segment_arms_point_at
                for x in (a, b, c, d, e))
 
 
+def test_the_real_model_arms_run_the_recipe_on_their_own_models_and_are_scored_in_its_prompt_format():
+    """The real-model configurations train and are scored on the SmolLM2 SFT / RM with the chat template and
+    96-token prompts; their own run length beats the study's; `all` leaves them out."""
+    from transformers import HfArgumentParser
+    import ppo
+    args = argparse.Namespace(steps=120, eval_every=10, n_eval_prompts=128, ppo_args="", count_args="", code_args="",
+                              win_prompts=256, seed_eval=7, models={"chitchat": ("runs/chitchat/sft", "runs/chitchat/rm"),
+                                                                    "smollm2": ("s/sft", "s/rm")})
+    h = study.HYPOTHESES["real"]
+    for config in h.configs:
+        parsed = HfArgumentParser(ppo.PPOArgs).parse_args_into_dataclasses(args=study.ppo_flags(args, config, 2, "o"))[0]
+        assert (parsed.sft_path, parsed.rm_path, parsed.task, parsed.chat_template) == ("s/sft", "s/rm", "chitchat", True)
+        assert (parsed.steps, parsed.eval_every, parsed.n_eval_prompts, parsed.max_prompt_len) == (30, 5, 32, 96)
+        assert (parsed.lora_r, parsed.reward, parsed.rollout_batch_size) == (16, "gold", 16)
+        assert parsed.n == int(config.flag("--n")) and config.flag("--steps") == "30"
+        e = study.final_eval_args(args, "o", config)
+        assert (e.sft_path, e.rm_path, e.chat_template, e.max_prompt_len, e.n_prompts, e.seed) == (
+            "s/sft", "s/rm", True, 96, study.REAL_WIN_PROMPTS, 7)
+    assert parsed.sigma == "first" and h.configs[1].partner == h.configs[2].partner == h.configs[0].name
+    plain = study.final_eval_args(args, "o", study.PPO)
+    assert (plain.sft_path, plain.chat_template, plain.max_prompt_len, plain.n_prompts) == ("runs/chitchat/sft", False, 48, 256)
+    assert study.PPO.flag("--steps") is None and study.PPO.flag("--steps", 9) == 9
+
+
 @pytest.mark.parametrize("text, errors", [
     (" 3, 4, 5, 6.", []),
     (" 3, 4, 4, 5, 6.", [(4, 5)]),           # an extra 4 (the judge's alignment marks the first)
