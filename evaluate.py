@@ -385,10 +385,13 @@ class Context:
         harness.require_model_dir(args.sft_path, "SFT model", "Train it with sft.py (or run ppo.py once).")
         self.args, self.code = args, args.task in data.CODE_TASKS
         self.tokenizer = data.load_tokenizer(args.sft_path)
-        self.rm = None                                     # code tasks have none: their reward is running the code
+        self.rm = self.segmenter = None                    # code tasks have none: their reward is running the code
         if not self.code:
             harness.require_model_dir(args.rm_path, "reward model", "Train it with reward_model.py (or run ppo.py once).")
             self.rm = rm.load_reward_model(args.rm_path)[0].eval()
+            settings = rm.read_segment_settings(args.rm_path)      # a segment / token RM scores e(x, y)
+            if settings:
+                self.segmenter = rm.segment_scorer(settings, self.model("sft"), self.tokenizer.eos_token_id)
         self.rows = data.with_chat_template(data.first_row_per_prompt(
             data.load_task(args.task, only=("test",))["test"])[:args.n_prompts], self.tokenizer, args.chat_template)
         self.prompts = [r["prompt"] for r in self.rows]
@@ -414,7 +417,7 @@ class Context:
         if self.rm is None:
             raise SystemExit(f"error: task {self.args.task!r} has no reward model; use `passk` for code tasks")
         return rm.score(self.rm, self.tokenizer, self.prompts if prompts is None else prompts, texts,
-                        self.args.max_prompt_len, self.args.max_response_len).tolist()
+                        self.args.max_prompt_len, self.args.max_response_len, segmenter=self.segmenter).tolist()
 
     def gold(self, texts, prompts=None):
         if self.args.task not in data.GOLD_JUDGES:

@@ -404,9 +404,12 @@ def parsing_starts(response_ids, mask, tokenizer, cutoff=5, language="text",
 
 def segment_mask(response_ids, mask, eos_token_id):
     """The released code's rule: EOS belongs to no segment, so the last segment ends at the token
-    before it. A response that is EOS alone keeps it, as one segment. Segments by entropy are then
-    `entropy_starts(entropy, segment_mask(ids, mask, eos), c_ent)`."""
-    return mask.bool() & ((response_ids != eos_token_id) | (_positions(mask) == 0))
+    before it; nothing after the first EOS belongs to one either (dataset text may hold an EOS
+    inside a response). A response that is EOS alone keeps it, as one segment. Segments by entropy
+    are then `entropy_starts(entropy, segment_mask(ids, mask, eos), c_ent)`."""
+    m = mask.bool()
+    eos = (response_ids == eos_token_id) & m & (_positions(mask) > 0)
+    return m & (eos.long().cumsum(-1) == 0)
 
 
 def segment_ends(starts, mask):

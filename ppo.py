@@ -39,7 +39,7 @@ class PPOArgs:
     c_ent: float = field(default=0.0, metadata={"help": "--termination segment with --reward rm or gold: the SFT entropy threshold (nats) of the segments, e.g. a segment RM's c_ent to compare on the same segments; 0 = read the --rm_path's segment_reward.json"})
     seg_norm: str = field(default="regression", metadata={"help": "--reward segment: normalizer of the segment rewards: regression (Mean(p), Std(p) on log p, the paper's) | global | last (one mean and std) | none"})
     seg_interp: str = field(default="even", metadata={"help": "--reward segment: a segment's reward on its tokens: even (divided by its length, the paper's) | repeat (on every token) | end (on its last token)"})
-    reward_clip: float = field(default=10.0, metadata={"help": "--reward segment: per-token reward (segment reward and KL penalty) clipped to [-c, c] as in the released code; 0 = off"})
+    reward_clip: float = field(default=10.0, metadata={"help": "--reward segment: the per-token segment rewards clipped to [-c, c] before the KL penalty is added, as in the released code; 0 = off"})
     critic_warmup: int = field(default=0, metadata={"help": "value-only updates for the first k iterations, the policy not stepped (OpenRLHF's --freezing_actor_steps)"})
     sigma: str = field(default="equal", metadata={"help": "macro value weights: equal | unit | position | first (App. D.1)"})
     reward_agg: str = field(default="sum", metadata={"help": "macro reward: sum (the paper's equation) | mean (the released code: each macro action's KL penalty averaged, the score kept whole)"})
@@ -167,15 +167,18 @@ def macro_starts(termination, response_ids, response_mask, *, n=5, logprobs=None
     raise ValueError(f"unknown --termination {termination!r}")
 
 
-def token_rewards_of(kl_rewards, score, response_mask, starts, agg="sum", dense=None, clip=0.0):
-    """3. Per-token rewards: the KL rewards with the score at the last real token (`macro_rewards`), plus
-    the `dense` segment rewards when given, then clipped to [-clip, clip] (0 = off) as the segment
-    rewards' released code clips the combined per-token reward."""
-    rewards = ma.macro_rewards(kl_rewards, score, response_mask, starts, agg)
+def token_rewards_of(kl_rewards, score, response_mask, starts, agg="sum", dense=None, penalty=None, clip=0.0):
+    """3. Per-token rewards [B, R]: the KL rewards with the sequence `score` [B] at the last real token
+    (`macro_rewards`). With `dense` segment rewards [B, R] the score (e, their mean) is only logged:
+    the tokens get the KL rewards plus `dense`, clipped to [-clip, clip] (0 = off; the released code
+    clips the segment rewards, not the KL term), plus the missing-EOS `penalty` [B] at the last real
+    token. So a segment reward equal to the score at the last token gives exactly the score's rewards."""
     if dense is None:
-        return rewards
-    rewards = rewards + dense
-    return rewards.clamp(-clip, clip) if clip else rewards
+        return ma.macro_rewards(kl_rewards, score, response_mask, starts, agg)
+    dense = dense.clamp(-clip, clip) if clip else dense
+    penalty = torch.zeros_like(score) if penalty is None else penalty
+    return (ma.macro_rewards(kl_rewards, torch.zeros_like(score), response_mask, starts, agg)
+            + ma.macro_rewards(dense, penalty, response_mask, starts))
 
 
 def ppo_losses(logp, old_logp, values, old_values, advantages, returns, response_mask, starts, *,
@@ -227,6 +230,8 @@ def resolve(args):
         sys.exit(f"error: --seg_norm {args.seg_norm!r}: choose regression, global, last or none")
     if args.seg_interp not in ("even", "repeat", "end"):
         sys.exit(f"error: --seg_interp {args.seg_interp!r}: choose even, repeat or end")
+    if args.reward_clip < 0:
+        sys.exit(f"error: --reward_clip {args.reward_clip}: a bound (> 0) or 0 for none")
     if args.reward == "gold" and args.task not in data.GOLD_JUDGES:
         sys.exit(f"error: --reward gold needs a task with a gold judge ({', '.join(data.GOLD_JUDGES)}), not {args.task!r}")
     return args, code
@@ -357,6 +362,10 @@ def main(args):
     build_default(args, acc, code)
     tokenizer, policy, critic, ref, reward_model = load_models(args, code, harness.is_sharded(acc))
     segments = rm.load_segment_settings(args) if "segment" in (args.reward, args.termination) else None
+    trained_on = (segments or {}).get("sft_path")
+    if trained_on and os.path.realpath(trained_on) != os.path.realpath(args.sft_path):
+        log(f"[ppo] warning: the segment RM's segments come from the SFT model {trained_on}, this run's is "
+            f"{args.sft_path}: its entropies, and so its segments, may differ from the RM's training")
     scorer = rm.segment_scorer(segments if args.reward == "segment" else None, ref, tokenizer.eos_token_id)
     score_name = "exec" if code else args.reward          # reward/<score_name> in the metrics
     splits = data.load_task(args.task, only=("ppo", "test"))
@@ -455,8 +464,8 @@ def main(args):
                                             tokenizer=tokenizer, cutoff=args.cutoff, generator=generator,
                                             language="python" if code else "text", segments=seg_starts)
             # 5. Advantages (§3.3, Eq. 4-5): macro rewards R_tau, sigma-weighted macro values, macro GAE
-            token_rewards = token_rewards_of(kl_rewards, score if dense is None else penalty, response_mask, starts,
-                                             args.reward_agg, dense, args.reward_clip)
+            token_rewards = token_rewards_of(kl_rewards, score, response_mask, starts, args.reward_agg, dense, penalty,
+                                             args.reward_clip)
             advantages, returns = ma.macro_advantages(old_values, token_rewards, response_mask, starts, args.gamma,
                                                       args.lam, args.sigma)
             raw_adv = advantages

@@ -15,6 +15,7 @@ by the mean of its segment rewards, and saves its settings and location-aware no
 """
 import functools
 import json
+import math
 import os
 import sys
 from dataclasses import dataclass, field
@@ -245,7 +246,9 @@ def fit_location_normalizer(p, r, decimals=3, epsilon=1.35):
         raise ValueError("positions p must lie in (0, 1] (drop padding) and rewards r must be finite")
     if not (p == 1).any():
         raise ValueError("no last segment (p = 1) in the calibration data")
-    key = torch.round(p, decimals=decimals).clamp(min=10.0 ** -decimals)
+    # rounded as Python's round() does (the decimal nearest to each float), once per distinct position
+    distinct, index = torch.unique(p, return_inverse=True)
+    key = torch.tensor([max(round(x, decimals), 10.0 ** -decimals) for x in distinct.tolist()], dtype=p.dtype)[index]
     buckets, index = torch.unique(key, return_inverse=True)
     zeros = torch.zeros_like(buckets)
     count = zeros.scatter_add(0, index, torch.ones_like(r))
@@ -268,8 +271,8 @@ def _field(norm, *path):
         if not isinstance(value, dict) or name not in value:
             raise ValueError(f"segment normalizer: missing field {'.'.join(path[:i + 1])!r}")
         value = value[name]
-    if not isinstance(value, (int, float)) or isinstance(value, bool) or value != value:
-        raise ValueError(f"segment normalizer: field {'.'.join(path)!r} must be a number, got {value!r}")
+    if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value):
+        raise ValueError(f"segment normalizer: field {'.'.join(path)!r} must be a finite number, got {value!r}")
     return float(value)
 
 
@@ -283,6 +286,8 @@ def normalize_segment_rewards(r, p, norm, how="regression"):
         kind = norm.get("kind") if isinstance(norm, dict) else type(norm).__name__
         raise ValueError(f"segment normalizer: kind {kind!r}, expected {NORMALIZER_KIND!r} (fit_location_normalizer)")
     floor = _field(norm, "std_floor")
+    if floor <= 0:
+        raise ValueError(f"segment normalizer: field 'std_floor' must be positive, got {floor}")
     if how == "regression":
         log_p = p.clamp(min=1e-12).log()
         mean = _field(norm, "mean", "w") * log_p + _field(norm, "mean", "b")
@@ -345,6 +350,12 @@ def segment_scorer(settings, sft, eos_token_id):
         return None
     return functools.partial(segment_layout, sft, unit=settings["unit"], c_ent=settings.get("c_ent"),
                              eos_token_id=eos_token_id)
+
+
+def read_segment_settings(rm_path):
+    """The settings a segment / token RM saved beside its weights (`SEGMENT_FILE`); None for a sequence RM."""
+    path = os.path.join(rm_path, SEGMENT_FILE)
+    return json.load(open(path)) if os.path.exists(path) else None
 
 
 def load_segment_settings(args):

@@ -19,10 +19,10 @@ def close(x, rows, atol=1e-6):
 
 
 def mixed_batch(seed=0):
-    """Rows of mixed lengths: truncated (no EOS), ending in EOS, EOS alone, one token, empty."""
+    """Rows of mixed lengths: truncated (no EOS), ending in EOS, EOS alone, one token, empty, an EOS inside."""
     g = torch.Generator().manual_seed(seed)
     rows = [[5, 6, 7, 8, 9, 10, 11, EOS], [5, 6, 7, 8, 9, 10, 11, 12, 13, 14], [EOS], [7], [], [9, 9, EOS],
-            [3] * 15 + [EOS]]
+            [3] * 15 + [EOS], [5, EOS, 6, 7, EOS]]
     ids, mask = pad_right(rows)
     entropy = torch.rand(ids.shape, generator=g) * 3 + 5 * (1 - mask)         # padding: high entropy
     values = torch.randn(ids.shape, generator=g)
@@ -46,8 +46,7 @@ def test_worked_example_by_hand():
     # head values at segment ends -> segment rewards; e = their mean
     r_end = values * ends
     assert close(r_end, [[0, 0.8, 0, 0, -0.4, 0], [1.0, -2.0, 0.4, 0, 0, 0]])
-    e = r_end.sum(-1) / ends.sum(-1)
-    assert e.tolist() == pytest.approx([0.2, -0.2])
+    assert rm.segment_evaluation(values, ends).tolist() == pytest.approx([0.2, -0.2])     # e: (0.8 - 0.4) / 2, ...
     # p = k / K
     p = ma.segment_positions(starts, inside)
     assert close(p, [[0.5, 0.5, 1, 1, 1, 0], [1 / 3, 2 / 3, 1, 0, 0, 0]])
@@ -75,7 +74,7 @@ def test_entropy_segments_with_eos_rule_match_loop(c_ent):
     starts = ma.entropy_starts(entropy, inside, c_ent)
     ref_starts, ref_inside = segments_loop(entropy, ids, mask, c_ent, EOS)
     assert torch.equal(inside, ref_inside) and torch.equal(starts, ref_starts)
-    assert inside.sum(-1).tolist() == [7, 10, 1, 1, 0, 2, 15]                # EOS out unless alone
+    assert inside.sum(-1).tolist() == [7, 10, 1, 1, 0, 2, 15, 1]      # EOS out unless alone; nothing after the first
 
 
 @pytest.mark.parametrize("how", HOWS)
@@ -162,6 +161,17 @@ def test_bucket_statistics_match_loop():
     assert norm["n_segments"] == 400 and norm["decimals"] == 3 and norm["epsilon"] == 1.35
 
 
+def test_buckets_round_positions_like_the_loop_where_the_product_by_1000_ties():
+    """k / K with K = 80, 160, 400 (1/80 = 0.0125 as a float is a little above the half: 0.013), the
+    long segments of long answers: the buckets are Python's round() of each position."""
+    p = torch.tensor([k / K for K in (80, 160, 400) for k in range(1, K + 1)], dtype=torch.float64)
+    r = torch.randn(len(p), generator=torch.Generator().manual_seed(5), dtype=torch.float64)
+    norm = rm.fit_location_normalizer(p, r)
+    ref = bucket_stats_loop(p.tolist(), r.tolist(), 3)
+    assert 0.013 in norm["buckets"]["p"] and norm["buckets"]["p"] == pytest.approx(sorted(ref), abs=0)
+    assert norm["buckets"]["count"] == [ref[k][0] for k in sorted(ref)]
+
+
 def test_exact_line_when_bucket_statistics_are_collinear_in_log_p():
     p, r = on_a_line()
     norm = rm.fit_location_normalizer(p, r)
@@ -232,7 +242,10 @@ def test_global_last_and_none_normalizations():
     ({"kind": "segment_location"}, "missing field 'std_floor'"),
     ({"kind": "segment_location", "std_floor": 0.1, "mean": {"w": 1.0}}, "missing field 'mean.b'"),
     ({"kind": "segment_location", "std_floor": 0.1, "mean": {"w": 1.0, "b": 0.0}}, "missing field 'std'"),
-    ({"kind": "segment_location", "std_floor": 0.1, "mean": {"w": "1", "b": 0.0}}, "'mean.w' must be a number"),
+    ({"kind": "segment_location", "std_floor": 0.1, "mean": {"w": "1", "b": 0.0}}, "'mean.w' must be a finite number"),
+    ({"kind": "segment_location", "std_floor": math.inf}, "'std_floor' must be a finite number"),
+    ({"kind": "segment_location", "std_floor": 0.0}, "'std_floor' must be positive"),
+    ({"kind": "segment_location", "std_floor": -0.1}, "'std_floor' must be positive"),
 ])
 def test_missing_or_mismatched_normalizer_is_refused(broken, message):
     with pytest.raises(ValueError, match=message):
@@ -332,9 +345,11 @@ def test_unknown_unit_is_refused(tiny_models, tmp_path):
 # --- PPO on segment rewards (ppo.py --reward segment, --termination segment, --critic_warmup) ----------
 
 @pytest.mark.parametrize("n", [1, 5, None])
-def test_sequence_rm_through_the_segment_path_is_exactly_reward_rm(n):
+@pytest.mark.parametrize("agg", ["sum", "mean"])
+def test_sequence_rm_through_the_segment_path_is_exactly_reward_rm(n, agg):
     """The bandit identity: one segment holding the whole response (EOS included), its reward on its last
-    token, no normalization, gives the per-token rewards and the advantages of --reward rm exactly."""
+    token, no normalization, gives the per-token rewards and the advantages of --reward rm exactly, called
+    as ppo.main calls token_rewards_of (the score with the missing-EOS penalty in it, the penalty apart)."""
     import ppo
     ids, mask, _, _ = mixed_batch(3)
     g = torch.Generator().manual_seed(3)
@@ -344,21 +359,37 @@ def test_sequence_rm_through_the_segment_path_is_exactly_reward_rm(n):
     kl_rewards = torch.randn(ids.shape, generator=g) * 0.05 * mask
     old_values = torch.randn(ids.shape, generator=g) * mask
     starts = ma.fixed_ngram_starts(mask, n)
+    penalty = -0.7 * ~((ids == EOS) & mask.bool()).any(-1)             # --missing_eos_penalty -0.7
     # --reward rm: the head at the last real token; an empty response's last real token is a prompt token
-    score = rm.last_token(head, attention)
-    seq_rewards = ppo.token_rewards_of(kl_rewards, score, mask, starts)
+    raw = rm.last_token(head, attention)
+    score = raw + penalty
+    seq_rewards = ppo.token_rewards_of(kl_rewards, score, mask, starts, agg)
     settings = {"unit": "sequence", "normalizer": None}
     seg_starts, inside = rm.rollout_segments(settings, ids, mask, EOS, None)
     dense, e, _ = rm.segment_rewards(head[:, P:], seg_starts, inside, settings, how="none", interp="end")
-    seg_rewards = ppo.token_rewards_of(kl_rewards, torch.zeros(len(ids)), mask, starts, dense=dense, clip=0.0)
+    seg_rewards = ppo.token_rewards_of(kl_rewards, e + penalty, mask, starts, agg, dense, penalty, clip=0.0)
     real = mask.sum(-1) > 0
-    assert torch.equal(e[real], score[real])
+    assert torch.equal(e[real], raw[real]) and (penalty[real] != 0).any()
     assert torch.equal(seg_rewards[real], seq_rewards[real])
     adv_seq = ma.macro_advantages(old_values, seq_rewards, mask, starts)
     adv_seg = ma.macro_advantages(old_values, seg_rewards, mask, starts)
     assert all(torch.equal(a[real], b[real]) for a, b in zip(adv_seq, adv_seg))
-    clipped = ppo.token_rewards_of(kl_rewards, torch.zeros(len(ids)), mask, starts, dense=dense * 100, clip=10.0)
-    assert clipped.abs().max() <= 10.0 and (clipped.abs() == 10.0).any()
+
+
+def test_reward_clip_bounds_the_segment_rewards_not_the_kl_penalty():
+    """--reward_clip c as in the released code: the segment rewards clipped to [-c, c], then the KL rewards
+    (unclipped) and the missing-EOS penalty added."""
+    import ppo
+    ids, mask, _, values = mixed_batch(2)
+    starts = ma.fixed_ngram_starts(mask, 1)
+    kl_rewards = torch.randn(ids.shape, generator=torch.Generator().manual_seed(4)) * 30 * mask   # beyond the clip
+    dense, penalty = values * 100 * mask, torch.full((len(ids),), -1.0)
+    got = ppo.token_rewards_of(kl_rewards, torch.zeros(len(ids)), mask, starts, dense=dense, penalty=penalty, clip=10.0)
+    last = torch.nn.functional.one_hot((mask.sum(-1) - 1).clamp(min=0), ids.shape[1]).float()
+    assert torch.allclose(got, kl_rewards + dense.clamp(-10, 10) - last, atol=1e-5)
+    assert (dense.abs() > 10).any() and (kl_rewards.abs() > 10).any()
+    assert torch.equal(ppo.token_rewards_of(kl_rewards, torch.zeros(len(ids)), mask, starts, dense=dense, clip=0.0),
+                       kl_rewards + dense)
 
 
 def test_segment_rewards_spread_normalized_rewards_and_report_their_stats():
@@ -469,9 +500,19 @@ def test_termination_segment_under_a_sequence_rm_takes_its_segments_from_c_ent(t
     for c_ent in (1e-6, 1e6):
         ppo.main(ppo_args(tiny_models, tiny_models / "rm", tmp_path / str(c_ent), termination="segment", c_ent=c_ent))
         rows = [json.loads(line) for line in open(tmp_path / str(c_ent) / "metrics.jsonl")]
-        lengths[c_ent] = [(row["macro/mean_len"], row["response/len"]) for row in rows]
-    assert all(macro == 1.0 for macro, _ in lengths[1e-6])
-    assert all(macro == length for macro, length in lengths[1e6]) and any(length > 1 for _, length in lengths[1e6])
+        lengths[c_ent] = [(row["macro/mean_len"], row["response/len"], row["response/eos_rate"]) for row in rows]
+    for macro, _, eos in lengths[1e-6]:      # every token but EOS starts one; EOS joins the last
+        assert macro == 1.0 if eos == 0 else 1.0 < macro <= 2.0
+    assert all(macro == length for macro, length, _ in lengths[1e6]) and any(length > 1 for _, length, _ in lengths[1e6])
+
+
+def test_eos_joins_the_last_segments_macro_action():
+    import ppo
+    ids, mask = pad_right([[5, 6, 7, EOS], [5, 6, 7, 8], [EOS], [5, EOS, 6]])
+    starts, _ = rm.rollout_segments({"unit": "segment", "c_ent": 1e-6}, ids, mask, EOS, torch.full(ids.shape, 0.5))
+    macro, _ = ppo.macro_starts("segment", ids, mask, segments=starts)
+    assert macro.tolist() == [[1, 1, 1, 0], [1, 1, 1, 1], [1, 0, 0, 0], [1, 0, 0, 0]]
+    assert (mask.sum(-1) / macro.sum(-1)).tolist() == pytest.approx([4 / 3, 1.0, 1.0, 3.0])
 
 
 def test_c_ent_is_refused_where_the_segments_are_the_segment_rms(tiny_models, segment_rm, tmp_path):
@@ -496,6 +537,31 @@ def test_reward_segment_refuses_a_sequence_rm_or_a_broken_settings_file(tiny_mod
         (rm_path / rm.SEGMENT_FILE).write_text(json.dumps(settings))
     with pytest.raises(SystemExit, match=message):
         ppo.main(ppo_args(tiny_models, rm_path, tmp_path / "out", reward="segment"))
+
+
+def test_a_negative_reward_clip_is_refused(tiny_models, segment_rm, tmp_path):
+    import ppo
+    with pytest.raises(SystemExit, match="--reward_clip -5"):
+        ppo.main(ppo_args(tiny_models, segment_rm, tmp_path, reward="segment", reward_clip=-5.0))
+
+
+def test_evaluate_scores_a_segment_rm_with_e_on_its_segments(tiny_models, segment_rm, tmp_path):
+    """evaluate.py's RM score of a segment RM is e(x, y) on the SFT model's segments, as in its training
+    and in ppo.py's held-out score, not the head at the last token."""
+    import evaluate
+    from transformers import AutoModelForCausalLM
+    ctx = evaluate.Context(evaluate.EvalArgs(sft_path=str(tiny_models / "sft"), rm_path=str(segment_rm), n_prompts=4,
+                                             output_dir=str(tmp_path)))
+    texts = [r["chosen"] for r in ctx.rows]
+    settings = rm.read_segment_settings(str(segment_rm))
+    sft_model = AutoModelForCausalLM.from_pretrained(tiny_models / "sft").eval()
+    scorer = rm.segment_scorer(settings, sft_model, ctx.tokenizer.eos_token_id)
+    want = rm.score(ctx.rm, ctx.tokenizer, ctx.prompts, texts, 48, ctx.args.max_response_len, segmenter=scorer)
+    last = rm.score(ctx.rm, ctx.tokenizer, ctx.prompts, texts, 48, ctx.args.max_response_len)
+    assert ctx.rm_scores(texts) == want.tolist() and not torch.allclose(want, last)
+    plain = evaluate.Context(evaluate.EvalArgs(sft_path=str(tiny_models / "sft"), rm_path=str(tiny_models / "rm"),
+                                               n_prompts=4, output_dir=str(tmp_path)))
+    assert plain.segmenter is None
 
 
 def test_reward_segment_refuses_lora(tiny_models, segment_rm, tmp_path):
