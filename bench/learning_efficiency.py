@@ -430,15 +430,22 @@ def build_segment_rms(args, todo):
             ["sft.py", "--task", task, "--output_dir", sft_path, *sft_args]]
         stages.append(["reward_model.py", "--task", task, "--sft_path", sft_path, "--output_dir", path, "--unit", unit,
                        "--c_ent", str(SEGMENT_C_ENT[task]), *rm_args])
-        for stage in stages:
-            out = stage[stage.index("--output_dir") + 1]
-            if os.path.isdir(os.path.join(ROOT, out, "checkpoint")):         # an interrupted build continues
-                stage.append("--resume")
-            log = os.path.join(ROOT, out + ".log")
-            print(f"[study] {shlex.join(stage)} (log {log})", flush=True)
-            with open(log, "a") as f:
-                if subprocess.run([sys.executable, *stage], cwd=ROOT, stdout=f, stderr=subprocess.STDOUT).returncode:
-                    sys.exit(f"error: {shlex.join(stage)} failed; see {log}")
+        run_stages(stages)
+
+
+def run_stages(stages):
+    """Run sft.py / reward_model.py command lines in order, each logged to <its --output_dir>.log; an
+    interrupted one continues from its checkpoint; a failure stops the study."""
+    for stage in stages:
+        out = stage[stage.index("--output_dir") + 1]
+        if os.path.isdir(os.path.join(ROOT, out, "checkpoint")):
+            stage = [*stage, "--resume"]
+        log = os.path.join(ROOT, out + ".log")
+        print(f"[study] {shlex.join(stage)} (log {log})", flush=True)
+        os.makedirs(os.path.dirname(log), exist_ok=True)
+        with open(log, "a") as f:
+            if subprocess.run([sys.executable, *stage], cwd=ROOT, stdout=f, stderr=subprocess.STDOUT).returncode:
+                sys.exit(f"error: {shlex.join(stage)} failed; see {log}")
 
 
 def smollm2_gguf():
@@ -452,30 +459,23 @@ def smollm2_gguf():
     return path
 
 
+def real_model_stages(models, gguf):
+    """The recipe's sft.py and reward_model.py command lines that build the real model's SFT and RM
+    (`models`: their folders) from the GGUF file, chat template and 96-token prompts in both."""
+    sft_path, rm_path = models
+    return [["sft.py", "--task", "chitchat", "--model", gguf, "--output_dir", sft_path, *REAL_STAGE_FLAGS, *REAL_SFT_FLAGS],
+            ["reward_model.py", "--task", "chitchat", "--sft_path", sft_path, "--output_dir", rm_path,
+             *REAL_STAGE_FLAGS, *REAL_RM_FLAGS]]
+
+
 def build_real_models(args, todo):
-    """The real model's SFT and RM (args.models["smollm2"]) from the GGUF file, the recipe's flags, once;
-    an interrupted build resumes from its checkpoint."""
+    """The real model's SFT and RM (args.models["smollm2"]), once, before its first run."""
     if not any(c.model == "smollm2" for c, _ in todo):
         return
-    sft_path, rm_path = args.models["smollm2"]
-    stages = [["sft.py", "--task", "chitchat", "--model", None, "--output_dir", sft_path, *REAL_STAGE_FLAGS,
-               *REAL_SFT_FLAGS],
-              ["reward_model.py", "--task", "chitchat", "--sft_path", sft_path, "--output_dir", rm_path,
-               *REAL_STAGE_FLAGS, *REAL_RM_FLAGS]]
-    for stage in stages:
-        out = stage[stage.index("--output_dir") + 1]
-        if os.path.exists(os.path.join(ROOT, out, "config.json")):
-            continue
-        if None in stage:
-            stage[stage.index(None)] = smollm2_gguf()
-        if os.path.isdir(os.path.join(ROOT, out, "checkpoint")):
-            stage.append("--resume")
-        log = os.path.join(ROOT, out + ".log")
-        print(f"[study] {shlex.join(stage)} (log {log})", flush=True)
-        os.makedirs(os.path.dirname(log), exist_ok=True)
-        with open(log, "a") as f:
-            if subprocess.run([sys.executable, *stage], cwd=ROOT, stdout=f, stderr=subprocess.STDOUT).returncode:
-                sys.exit(f"error: {shlex.join(stage)} failed; see {log}")
+    missing = [p for p in args.models["smollm2"] if not os.path.exists(os.path.join(ROOT, p, "config.json"))]
+    if missing:
+        run_stages([s for s in real_model_stages(args.models["smollm2"], smollm2_gguf())
+                    if s[s.index("--output_dir") + 1] in missing])
 
 
 def _one_job_threads(threads):

@@ -120,6 +120,13 @@ def test_the_real_model_arms_run_the_recipe_on_their_own_models_and_are_scored_i
         assert (e.sft_path, e.rm_path, e.chat_template, e.max_prompt_len, e.n_prompts, e.seed) == (
             "s/sft", "s/rm", True, 96, study.REAL_WIN_PROMPTS, 7)
     assert parsed.sigma == "first" and h.configs[1].partner == h.configs[2].partner == h.configs[0].name
+    sft_stage, rm_stage = study.real_model_stages(("s/sft", "s/rm"), "m.gguf")
+    import reward_model
+    import sft
+    sft_args = HfArgumentParser(sft.SFTArgs).parse_args_into_dataclasses(args=sft_stage[1:])[0]
+    rm_args = HfArgumentParser(reward_model.RMArgs).parse_args_into_dataclasses(args=rm_stage[1:])[0]
+    assert (sft_args.model, sft_args.output_dir, rm_args.sft_path, rm_args.output_dir) == ("m.gguf", "s/sft", "s/sft", "s/rm")
+    assert sft_args.chat_template and rm_args.chat_template and sft_args.max_prompt_len == rm_args.max_prompt_len == 96
     plain = study.final_eval_args(args, "o", study.PPO)
     assert (plain.sft_path, plain.chat_template, plain.max_prompt_len, plain.n_prompts) == ("runs/chitchat/sft", False, 48, 256)
     assert study.PPO.flag("--steps") is None and study.PPO.flag("--steps", 9) == 9
