@@ -140,6 +140,26 @@ def reference_logprobs(ref, accelerator, policy, ids, attention_mask, prompt_wid
         return response_logprobs(policy, ids, attention_mask, prompt_width, temperature, t1_entropy=t1_entropy)
 
 
+def has_dropout(model):
+    """Whether `model` drops anything in train mode: a Dropout module or a config's *dropout* rate above 0."""
+    configs = [getattr(m, "config", None) for m in model.modules()]
+    rates = [v for c in configs if hasattr(c, "__dict__") for k, v in vars(c).items() if "dropout" in k]
+    return (any(isinstance(m, torch.nn.modules.dropout._DropoutNd) and m.p > 0 for m in model.modules())
+            or any(isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0 for v in rates))
+
+
+def fused_update(args, accelerator, batch_size, policy, critic):
+    """Whether the update reuses step 2's policy and critic forwards instead of running its own: one
+    epoch over one minibatch holding the whole rollout batch, no gradient accumulation, unsharded
+    models without dropout. Then both forwards run once, with their graphs: detached they are the old
+    logprobs and values, and the update gathers its minibatch's rows of them. One forward fewer per
+    model, and the first ratio is exactly 1 (old = detached new). The numbers equal those of separate
+    forwards because a row's forward does not depend on the other rows nor, without dropout, on
+    train() / eval()."""
+    return (args.ppo_epochs == 1 and args.mini_batch_size >= batch_size and args.grad_accum == 1
+            and not harness.is_sharded(accelerator) and not has_dropout(policy) and not has_dropout(critic))
+
+
 def critic_values(critic, ids, attention_mask, prompt_width):
     """V(s_t) for the state before each response token: the head at the preceding position [B, R]."""
     return critic(ids, attention_mask)[:, prompt_width - 1:-1]
@@ -427,11 +447,17 @@ def main(args):
             ids, attention_mask = torch.cat([p_ids, r_ids], 1), torch.cat([p_mask, r_mask], 1)    # [B, P + R]
             response_mask = r_mask.float()                                                        # [B, R]
             # 2. Score: old and reference logprobs, values V(s_t), the sequence score
+            fused = fused_update(args, acc, len(idx), policy, critic)   # the graphs kept for the update
+            if fused:
+                policy.train()      # as in the update: gradient checkpointing acts in train mode only
+            with torch.set_grad_enabled(fused):
+                new_logp, entropy = response_logprobs(policy, ids, attention_mask, P, args.temperature, with_entropy=True)
+                new_values = critic_values(critic, ids, attention_mask, P)
+            old_logp, old_values = new_logp.detach(), new_values.detach() * response_mask
+            policy.eval()
             with torch.no_grad():
-                old_logp, entropy = response_logprobs(policy, ids, attention_mask, P, args.temperature, with_entropy=True)
                 ref_logp, sft_entropy = reference_logprobs(ref, acc, policy, ids, attention_mask, P, args.temperature,
                                                            t1_entropy=segments is not None)
-                old_values = critic_values(critic, ids, attention_mask, P) * response_mask
                 seg_starts, inside = rm.rollout_segments(segments, r_ids, r_mask, tokenizer.eos_token_id, sft_entropy)
                 dense, seg_stats, passed = None, {}, None
                 if score_name in ("exec", "gold"):      # scores of the decoded text
@@ -482,8 +508,11 @@ def main(args):
                 for k in range(0, len(idx), args.mini_batch_size):
                     mb = order[k:k + args.mini_batch_size]
                     with harness.accumulate(acc, policy, critic_acc, critic):
-                        logp, _ = response_logprobs(policy, ids[mb], attention_mask[mb], P, args.temperature)
-                        values = critic_values(critic, ids[mb], attention_mask[mb], P)
+                        if fused:       # the rows of step 2's forwards, in the minibatch's order
+                            logp, values = new_logp[mb], new_values[mb]
+                        else:
+                            logp, _ = response_logprobs(policy, ids[mb], attention_mask[mb], P, args.temperature)
+                            values = critic_values(critic, ids[mb], attention_mask[mb], P)
                         pg_loss, vf_loss, s = ppo_losses(logp, old_logp[mb], values, old_values[mb], advantages[mb],
                                                          returns[mb], response_mask[mb], starts[mb], clip=args.clip,
                                                          value_clip=args.value_clip, ratio=args.ratio)
@@ -498,6 +527,7 @@ def main(args):
                         for opt in opts.values():
                             opt.zero_grad()
                     stats.append({"loss/policy": pg_loss.detach(), "loss/value": vf_loss.detach(), **s})
+            new_logp = new_values = None        # step 2's graphs (if fused) not kept into the next rollout
             for sched in [s for k, s in scheds.items() if k not in frozen]:   # the policy's warmup starts with it
                 sched.step()
             clock.lap("update")

@@ -133,6 +133,52 @@ def test_every_flag_runs_one_iteration(tiny_models, tmp_path, flags):
         assert rows[0]["adv/l2_macro"] == pytest.approx(rows[0]["adv/l2"], rel=1e-4)
 
 
+def test_dropout_is_found_in_a_module_or_a_config(policy):
+    """A model that drops anything in train mode is never fused: its update forward would differ from step 2's."""
+    import copy
+    assert not ppo.has_dropout(policy)
+    dropping = copy.deepcopy(policy)
+    dropping.config.attention_dropout = 0.1
+    assert ppo.has_dropout(dropping)
+    dropping.config.attention_dropout = 0.0
+    dropping.model.layers[0].mlp.act_fn = torch.nn.Sequential(dropping.model.layers[0].mlp.act_fn, torch.nn.Dropout(0.1))
+    assert ppo.has_dropout(dropping)
+
+
+@pytest.mark.launch
+@pytest.mark.parametrize("flags", [{"termination": "randomized"}, {"critic_warmup": 1}, {"lora_r": 4}])
+def test_one_minibatch_reuses_the_scoring_forwards_with_the_numbers_of_separate_ones(tiny_models, tmp_path,
+                                                                                  monkeypatch, flags):
+    """One epoch over one minibatch: the update takes the policy's and critic's rows of step 2's forwards.
+    The metrics of two iterations equal those of the same run with separate update forwards (the
+    minibatch order, drawn after the randomized n-grams, gathers the rows), and the only ratio of each
+    iteration is exactly 1 (old = detached new). Under the critic warm-up the policy's graph is dropped."""
+    def metrics(out):
+        args = ppo.PPOArgs(sft_path=str(tiny_models / "sft"), rm_path=str(tiny_models / "rm"), output_dir=str(out),
+                           steps=2, rollout_batch_size=4, mini_batch_size=4, max_prompt_len=16, max_response_len=8,
+                           n_eval_prompts=4, **flags)
+        ppo.main(args)
+        return [comparable(json.loads(line)) for line in open(out / "metrics.jsonl")]
+
+    fused_update, taken = ppo.fused_update, []
+    monkeypatch.setattr(ppo, "fused_update", lambda *a: taken.append(fused_update(*a)) or taken[-1])
+    fused = metrics(tmp_path / "fused")
+    assert taken == [True, True]
+    monkeypatch.setattr(ppo, "fused_update", lambda *a: False)
+    separate = metrics(tmp_path / "separate")
+    assert fused == separate
+    for row in fused:
+        assert row["policy/ratio"] == 1.0 and row["policy/approxkl"] == 0.0 and row["policy/clipfrac"] == 0.0
+
+
+def test_several_minibatches_epochs_or_accumulation_run_their_own_forwards(tiny_lm, tiny_models):
+    args = ppo.PPOArgs(sft_path=str(tiny_models / "sft"), rm_path=str(tiny_models / "rm"), mini_batch_size=4)
+    acc = ppo.harness.make_accelerator()
+    assert ppo.fused_update(args, acc, 4, tiny_lm, tiny_lm)
+    for changed in [{"mini_batch_size": 2}, {"ppo_epochs": 2}, {"grad_accum": 2}]:
+        assert not ppo.fused_update(ppo.PPOArgs(**{**vars(args), **changed}), acc, 4, tiny_lm, tiny_lm)
+
+
 @pytest.mark.launch
 @pytest.mark.parametrize("flags", [{"n": 10}, {"termination": "parsing"}])
 def test_code_task_uses_the_execution_reward(tiny_models, tmp_path, flags):
