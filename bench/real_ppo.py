@@ -12,8 +12,10 @@ process: the steadier number on a machine shared with other jobs). Each side run
 its peak resident memory (VmHWM: loading and training), so the two do not share a process.
 
 - ours: the real ppo.py loop (ppo.main), held-out evaluation and the final report left out (they are not
-  part of an iteration). Its times are the ones ppo.py writes to metrics.jsonl: no-grad forwards are the
-  old and reference logprobs, the values and the RM score.
+  part of an iteration). Its times are the ones ppo.py writes to metrics.jsonl: forwards are the old and
+  reference logprobs, the values and the RM score; with this one epoch over one minibatch the policy's
+  and the critic's run with their graphs and the update reuses them (ppo.fused_update), so "update" is
+  their backward and the optimizer steps.
 - TRL: `trl.experimental.ppo.PPOTrainer` of TRL 1.12.0 (the last release that has it), with its own
   forwards and loss. TRL LoRAs only the policy (peft_config); the critic gets the same adapters as ours
   through peft's `inject_adapter_in_model` (base frozen, adapters and score head trained). TRL takes the
