@@ -18,6 +18,8 @@ Checkpoint layout, the same for every stage:
 """
 import contextlib
 import copy
+import ctypes
+import ctypes.util
 import math
 import os
 import random
@@ -213,6 +215,29 @@ def all_finite(accelerator, *tensors):
     if accelerator.num_processes > 1:
         finite = accelerator.reduce(finite, "sum") / accelerator.num_processes
     return bool(finite.item() == 1.0)
+
+
+def _malloc_trim():
+    """glibc's malloc_trim, or None where the C library has none (macOS, musl)."""
+    try:
+        return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim
+    except (OSError, AttributeError):
+        return None
+
+
+MALLOC_TRIM = _malloc_trim()
+
+
+def release_freed_memory(device):
+    """Hand the pages of freed CPU tensors back to the operating system. On a CPU PyTorch allocates
+    through malloc, and glibc keeps what a forward frees inside its heap: the temporaries of one layer
+    leave holes between the activations kept for the backward, all of them stay resident, and the next
+    forward does not fit into them. With SmolLM2-135M in bench/real_ppo.py (16 x 112 tokens, the policy's
+    and the critic's graphs holding 5.3 GB) the process peaked at 13.5 GB; trimming after each large
+    forward, after generation and after the update, at 8.6 GB, in the same time. The numbers do not
+    change (it moves no tensor). A no-op off the CPU and off glibc."""
+    if MALLOC_TRIM is not None and torch.device(device).type == "cpu":
+        MALLOC_TRIM(0)
 
 
 def cpu_threads(num_processes, environ=os.environ):

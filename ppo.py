@@ -114,6 +114,7 @@ def response_logprobs(model, ids, attention_mask, prompt_width, temperature, wit
     if with_entropy:
         with torch.no_grad():
             entropy = -(logp_all.exp() * logp_all).sum(-1)
+    harness.release_freed_memory(ids.device)        # the forward's temporaries, out of the CPU's resident memory
     return logp, entropy
 
 
@@ -162,7 +163,9 @@ def fused_update(args, accelerator, batch_size, policy, critic):
 
 def critic_values(critic, ids, attention_mask, prompt_width):
     """V(s_t) for the state before each response token: the head at the preceding position [B, R]."""
-    return critic(ids, attention_mask)[:, prompt_width - 1:-1]
+    values = critic(ids, attention_mask)[:, prompt_width - 1:-1]
+    harness.release_freed_memory(ids.device)
+    return values
 
 
 def macro_starts(termination, response_ids, response_mask, *, n=5, logprobs=None, entropy=None,
@@ -442,6 +445,7 @@ def main(args):
                     model, tokenizer, [prompts[i] for i in idx], args.max_prompt_len, args.max_response_len,
                     args.temperature, args.top_k, args.top_p, synced_gpus=synced)
             truncated += n_cut
+            harness.release_freed_memory(acc.device)
             clock.lap("generate")
             P = p_ids.shape[1]
             ids, attention_mask = torch.cat([p_ids, r_ids], 1), torch.cat([p_mask, r_mask], 1)    # [B, P + R]
@@ -528,6 +532,7 @@ def main(args):
                             opt.zero_grad()
                     stats.append({"loss/policy": pg_loss.detach(), "loss/value": vf_loss.detach(), **s})
             new_logp = new_values = None        # step 2's graphs (if fused) not kept into the next rollout
+            harness.release_freed_memory(acc.device)
             for sched in [s for k, s in scheds.items() if k not in frozen]:   # the policy's warmup starts with it
                 sched.step()
             clock.lap("update")
