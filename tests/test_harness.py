@@ -207,14 +207,15 @@ for _ in range(100):                         # a forward's pattern: temporaries 
     kept.append(torch.ones(2 ** 14))      # 64 kB
 del freed
 before = rss_mb()
-harness.release_freed_memory("meta")         # not a CPU tensor's memory: nothing to do
+harness.release_freed_memory("meta", at_least=0)   # not a CPU tensor's memory: nothing to do
+harness.release_freed_memory("cpu")                 # 400 MB freed, below the default GiB: kept
 untouched = rss_mb()
-harness.release_freed_memory("cpu")
+harness.release_freed_memory("cpu", at_least=300 * 2 ** 20)
 print(before, untouched, rss_mb())
 """
 
 
-@pytest.mark.skipif(harness.MALLOC_TRIM is None, reason="the C library has no malloc_trim (not glibc)")
+@pytest.mark.skipif(harness.GLIBC is None, reason="the C library has no malloc_trim / mallinfo2 (not glibc 2.33+)")
 def test_freed_cpu_tensor_memory_goes_back_to_the_os():
     """The holes a forward's temporaries leave in glibc's heap stay resident until trimmed (a fresh
     process: the heap of this one is the test suite's)."""
@@ -222,5 +223,5 @@ def test_freed_cpu_tensor_memory_goes_back_to_the_os():
     out = subprocess.run([sys.executable, "-c", FRAGMENTED_HEAP.format(root=root)], capture_output=True, text=True,
                          check=True).stdout
     before, untouched, after = map(float, out.split())
-    assert untouched > before - 50, (before, untouched)     # a device other than the CPU: no trim
+    assert untouched > before - 50, (before, untouched)     # another device, or less freed than asked: no trim
     assert after < before - 300, (before, after)            # of the 400 MB freed, most is handed back
