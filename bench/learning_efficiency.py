@@ -7,7 +7,7 @@
     python bench/learning_efficiency.py report            # tables from the committed results only
     python bench/learning_efficiency.py baseline --quick  # the same in miniature (2 seeds x 12 iterations)
     python bench/learning_efficiency.py sigma --jobs 2    # two runs at a time, one thread each
-    python bench/learning_efficiency.py real --seeds 1,2,3  # SmolLM2-135M-Instruct (requirements-slow.txt)
+    python bench/learning_efficiency.py real --seeds 1,2,3 --jobs 2  # SmolLM2-135M-Instruct (requirements-slow.txt)
 
 `--jobs 2` on 2 cores finished whole runs 1.2-1.5x faster than one run at a time on two threads (1.6x
 on short runs); a run's numbers do not depend on its thread count.
@@ -161,7 +161,7 @@ REAL_RM_FLAGS = ("--max_steps", "4", "--batch_size", "8", "--lr", "3e-5", "--eva
                  "--n_gold_prompts", "0")
 REAL_PPO_FLAGS = (*REAL_STAGE_FLAGS, "--lora_r", "16", "--reward", "gold", "--rollout_batch_size", "16",
                   "--mini_batch_size", "16", "--warmup_steps", "1", "--steps", "30", "--eval_every", "5",
-                  "--n_eval_prompts", "32")
+                  "--n_eval_prompts", "32", "--save_every", "5")     # a checkpoint every 5 iterations: a run is ~40 min
 REAL_WIN_PROMPTS = 64
 
 
