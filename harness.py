@@ -226,10 +226,12 @@ def _glibc():
     """The C library when it is glibc 2.33 or later (malloc_trim, mallinfo2), else None (macOS, musl)."""
     try:
         libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        libc.malloc_trim, libc.mallinfo2
-    except (OSError, AttributeError):
+    except OSError:
+        return None
+    if not all(hasattr(libc, name) for name in ("malloc_trim", "mallinfo2", "mallopt")):
         return None
     libc.mallinfo2.restype = _MallInfo2
+    libc.malloc_trim.argtypes = [ctypes.c_size_t]
     return libc
 
 
@@ -237,16 +239,16 @@ GLIBC = _glibc()
 
 
 def release_freed_memory(device, at_least=2 ** 30):
-    """Hand the pages of freed CPU tensors back to the operating system once they add up to `at_least`
-    bytes. On a CPU PyTorch allocates through malloc, and glibc keeps what a forward frees inside its
-    heap: the temporaries of one layer leave holes between the activations kept for the backward, all of
-    them stay resident, and the next forward does not fit into them. With SmolLM2-135M in
-    bench/real_ppo.py (16 x 112 tokens; the policy's and the critic's graphs hold 5.3 GB, and 4 GB more
-    lay freed in the heap after them) the process peaked at 13.6 GB; trimming after each large forward,
-    after generation and after the update, at 8.6 GB, for about 1.5 s of a 35 s iteration. Below a GiB
-    it is not worth it: the tiny default model frees about 200 MB per forward, and handing that back
-    and faulting it in again made its iterations 25% slower. The numbers do not change (no tensor
-    moves). A no-op off the CPU and off glibc."""
+    """Hand the pages of freed CPU tensors back to the operating system, when glibc's heap holds at
+    least `at_least` free bytes (resident or already handed back). On a CPU PyTorch allocates through
+    malloc, and glibc returns only the top of its heap: a block freed below live tensors stays resident
+    until a later allocation reuses it, and a forward leaves many (each layer's temporaries, between the
+    activations kept for the backward). With SmolLM2-135M in bench/real_ppo.py (16 x 112 tokens; the
+    policy's and the critic's graphs hold 5.3 GB, and 4 GB more lay freed in the heap after them) the
+    process peaked at 13.6 GB; trimming after each large forward, after generation and after the update,
+    at 8.6 GB, for 1.5-2 s of a 35 s iteration. Below a GiB it is not worth it: the tiny default model
+    frees about 200 MB per forward, and handing that back and faulting it in again made its iterations
+    25% slower. The numbers do not change (no tensor moves). A no-op off the CPU and off glibc."""
     if GLIBC is not None and torch.device(device).type == "cpu" and GLIBC.mallinfo2().fordblks >= at_least:
         GLIBC.malloc_trim(0)
 

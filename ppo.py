@@ -83,7 +83,7 @@ class PPOArgs:
 
 
 # ---------------------------------------------------------------------------------------------
-# Small pure helpers (the math of one iteration)
+# Small helpers (the math of one iteration)
 # ---------------------------------------------------------------------------------------------
 
 def masked_mean(x, mask):

@@ -17,7 +17,8 @@ lambda (H2 effective lambda), critic (H3 RM-initialised critic), lr (H4 learning
 termination (H5), code and count (H6: the execution-reward code task; counting, whose answers are
 2-3x longer and whose gold judge reads the whole response), segment* (segment-level rewards, Yin et al.
 2025) and real (a real pretrained LM: SmolLM2-135M-Instruct with LoRA, its own run length and prompt format,
-not part of `all`, one run at a time: each holds about 10 GB). docs/study/README.md states each one.
+not part of `all`; each run peaks at about 9.5 GB, so --jobs 2 needs about 20 GB). docs/study/README.md states
+each one.
 
 Every run is a real `ppo.py` subprocess in runs/study/<config>/seed<k>/ (resumed from its checkpoint
 if interrupted). When a run finishes, a small record goes to docs/study/runs/<config>/seed<k>.json:
@@ -234,7 +235,7 @@ HYPOTHESES = {
         (real("n1", "PPO (n=1)", ("--n", "1")), real("n5", "MA-PPO (n=5)", ("--n", "5")),
          real("n5_sigma_first", "MA-PPO (n=5, sigma=first)", ("--n", "5", "--sigma", "first")))),
 }
-# `all` runs every hypothesis but `real` (it needs requirements-slow.txt and about an hour per run).
+# `all` runs every hypothesis but `real` (it needs requirements-slow.txt and 30-40 minutes per run, two at a time).
 OPTIONAL = ("real",)
 TIE = 1e-9
 T_975 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262, 10: 2.228}
