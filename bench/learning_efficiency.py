@@ -368,6 +368,16 @@ def ppo_flags(args, config, seed, run_dir):
             *config.argv(sft_path)]
 
 
+def ppo_command(args, config, seed, run_dir):
+    """The ppo.py command of one run, with --resume when an interrupted run left a checkpoint (its
+    trainer state marks it: a LoRA checkpoint holds adapters, not a config.json)."""
+    cmd = [sys.executable, "ppo.py", *ppo_flags(args, config, seed, run_dir)]
+    finished = os.path.exists(os.path.join(run_dir, "policy", "config.json"))
+    if not finished and os.path.exists(os.path.join(run_dir, "checkpoint", "trainer_state.pt")):
+        cmd.append("--resume")
+    return cmd
+
+
 def train(args, config, seed):
     """One ppo.py run of `config`, or its committed record; returns the record."""
     path = record_path(args, config.name, seed)
@@ -377,10 +387,8 @@ def train(args, config, seed):
         return None
     flags = config.argv(args.models[config.models_key][0])
     run_dir = os.path.join(args.runs_dir, config.name, f"seed{seed}")
-    cmd = [sys.executable, "ppo.py", *ppo_flags(args, config, seed, run_dir)]
+    cmd = ppo_command(args, config, seed, run_dir)
     done = os.path.join(run_dir, "policy", "config.json")
-    if not os.path.exists(done) and os.path.exists(os.path.join(run_dir, "checkpoint", "policy", "config.json")):
-        cmd.append("--resume")
     t0 = time.time()
     if not os.path.exists(done):
         os.makedirs(run_dir, exist_ok=True)

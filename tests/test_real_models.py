@@ -1,7 +1,9 @@
 """Models from other families, as a new user brings them: a Llama whose tokenizer has no pad token goes
 through sft.py -> reward_model.py -> ppo.py without manual edits; the slow SmolLM2 GGUF end to end."""
+import argparse
 import os
 import pathlib
+import shutil
 import subprocess
 import sys
 
@@ -11,7 +13,11 @@ import torch
 from stages import run_stage
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "bench"))
+import learning_efficiency as study  # noqa: E402
+
 SMALL = ["--max_prompt_len", "24", "--max_response_len", "12"]
+STUDY_ARGS = argparse.Namespace(steps=3, eval_every=1, n_eval_prompts=4, ppo_args="", models={"chitchat": ("s", "r")})
 
 
 def run(*args, timeout=600):
@@ -183,6 +189,10 @@ def test_ppo_with_lora_trains_only_the_adapters_and_resumes(tiny_models, tmp_pat
     run_stage(*common, "--steps", "2")
     assert os.path.exists(tmp_path / "ppo" / "checkpoint" / "policy" / "adapter_config.json")
     assert os.path.exists(tmp_path / "ppo" / "checkpoint" / "critic" / "adapter_config.json")
+    study_command = lambda: study.ppo_command(STUDY_ARGS, study.PPO, 1, str(tmp_path / "ppo"))   # noqa: E731
+    assert "--resume" not in study_command()          # the study leaves a finished run alone
+    shutil.rmtree(tmp_path / "ppo" / "policy")        # as a run killed before its end leaves it
+    assert study_command()[-1] == "--resume"          # and continues an interrupted LoRA run
     out = run_stage(*common, "--steps", "3", "--resume")
     assert "resumed at iteration 2" in out
     before, after = load_file(tiny_models / "sft" / "model.safetensors"), load_file(tmp_path / "ppo" / "policy" / "model.safetensors")
