@@ -266,8 +266,15 @@ def cpu_threads(num_processes, environ=os.environ):
     return None
 
 
-def start(name, args, accelerator):
-    """Every stage's preamble: the seed, CPU threads, then the resolved configuration printed once."""
+def start(name, args, accelerator, final="config.json"):
+    """Every stage's preamble: a fresh start refused over an interrupted run (it would replace that
+    run's checkpoint and metrics), the seed, CPU threads, then the resolved configuration printed once.
+    `final` is the file of the finished run's model, under --output_dir."""
+    interrupted = (os.path.exists(os.path.join(checkpoint_dir(args.output_dir), "trainer_state.pt"))
+                   and not os.path.exists(os.path.join(args.output_dir, final)))
+    if interrupted and not args.resume:
+        sys.exit(f"error: {args.output_dir!r} holds the checkpoint of an interrupted run. Continue it with "
+                 "--resume, or start afresh in another --output_dir (or delete this one).")
     torch.manual_seed(args.seed)
     random.seed(args.seed)
     threads = cpu_threads(accelerator.num_processes) if accelerator.device.type == "cpu" else None

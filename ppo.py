@@ -377,7 +377,7 @@ def main(args):
     args, code = resolve(args)
     acc, critic_acc = harness.make_accelerators(args.bf16, args.grad_accum, args.mini_batch_size, project_dir=args.output_dir,
                                                 log_with=None if args.report_to == "none" else args.report_to)
-    harness.start("ppo", args, acc)
+    harness.start("ppo", args, acc, final=os.path.join("policy", "config.json"))
     log = acc.print
     if args.top_k or args.top_p < 1:
         log("[ppo] warning: --top_k / --top_p truncate the sampling distribution; the logprobs (temperature only) "

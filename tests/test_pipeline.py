@@ -46,6 +46,10 @@ def sft_runs(tmp_path_factory):
     proc.send_signal(signal.SIGINT)
     interrupted, err = proc.communicate(timeout=120)
     assert proc.returncode == 130, f"the run was not interrupted (rc {proc.returncode}): {err[-2000:]}"
+    saved = os.path.getmtime(os.path.join(split, "checkpoint", "trainer_state.pt"))
+    with pytest.raises(SystemExit, match="checkpoint of an interrupted run. Continue it with --resume"):
+        run_stage("sft.py", *TINY, *steps, "--output_dir", split)      # a fresh start would replace it
+    assert os.path.getmtime(os.path.join(split, "checkpoint", "trainer_state.pt")) == saved
     resumed = run_stage("sft.py", *TINY, *steps, "--save_every", "1000", "--output_dir", split, "--resume")
     return whole, split, out, interrupted, resumed
 

@@ -297,6 +297,10 @@ def test_sigterm_saves_a_checkpoint_that_resumes(tiny_models, tmp_path, uninterr
     done = torch.load(out / "checkpoint" / "trainer_state.pt", weights_only=False)["step"]
     assert f"interrupted after iteration {done}" in stdout and done >= 2
     assert done + 2 <= len(uninterrupted)
+    logged = metrics.read_text()
+    fresh = subprocess.run(cmd, cwd=os.path.dirname(os.path.dirname(__file__)), capture_output=True, text=True, timeout=120)
+    assert fresh.returncode != 0 and "checkpoint of an interrupted run" in fresh.stderr and "--resume" in fresh.stderr
+    assert metrics.read_text() == logged          # a fresh start over it is refused before it replaces anything
     resumed, rows = run_ppo(tiny_models, out, "--steps", str(done + 2), "--resume", here=True)
     assert f"resumed at iteration {done}" in resumed
     whole = uninterrupted[:done + 2]              # (the schedule does not depend on --steps; evaluation aside)
