@@ -106,6 +106,7 @@ class Hypothesis:
     question: str
     configs: tuple                   # the first is the PPO baseline of parity and win rates
     paired: bool = False             # the change applies to both methods: pair each MA-PPO with its partner
+    final_table: bool = False        # also the final policies' mean score, paired by seed with PPO's
 
 
 def ppo(name="n1", label="PPO (n=1)", flags=(), task="chitchat"):
@@ -233,7 +234,7 @@ HYPOTHESES = {
     "real": Hypothesis(
         "A real pretrained LM (SmolLM2-135M-Instruct, LoRA, gold reward): does MA-PPO learn faster than PPO?",
         (real("n1", "PPO (n=1)", ("--n", "1")), real("n5", "MA-PPO (n=5)", ("--n", "5")),
-         real("n5_sigma_first", "MA-PPO (n=5, sigma=first)", ("--n", "5", "--sigma", "first")))),
+         real("n5_sigma_first", "MA-PPO (n=5, sigma=first)", ("--n", "5", "--sigma", "first"))), final_table=True),
 }
 # `all` runs every hypothesis but `real` (it needs requirements-slow.txt and 30-40 minutes per run, two at a time).
 OPTIONAL = ("real",)
@@ -309,6 +310,15 @@ def per_seed_verdicts(base_runs, runs, key):
     per-prompt `key` scores against the same seed's baseline run; seeds without a partner are left out."""
     by_seed = {r["seed"]: r for r in base_runs}
     return [evaluate.compare(r["final"][key], by_seed[r["seed"]]["final"][key]) for r in runs if r["seed"] in by_seed]
+
+
+def final_gap(base_runs, runs, key):
+    """The final policies' mean per-prompt `key` score, this run minus the same seed's baseline run:
+    (mean, 95% t half-width) over the seeds both have, and their count."""
+    by_seed = {r["seed"]: r for r in base_runs}
+    mean = lambda xs: sum(xs) / len(xs)                                                  # noqa: E731
+    gaps = [mean(r["final"][key]) - mean(by_seed[r["seed"]]["final"][key]) for r in runs if r["seed"] in by_seed]
+    return (*t_interval(gaps), len(gaps)) if gaps else None
 
 
 def paired_gap(base_runs, runs, metric):
@@ -657,8 +667,33 @@ def report(args, hypothesis, records):
                      + (fmt_win(win) if win else "-") + " |")
     if h.paired:
         lines += paired_table(h, records, result)
+    if h.final_table:
+        lines += final_table(h, records, result)
     lines += early_table(h, records, result)
     return lines, result
+
+
+def final_table(h, records, result):
+    """The final policies, scored on the same held-out prompts with one sampling seed (a larger and
+    steadier sample than one evaluation of the curve): the mean score over seeds, and the gap to the
+    PPO run of the same seed."""
+    base = h.configs[0]
+    key = base.win_key
+    base_runs = [r for r in records.get(base.name, []) if r]
+    n_prompts = next((len(r["final"][key]) for c in h.configs for r in records.get(c.name, []) if r), 0)
+    lines = ["", f"The final policies on {n_prompts} held-out prompts (mean {key} per seed, then over seeds), "
+             "and this minus PPO's, paired by seed (95% t-intervals):", "",
+             f"| configuration | seeds | final mean {key} | minus PPO's, same seed | seeds paired |", "|---" * 5 + "|"]
+    for config in h.configs:
+        runs = [r for r in records.get(config.name, []) if r]
+        if not runs:
+            continue
+        score = t_interval([sum(r["final"][key]) / len(r["final"][key]) for r in runs])
+        gap = final_gap(base_runs, runs, key) if config is not base else None
+        result[config.name]["final_policies"] = {"mean": score, "gap_vs_ppo": gap}
+        lines.append(f"| {config.label} | {len(runs)} | {fmt(*score)} | " + (fmt(*gap[:2]) if gap else "-")
+                     + f" | {gap[2] if gap else '-'} |")
+    return lines
 
 
 def paired_table(h, records, result):

@@ -195,6 +195,24 @@ def test_count_reports_the_share_of_exact_counts_by_hand():
     assert result["count_n1"]["early"]["response_len"][0] == 31.0
 
 
+def test_the_real_study_reports_its_final_policies_paired_by_seed_by_hand():
+    def run(seed, golds):
+        return {"seed": seed, "rows": [{"step": s, "eval/gold": 0.5, "eval/rm": 0.0, "kl": 1.0,
+                                        "macro/mean_len": 1.0, "response/len": 20.0} for s in (5, 10)],
+                "final": {"gold": golds, "rm": golds}}
+    records = {"real_n1": [run(1, [0.2, 0.4]), run(2, [0.5, 0.5])],
+               "real_n5": [run(2, [0.9, 0.9]), run(1, [0.3, 0.3]), run(3, [0.0, 0.0])],      # seed 3: no partner
+               "real_n5_sigma_first": []}
+    lines, result = study.report(argparse.Namespace(smooth=1), "real", records)
+    assert result["real_n1"]["final_policies"] == {"mean": (0.4, pytest.approx(12.706 * 0.1)), "gap_vs_ppo": None}
+    mean, half, seeds = result["real_n5"]["final_policies"]["gap_vs_ppo"]        # seed 1: 0.3 - 0.3, seed 2: 0.9 - 0.5
+    assert (mean, seeds) == (pytest.approx(0.2), 2) and half == pytest.approx(12.706 * 0.2)
+    assert result["real_n5"]["final_policies"]["mean"][0] == pytest.approx(0.4)
+    assert "| MA-PPO (n=5) | 3 | 0.400 ± 1.138 | 0.200 ± 2.541 | 2 |" in lines
+    assert "final_policies" not in study.report(argparse.Namespace(smooth=1), "count", {
+        "count_n1": [run(1, [1.0])], "count_n5": [run(1, [0.0])]})[1]["count_n5"]       # only where it is asked
+
+
 def test_fill_blocks_replaces_only_between_its_markers():
     page = "intro\n<!-- study:a -->\nold\n<!-- /study:a -->\nmiddle\n<!-- study:b -->\n<!-- /study:b -->\nend\n"
     filled = study.fill_blocks(page, {"a": ["| x |", ""], "b": ["y"]})
