@@ -270,9 +270,7 @@ def start(name, args, accelerator, final="config.json"):
     """Every stage's preamble: a fresh start refused over an interrupted run (it would replace that
     run's checkpoint and metrics), the seed, CPU threads, then the resolved configuration printed once.
     `final` is the file of the finished run's model, under --output_dir."""
-    interrupted = (os.path.exists(os.path.join(checkpoint_dir(args.output_dir), "trainer_state.pt"))
-                   and not os.path.exists(os.path.join(args.output_dir, final)))
-    if interrupted and not args.resume:
+    if interrupted(args.output_dir, final) and not args.resume:
         sys.exit(f"error: {args.output_dir!r} holds the checkpoint of an interrupted run. Continue it with "
                  "--resume, or start afresh in another --output_dir (or delete this one).")
     torch.manual_seed(args.seed)
@@ -460,6 +458,13 @@ def atomic_save(path, model=None, tokenizer=None, state=None, parts=None, state_
 
 def checkpoint_dir(output_dir):
     return os.path.join(output_dir, CHECKPOINT)
+
+
+def interrupted(output_dir, final="config.json"):
+    """Whether `output_dir` holds an interrupted run: a checkpoint (its trainer state; a LoRA checkpoint
+    holds adapters, not a config.json) and no finished model (`final`, under output_dir)."""
+    return (os.path.exists(os.path.join(checkpoint_dir(output_dir), "trainer_state.pt"))
+            and not os.path.exists(os.path.join(output_dir, final)))
 
 
 def checkpoint_part(output_dir, part):

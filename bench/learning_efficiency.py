@@ -55,6 +55,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 import data  # noqa: E402
 import evaluate  # noqa: E402
+import harness  # noqa: E402
 
 # The score each task trains on first, then the second score reported beside it.
 METRICS = {"chitchat": ("eval/rm", "eval/gold"), "count": ("eval/gold", "eval/rm"),
@@ -379,13 +380,9 @@ def ppo_flags(args, config, seed, run_dir):
 
 
 def ppo_command(args, config, seed, run_dir):
-    """The ppo.py command of one run, with --resume when an interrupted run left a checkpoint (its
-    trainer state marks it: a LoRA checkpoint holds adapters, not a config.json)."""
-    cmd = [sys.executable, "ppo.py", *ppo_flags(args, config, seed, run_dir)]
-    finished = os.path.exists(os.path.join(run_dir, "policy", "config.json"))
-    if not finished and os.path.exists(os.path.join(run_dir, "checkpoint", "trainer_state.pt")):
-        cmd.append("--resume")
-    return cmd
+    """The ppo.py command of one run, with --resume when an interrupted run left a checkpoint."""
+    resume = ["--resume"] if harness.interrupted(run_dir, os.path.join("policy", "config.json")) else []
+    return [sys.executable, "ppo.py", *ppo_flags(args, config, seed, run_dir), *resume]
 
 
 def train(args, config, seed):
@@ -457,7 +454,7 @@ def run_stages(stages):
     interrupted one continues from its checkpoint; a failure stops the study."""
     for stage in stages:
         out = stage[stage.index("--output_dir") + 1]
-        if os.path.isdir(os.path.join(ROOT, out, "checkpoint")):
+        if harness.interrupted(os.path.join(ROOT, out)):
             stage = [*stage, "--resume"]
         log = os.path.join(ROOT, out + ".log")
         print(f"[study] {shlex.join(stage)} (log {log})", flush=True)
