@@ -207,6 +207,13 @@ def ranks_in_sync(accelerator, model):
     return bool((every == every[0]).all())
 
 
+@torch.no_grad()
+def same_on_every_rank(accelerator, value):
+    """True when the number `value` is bitwise the same on every process (e.g. an adaptive KL coefficient)."""
+    every = accelerator.gather(torch.tensor([value], dtype=torch.float64, device=accelerator.device))
+    return bool((every == every[0]).all())
+
+
 def all_finite(accelerator, *tensors):
     """True when every tensor is finite on every process. One reduction over the processes, so that all
     of them stop together: a process that raised alone would leave the others waiting for it in their

@@ -45,7 +45,9 @@ class PPOArgs:
     reward_agg: str = field(default="sum", metadata={"help": "macro reward: sum (the paper's equation) | mean (the released code: each macro action's KL penalty averaged, the score kept whole)"})
     ratio: str = field(default="token", metadata={"help": "token: per-token ratios with macro advantages (released code) | macro: pi(omega)/pi_old(omega)"})
     kl_estimator: str = field(default="k1", metadata={"help": "per-token KL: k1 = logp - logp_ref | k3 = (r - 1) - log r, r = p_ref/p"})
-    beta: float = field(default=0.05, metadata={"help": "KL penalty coefficient"})
+    beta: float = field(default=0.05, metadata={"help": "KL penalty coefficient (the first one, under --kl_target)"})
+    kl_target: float = field(default=0.0, metadata={"help": "adaptive KL controller (Ziegler et al. 2019): the per-sequence KL to hold. After each iteration beta <- beta * (1 + clip(KL / target - 1, -0.2, 0.2) * n / --kl_horizon), KL the batch's mean per-sequence KL over every process, n its samples; 0 = off (--beta fixed)"})
+    kl_horizon: int = field(default=10000, metadata={"help": "adaptive KL controller: its horizon in samples (larger = slower; at most 0.2 * n / horizon of change per iteration)"})
     clip: float = field(default=0.2, metadata={"help": "policy ratio clip range"})
     value_clip: float = field(default=0.2, metadata={"help": "value clip range"})
     gamma: float = field(default=1.0, metadata={"help": "discount"})
@@ -204,6 +206,16 @@ def token_rewards_of(kl_rewards, score, response_mask, starts, agg="sum", dense=
             + ma.macro_rewards(dense, penalty, response_mask, starts))
 
 
+def adaptive_beta(beta, kl, target, n, horizon):
+    """7. The KL coefficient of the next iteration (Ziegler et al. 2019, §2.2): proportional control of the
+    per-sequence KL towards `target`, the error clipped to +-20%, the step scaled by the `n` samples seen
+    out of a `horizon`. `target` 0 keeps `beta` fixed."""
+    if not target:
+        return beta
+    error = min(max(kl / target - 1, -0.2), 0.2)
+    return beta * (1 + error * n / horizon)
+
+
 def ppo_losses(logp, old_logp, values, old_values, advantages, returns, response_mask, starts, *,
                clip=0.2, value_clip=0.2, ratio="token"):
     """6. Clipped policy loss (token or macro ratio) and clipped value loss, masked means, and their
@@ -253,6 +265,9 @@ def resolve(args):
         sys.exit(f"error: --seg_norm {args.seg_norm!r}: choose regression, global, last or none")
     if args.seg_interp not in ("even", "repeat", "end"):
         sys.exit(f"error: --seg_interp {args.seg_interp!r}: choose even, repeat or end")
+    if args.kl_target < 0 or args.kl_horizon < 1:
+        sys.exit(f"error: --kl_target {args.kl_target} / --kl_horizon {args.kl_horizon}: a target >= 0 (0 = a fixed "
+                 "--beta) and a horizon of at least 1 sample")
     if args.reward_clip < 0:
         sys.exit(f"error: --reward_clip {args.reward_clip}: a bound (> 0) or 0 for none")
     if args.reward == "gold" and args.task not in data.GOLD_JUDGES:
@@ -406,11 +421,11 @@ def main(args):
         if frozen is not None:
             frozen.to(acc.device)
     generator = torch.Generator().manual_seed(args.seed)       # minibatch order, randomized n-grams
-    start, truncated = 0, 0
+    start, truncated, beta = 0, 0, args.beta
     if args.resume:
         # optimizer states are per-rank shards under ZeRO/FSDP: they are saved (and restored) only when whole
         state = harness.load_checkpoint(args.output_dir, opts, scheds, log)
-        start, truncated = state["step"], state["truncated"]
+        start, truncated, beta = state["step"], state["truncated"], state.get("beta", args.beta)
         generator.set_state(state["generator"])
         log(f"[ppo] resumed at iteration {start}")
     if args.report_to != "none":
@@ -429,7 +444,7 @@ def main(args):
             harness.save_checkpoint(args.output_dir, {"policy": acc.unwrap_model(policy),
                                                       "critic": critic_acc.unwrap_model(critic).model}, tokenizer,
                                     step, args, {} if sharded else opts, scheds, weights,
-                                    truncated=truncated, generator=generator.get_state())
+                                    truncated=truncated, generator=generator.get_state(), beta=beta)
         acc.wait_for_everyone()
 
     from tqdm.auto import tqdm
@@ -483,7 +498,7 @@ def main(args):
             # 3. Rewards (§2): r_t = -beta * KL_t per token, the score added at the last token (in step 5)
             log_r = old_logp - ref_logp
             kl = log_r if args.kl_estimator == "k1" else (torch.exp(-log_r) - 1) + log_r    # k1 or k3
-            kl_rewards = -args.beta * kl * response_mask
+            kl_rewards = -beta * kl * response_mask
             if not harness.all_finite(acc, kl_rewards, score):     # on any process: every one stops
                 raise FloatingPointError(f"non-finite reward at iteration {step}; last good checkpoint in "
                                          f"{harness.checkpoint_dir(args.output_dir)}")
@@ -542,7 +557,7 @@ def main(args):
             keys = sorted(local)
             reduced = acc.reduce(torch.stack([local[k].float().to(acc.device) for k in keys]), "mean")
             metrics = {k: round(v, 5) for k, v in zip(keys, reduced.tolist())}
-            metrics.update({"step": step + 1, "time/step": round(clock.total(), 3), "prompts/truncated": truncated,
+            metrics.update({"step": step + 1, "beta": beta, "time/step": round(clock.total(), 3), "prompts/truncated": truncated,
                             **{f"time/{k}": round(v, 4 if k == "macro" else 3) for k, v in clock.laps.items()},
                             "tokens_per_s": round(float(response_mask.sum()) * world / clock.total(), 1),
                             **({"memory/peak_gb": round(torch.cuda.max_memory_allocated() / 2 ** 30, 2)}
@@ -556,9 +571,11 @@ def main(args):
             if args.report_to != "none":
                 acc.log(metrics, step=step + 1)
             bar.set_postfix(score=f"{metrics[f'reward/{score_name}']:.2f}", kl=f"{metrics['kl']:.2f}")
+            # the next iteration's KL coefficient, from this batch's KL over every process (the same on every rank)
+            beta = adaptive_beta(beta, reduced[keys.index("kl")].item(), args.kl_target, len(idx) * world, args.kl_horizon)
             stop.end_of_step(step + 1, args.steps, args.save_every, save)
     finish(args, truncated, accelerators=(acc, critic_acc), policy=policy, critic=critic, reward_model=reward_model,
-           tokenizer=tokenizer, eval_rows=eval_rows)
+           tokenizer=tokenizer, eval_rows=eval_rows, beta=beta)
 
 
 def evaluate_now(args, metrics, *, accelerator, policy, reward_model, tokenizer, eval_rows, segmenter=None):
@@ -578,17 +595,21 @@ def evaluate_now(args, metrics, *, accelerator, policy, reward_model, tokenizer,
     acc.wait_for_everyone()
 
 
-def finish(args, truncated, *, accelerators, policy, critic, reward_model, tokenizer, eval_rows):
+def finish(args, truncated, *, accelerators, policy, critic, reward_model, tokenizer, eval_rows, beta):
     """After the last iteration: warnings, the rank-sync check, the final policy, the report.
-    `truncated`: prompts of this process that lost their beginning; `accelerators`: (policy's, critic's)."""
+    `truncated`: prompts of this process that lost their beginning; `accelerators`: (policy's, critic's);
+    `beta`: the KL coefficient the controller ended with."""
     from transformers import AutoModelForCausalLM
     (acc, critic_acc), sharded = accelerators, harness.is_sharded(accelerators[0])
     metrics_path = os.path.join(args.output_dir, "metrics.jsonl")
     if truncated:
         acc.print(f"[ppo] warning: {truncated} prompts (this process) were longer than {args.max_prompt_len} "
                   f"tokens and lost their beginning")
+    if args.kl_target:
+        acc.print(f"[ppo] adaptive KL: beta {args.beta} -> {beta:.5g} (--kl_target {args.kl_target})")
+    same_beta = harness.same_on_every_rank(acc, beta)
     if not sharded:
-        acc.print(f"[ppo] ranks in sync: {harness.ranks_in_sync(acc, policy) and harness.ranks_in_sync(acc, critic)}")
+        acc.print(f"[ppo] ranks in sync: {harness.ranks_in_sync(acc, policy) and harness.ranks_in_sync(acc, critic) and same_beta}")
     final_policy = harness.final_model(acc, policy)        # collective: whole weights, LoRA merged (a plain model)
     if acc.is_main_process:
         final = os.path.join(args.output_dir, "policy")

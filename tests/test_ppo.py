@@ -246,6 +246,50 @@ def test_resume_continues_with_the_numbers_of_an_uninterrupted_run(tiny_models, 
     assert [comparable(r) for r in rest] == [comparable(r) for r in uninterrupted[:5]]   # the same file, appended
 
 
+def test_adaptive_beta_follows_ziegler_et_al_against_a_hand_written_reference():
+    """beta <- beta * (1 + clip(KL / target - 1, -0.2, 0.2) * n / horizon), written out case by case."""
+    def reference(beta, kl, target, n, horizon):
+        error = kl / target - 1
+        if error > 0.2:
+            error = 0.2
+        if error < -0.2:
+            error = -0.2
+        return beta * (1 + error * n / horizon)
+
+    for kl in (0.0, 0.5, 0.9, 1.0, 1.1, 1.19, 3.0, 100.0):
+        for n, horizon in ((16, 10000), (16, 32), (64, 64)):
+            assert ppo.adaptive_beta(0.05, kl, 1.0, n, horizon) == pytest.approx(reference(0.05, kl, 1.0, n, horizon),
+                                                                                 rel=1e-12)
+    assert ppo.adaptive_beta(0.05, 3.0, 1.0, 16, 16) == pytest.approx(0.06)      # +20% at most per horizon
+    assert ppo.adaptive_beta(0.05, 0.0, 1.0, 16, 16) == pytest.approx(0.04)      # -20% at most
+    assert ppo.adaptive_beta(0.05, 7.0, 0.0, 16, 16) == 0.05                     # target 0: a fixed beta
+
+
+@pytest.mark.launch
+def test_kl_controller_moves_beta_the_right_way_logs_it_and_resumes_it(tiny_models, tmp_path):
+    """A target far below the policy's KL raises beta, one far above lowers it, each iteration by 20% of
+    n / horizon (here 4 prompts of 8: 10%), from the batch's logged KL; without a target beta is logged fixed;
+    --resume continues with the saved beta. k3 is never negative, so the policy's KL exceeds the low target
+    once the policy has moved (the first iteration's KL is exactly 0: beta falls once)."""
+    flags = ("--kl_horizon", "8", "--steps", "5", "--kl_estimator", "k3")
+    _, fixed = run_ppo(tiny_models, tmp_path / "fixed", "--steps", "2", "--beta", "0.07", here=True)
+    assert [r["beta"] for r in fixed] == [0.07, 0.07]
+    _, low = run_ppo(tiny_models, tmp_path / "low", *flags, "--kl_target", "1e-6", here=True)
+    _, high = run_ppo(tiny_models, tmp_path / "high", *flags, "--kl_target", "1e6", here=True)
+    assert low[0]["beta"] == high[0]["beta"] == 0.05                             # the first iteration uses --beta
+    assert low[0]["kl"] == high[0]["kl"] == 0.0                                  # the policy is the reference
+    factors = {name: [b["beta"] / a["beta"] for a, b in zip(rows, rows[1:])] for name, rows in (("low", low),
+                                                                                                ("high", high))}
+    assert factors["low"] == pytest.approx([0.9, 1.1, 1.1, 1.1], rel=1e-9)
+    assert factors["high"] == pytest.approx([0.9] * 4, rel=1e-9)
+    run_ppo(tiny_models, tmp_path / "split", *flags[:2], *flags[4:], "--kl_target", "1e-6", "--steps", "3",
+            "--save_every", "3", here=True)
+    out, rest = run_ppo(tiny_models, tmp_path / "split", *flags, "--kl_target", "1e-6", "--save_every", "3",
+                        "--resume", here=True)
+    assert "resumed at iteration 3" in out and "beta 0.05 -> " in out
+    assert [comparable(r) for r in rest] == [comparable(r) for r in low]
+
+
 @pytest.mark.launch
 def test_non_finite_rewards_stop_with_a_clear_message(tiny_models, tmp_path):
     args = ppo.PPOArgs(sft_path=str(tiny_models / "sft"), rm_path=str(tiny_models / "rm"), output_dir=str(tmp_path),

@@ -26,7 +26,8 @@ SFT = ["--hidden_size", "32", "--num_layers", "1", "--vocab_size", "300", "--bat
 
 def ppo_flags(tiny_models):
     return ["--sft_path", str(tiny_models / "sft"), "--rm_path", str(tiny_models / "rm"), "--rollout_batch_size", "4",
-            "--mini_batch_size", "2", "--max_prompt_len", "16", "--max_response_len", "8", "--n_eval_prompts", "4"]
+            "--mini_batch_size", "2", "--max_prompt_len", "16", "--max_response_len", "8", "--n_eval_prompts", "4",
+            "--kl_target", "1e-6", "--kl_horizon", "8", "--kl_estimator", "k3"]     # beta moves every iteration
 
 
 def checkpoint_step(output_dir):
@@ -128,8 +129,10 @@ def test_sft_under_accelerate_launch_with_two_cpu_processes(launched):
 @pytest.mark.launch
 def test_two_cpu_processes_stay_in_sync(launched):
     out, printed = launched["ppo"]
-    assert "2 process(es)" in printed[0] and "ranks in sync: True" in printed[0]
+    assert "2 process(es)" in printed[0] and "ranks in sync: True" in printed[0]    # weights and the KL beta
     assert len(metrics(out)) == 6                                      # one metrics line per iteration
+    betas = [r["beta"] for r in metrics(out)]                          # the controller's, from both ranks' KL
+    assert len(set(betas)) == 6 and "adaptive KL: beta 0.05 -> " in printed[0]
 
 
 @pytest.mark.launch
