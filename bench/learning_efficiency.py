@@ -108,6 +108,7 @@ class Hypothesis:
     configs: tuple                   # the first is the PPO baseline of parity and win rates
     paired: bool = False             # the change applies to both methods: pair each MA-PPO with its partner
     final_table: bool = False        # also the final policies' mean score, paired by seed with PPO's
+    matched_kl: tuple = ()           # score thresholds: compare each MA-PPO with its partner at the same KL target
 
 
 def ppo(name="n1", label="PPO (n=1)", flags=(), task="chitchat"):
@@ -169,11 +170,36 @@ REAL_WIN_PROMPTS = 64
 
 
 def real(name, label, flags, partner=None):
-    """One configuration of the real-model study: `flags` after the recipe's (its own win)."""
+    """One configuration of the real-model study: `flags` after the recipe's (its own win); MA-PPO's partner
+    is the recipe's PPO unless given."""
     return Config(f"real_{name}", label, (*flags[:2], *REAL_PPO_FLAGS, *flags[2:]), "chitchat",
                   None if flags[:2] == ("--n", "1") else (partner or "real_n1"), ("eval/gold", "eval/rm"), "smollm2")
 
 
+# Matched KL: PPO and MA-PPO held at the same per-sequence KL from the SFT model by ppo.py's adaptive controller
+# (Ziegler et al. 2019), so that a larger step is never read as better credit assignment. The real runs see 16
+# samples an iteration: a horizon of 32 moves beta by at most 10% an iteration; it starts at 0.2 (above the
+# recipe's 0.05) and comes down while the KL is below the target, rather than climbing after it overshoots.
+REAL_KL_CONTROL = ("--kl_horizon", "32", "--beta", "0.2")
+REAL_KL_LEVELS = ("0.7", "2.5")          # about where PPO and MA-PPO ended at the recipe's fixed beta
+TINY_KL_CONTROL = ("--kl_horizon", "320")   # 32 samples an iteration: at most 2% a step, 120 iterations
+TINY_KL_TARGETS = {"chitchat": "6", "count": "0.8"}   # below both methods' final KL at the fixed beta
+
+
+def kl_pair(task, target, prefix, make, control):
+    """PPO (n=1) and MA-PPO (n=5) held at the KL `target`; `make(name, label, flags, partner)` builds each."""
+    flags = ("--kl_target", target, *control)
+    base = make(f"{prefix}n1_{target}", f"PPO (n=1), KL {target}", ("--n", "1", *flags), None)
+    return base, make(f"{prefix}n5_{target}", f"MA-PPO (n=5), KL {target}", ("--n", "5", *flags), base.name)
+
+
+def tiny_kl(task):
+    prefix = "kl_" if task == "chitchat" else f"kl_{task}_"
+    return kl_pair(task, TINY_KL_TARGETS[task], prefix,
+                   lambda name, label, flags, partner: Config(name, label, flags, task, partner), TINY_KL_CONTROL)
+
+
+REAL_KL = tuple(c for level in REAL_KL_LEVELS for c in kl_pair("chitchat", level, "kl_", real, REAL_KL_CONTROL))
 PPO = ppo()
 MA5 = ma("n5", "MA-PPO (n=5)", ("--n", "5"))
 COUNT_PPO = ppo("count_n1", task="count")
@@ -236,11 +262,20 @@ HYPOTHESES = {
         "A real pretrained LM (SmolLM2-135M-Instruct, LoRA, gold reward): does MA-PPO learn faster than PPO?",
         (real("n1", "PPO (n=1)", ("--n", "1")), real("n5", "MA-PPO (n=5)", ("--n", "5")),
          real("n5_sigma_first", "MA-PPO (n=5, sigma=first)", ("--n", "5", "--sigma", "first"))), final_table=True),
+    "real_kl": Hypothesis(
+        "The real model at matched KL: does MA-PPO beat PPO for the same distance from the SFT model?",
+        REAL_KL, final_table=True, matched_kl=(0.4, 0.5, 0.6)),
+    "kl": Hypothesis("Chitchat (the baseline's setting) at matched KL: MA-PPO against PPO at the same KL",
+                     tiny_kl("chitchat"), matched_kl=(0.0, 0.2, 0.4)),
+    "kl_count": Hypothesis("Count (where MA-PPO led early) at matched KL: MA-PPO against PPO at the same KL",
+                           tiny_kl("count"), matched_kl=(0.3, 0.5, 0.7)),
 }
-# `all` runs every hypothesis but `real` (it needs requirements-slow.txt and 30-40 minutes per run, two at a time).
-OPTIONAL = ("real",)
+# `all` runs every hypothesis but the real model's (they need requirements-slow.txt and 30-40 minutes a run).
+OPTIONAL = ("real", "real_kl")
+MATCHED_KL = {c.name for h in HYPOTHESES.values() if h.matched_kl for c in h.configs}
 TIE = 1e-9
 T_975 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262, 10: 2.228}
+TRACED = ("step", "kl", "beta")          # every iteration's, in a record's trace
 KEPT = ("step", "eval/rm", "eval/gold", "eval/exec", "eval/pass@1", "reward/rm", "reward/exec", "kl",
         "adv/l2", "q/l2", "adv/l2_macro", "q/l2_macro", "macro/mean_len", "response/len")
 
@@ -357,15 +392,65 @@ def final_eval_args(args, run_dir, config):
                              max_prompt_len=int(config.flag("--max_prompt_len", evaluate.EvalArgs.max_prompt_len)))
 
 
-def final_scores(args, run_dir, config):
-    """Per-prompt scores of a run's final policy on the held-out prompts (final_eval_args)."""
+def final_scores(args, run_dir, config, policy=None):
+    """Per-prompt scores of a run's final policy (or of the model folder `policy`) on the held-out prompts
+    (final_eval_args)."""
     ctx = evaluate.Context(final_eval_args(args, run_dir, config))
-    policy = os.path.join(run_dir, "policy")
+    policy = policy or os.path.join(run_dir, "policy")
     if ctx.code:
         rows = evaluate.passk_samples(ctx, policy, 1)
         return {"exec_pass": [r["correct"] for r in rows]}
     texts = ctx.responses(policy)
     return {"rm": [round(x, 4) for x in ctx.rm_scores(texts)], "gold": [round(x, 4) for x in ctx.gold(texts)]}
+
+
+def folder_hash(path):
+    """sha256 over a model folder's file names and bytes (sorted): which SFT / RM a record was trained from."""
+    import hashlib
+    digest = hashlib.sha256()
+    for root, dirs, files in sorted(os.walk(os.path.join(ROOT, path))):
+        dirs.sort()
+        for name in sorted(files):
+            digest.update(os.path.relpath(os.path.join(root, name), os.path.join(ROOT, path)).encode())
+            with open(os.path.join(root, name), "rb") as f:
+                for block in iter(lambda: f.read(1 << 20), b""):
+                    digest.update(block)
+    return digest.hexdigest()
+
+
+def provenance(args, models):
+    """What a reviewer needs to trust or rerun a record: the git revision (and whether tracked files differed
+    from it), library versions, threads, runs side by side, and hashes of the SFT / RM folders."""
+    import platform
+    import torch
+    import transformers
+    git = (lambda *a: subprocess.run(["git", *a], cwd=ROOT, capture_output=True, text=True).stdout.strip())
+    return {"commit": git("rev-parse", "HEAD"), "dirty": bool(git("status", "--porcelain", "--untracked-files=no")),
+            "python": platform.python_version(), "torch": torch.__version__, "transformers": transformers.__version__,
+            "threads": torch.get_num_threads(), "jobs": args.jobs,
+            "sft_hash": folder_hash(models[0]), "rm_hash": folder_hash(models[1]) if models[1] else None}
+
+
+def sft_record(args, config):
+    """The SFT model's own record for `config`'s models: its per-prompt final scores on the same held-out prompts
+    and sampling seed as the runs' final policies (the SFT row of the tables), at docs/study/runs/<name>/seed0.json
+    with <name> `real_sft` or `<task>_sft`."""
+    name = "real_sft" if config.model == "smollm2" else f"{config.task}_sft"
+    path = record_path(args, name, 0)
+    if os.path.exists(path) or args.report_only:
+        return json.load(open(path)) if os.path.exists(path) else None
+    sft_path = args.models[config.models_key][0]
+    record = {"config": name, "seed": 0, "model": sft_path, "final": final_scores(args, os.path.join(
+              args.runs_dir, name), config, sft_path), **provenance(args, args.models[config.models_key])}
+    write_record(path, record)
+    return record
+
+
+def write_record(path, record):
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path + ".tmp", "w") as f:
+        json.dump(record, f)
+    os.replace(path + ".tmp", path)
 
 
 def ppo_flags(args, config, seed, run_dir):
@@ -405,14 +490,16 @@ def train(args, config, seed):
             sys.exit(f"error: {shlex.join(cmd)} failed (exit {proc.returncode}); see {run_dir}/log.txt. "
                      "Run the study again to continue from its checkpoint.")
     rows = evaluate.read_metrics(run_dir)
+    with open(os.path.join(run_dir, "log.txt")) as f:
+        resumed = "[ppo] resumed at iteration" in f.read()
     record = {"config": config.name, "seed": seed, "flags": flags, "steps": int(config.flag("--steps", args.steps)),
               "seconds": round(time.time() - t0),
               "rows": [{k: r[k] for k in KEPT if k in r} for r in rows if any(k.startswith("eval/") for k in r)],
-              "final": final_scores(args, run_dir, config)}
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    with open(path + ".tmp", "w") as f:
-        json.dump(record, f)
-    os.replace(path + ".tmp", path)
+              "trace": [{k: r[k] for k in TRACED if k in r} for r in rows],
+              "final": final_scores(args, run_dir, config),
+              "argv": ["ppo.py", *ppo_flags(args, config, seed, run_dir)], "resumed": resumed,
+              **provenance(args, args.models[config.models_key])}
+    write_record(path, record)
     last = record["rows"][-1]
     print(f"[study] {config.name} seed {seed}: {record['seconds']} s, " + ", ".join(
         f"{k} {last[k]:.3f}" for k in ("eval/rm", "eval/gold", "eval/exec") if k in last), flush=True)
@@ -508,6 +595,8 @@ def train_all(args, todo):
         return
     build_segment_rms(args, todo)
     build_real_models(args, todo)
+    for config in {c.models_key: c for c, _ in todo if c.name in MATCHED_KL}.values():
+        sft_record(args, config)                # the SFT row of the matched-KL tables
     if args.jobs == 1:
         for config, seed in todo:
             train(args, config, seed)
@@ -775,6 +864,8 @@ def main(argv=None):
                         help=f"which: {', '.join(HYPOTHESES)}, `all` (every one but {', '.join(OPTIONAL)}), or `report` "
                              "(tables from committed results)")
     parser.add_argument("--seeds", default="1,2,3,4,5", help="training seeds (every configuration gets all of them)")
+    parser.add_argument("--configs", default="", help="run only these configurations (names separated by commas, "
+                                                      "e.g. real_kl_n5_0.7); the report still reads every record")
     parser.add_argument("--steps", type=int, default=120, help="PPO iterations per run")
     parser.add_argument("--eval_every", type=int, default=10, help="held-out evaluation interval (iterations)")
     parser.add_argument("--n_eval_prompts", type=int, default=128, help="held-out prompts per evaluation")
@@ -816,6 +907,13 @@ def main(argv=None):
     seeds = [int(s) for s in args.seeds.split(",")]
     print(f"[study] {vars(args)}", flush=True)
     todo = [(config, seed) for h in names for config in HYPOTHESES[h].configs for seed in seeds]
+    if args.configs:
+        wanted = args.configs.split(",")
+        known = {c.name for h in names for c in HYPOTHESES[h].configs}
+        if set(wanted) - known:
+            parser.error(f"--configs: unknown {sorted(set(wanted) - known)}; those of {', '.join(names)}: "
+                         f"{', '.join(sorted(known))}")
+        todo = [(c, seed) for c, seed in todo if c.name in wanted]
     train_all(args, list(dict.fromkeys(todo)))
     lines, result, blocks = [], {}, {}
     for hypothesis in names:
