@@ -47,6 +47,7 @@ import os
 import random
 import re
 import shlex
+import statistics
 import subprocess
 import sys
 import time
@@ -266,7 +267,7 @@ HYPOTHESES = {
         "The real model at matched KL: does MA-PPO beat PPO for the same distance from the SFT model?",
         REAL_KL, final_table=True, matched_kl=(0.4, 0.5, 0.6)),
     "kl": Hypothesis("Chitchat (the baseline's setting) at matched KL: MA-PPO against PPO at the same KL",
-                     tiny_kl("chitchat"), matched_kl=(0.0, 0.2, 0.4)),
+                     tiny_kl("chitchat"), matched_kl=(0.0, 1.0, 2.0)),
     "kl_count": Hypothesis("Count (where MA-PPO led early) at matched KL: MA-PPO against PPO at the same KL",
                            tiny_kl("count"), matched_kl=(0.3, 0.5, 0.7)),
 }
@@ -379,6 +380,13 @@ def bootstrap_win_rate(per_seed, draws=2000, seed=0):
 
 def record_path(args, name, seed):
     return os.path.join(args.results_dir, "runs", name, f"seed{seed}.json")
+
+
+def committed_seeds(args, name):
+    """The seeds of `name` that have a record, whatever --seeds says (the report reads every one)."""
+    folder = os.path.join(args.results_dir, "runs", name)
+    found = (re.fullmatch(r"seed(\d+)\.json", f) for f in (os.listdir(folder) if os.path.isdir(folder) else []))
+    return {int(m.group(1)) for m in found if m}
 
 
 def final_eval_args(args, run_dir, config):
@@ -753,10 +761,116 @@ def report(args, hypothesis, records):
                      + (fmt_win(win) if win else "-") + " |")
     if h.paired:
         lines += paired_table(h, records, result)
-    if h.final_table:
+    if h.matched_kl:
+        lines += matched_kl_table(args, h, records, result)
+    elif h.final_table:
         lines += final_table(h, records, result)
     lines += early_table(h, records, result)
     return lines, result
+
+
+def final_kl(record, last=5):
+    """A run's KL from the SFT model at its end: the mean per-sequence KL of its last `last` iterations (one
+    batch's KL is noisy: 16 samples in the real runs); the last evaluation's for records without a trace."""
+    trace = [r["kl"] for r in record.get("trace", [])][-last:]
+    return sum(trace) / len(trace) if trace else record["rows"][-1]["kl"]
+
+
+def steps_to_reach(rows, metric, threshold):
+    """The first evaluated iteration whose `metric` is at least `threshold`, or None."""
+    return next((r["step"] for r in rows if r.get(metric, float("-inf")) >= threshold), None)
+
+
+def matched_kl_table(args, h, records, result):
+    """Each MA-PPO configuration against the PPO held at the same KL target (its partner), paired by seed:
+    the final KLs (within 20% of each other, or the level is not matched), the final policies' mean score and
+    its gap, the win rate, and the iterations each needs to reach the score thresholds `h.matched_kl`."""
+    base = h.configs[0]
+    key, metric = base.win_key, base.metrics[0]
+    sft = sft_record(args, base)
+    done = {c.name: [r for r in records.get(c.name, []) if r] for c in h.configs}
+    n_prompts = next((len(r["final"][key]) for runs in done.values() for r in runs), 0)
+    lines = ["", f"At matched KL: each method held at the same per-sequence KL target by the adaptive controller. "
+             f"Final KL: the mean of the last 5 iterations; final {key}: the final policies' mean on {n_prompts} held-out "
+             f"prompts (one sampling seed), and MA-PPO minus PPO paired by seed (95% t-interval); iterations to reach "
+             f"{metric} " + " / ".join(map(str, h.matched_kl)) + " (median over seeds, the seeds that reach it).", ""]
+    if sft:
+        sft_mean = sum(sft["final"][key]) / len(sft["final"][key])
+        result["sft"] = {"final_mean": sft_mean}
+        lines += [f"The SFT model on the same prompts: mean {key} {sft_mean:.3f} ({sft['config']} record).", ""]
+    lines += [f"| KL target | configuration | seeds | final KL | final mean {key} | minus PPO's, same seed | win rate vs "
+              f"PPO [95% CI] | iterations to {metric} " + " / ".join(map(str, h.matched_kl)) + " |", "|---" * 8 + "|"]
+    verdicts = []
+    for config in h.configs:
+        runs = done[config.name]
+        if not runs:
+            lines.append(f"| {config.flag('--kl_target')} | {config.label} | 0 | not run yet | | | | |")
+            continue
+        partner = done.get(config.partner, []) if config.partner else []
+        kls = t_interval([final_kl(r) for r in runs])
+        score = t_interval([sum(r["final"][key]) / len(r["final"][key]) for r in runs])
+        gap = final_gap(partner, runs, key) if partner else None
+        per_seed = per_seed_verdicts(partner, runs, key) if partner else []
+        win = bootstrap_win_rate(per_seed) if per_seed else None
+        reach = []
+        for threshold in h.matched_kl:
+            at = sorted(s for s in (steps_to_reach(r["rows"], metric, threshold) for r in runs) if s is not None)
+            reach.append(f"{statistics.median(at):g} ({len(at)}/{len(runs)})" if at else f"never (0/{len(runs)})")
+        entry = result.setdefault(config.name, {})
+        entry["matched_kl"] = {"target": float(config.flag("--kl_target")), "final_kl": kls, "final_mean": score,
+                               "gap_vs_ppo": gap, "win_rate": win, "reach": dict(zip(map(str, h.matched_kl), reach))}
+        lines.append(f"| {config.flag('--kl_target')} | {config.label} | {len(runs)} | {fmt(*kls)} | {fmt(*score)} | "
+                     + (f"{fmt(*gap[:2])} ({gap[2]} paired)" if gap else "-") + " | " + (fmt_win(win) if win else "-")
+                     + " | " + " / ".join(reach) + " |")
+        if gap:
+            base_kl = t_interval([final_kl(r) for r in partner])[0]
+            ratio = kls[0] / base_kl if base_kl else float("inf")
+            entry["matched_kl"]["kl_ratio"] = ratio
+            matched = abs(ratio - 1) <= 0.2
+            sign = ("ahead" if gap[0] - gap[1] > 0 else "behind" if gap[0] + gap[1] < 0 else "level (the interval "
+                    "holds 0)") if gap[2] > 1 else "one seed: no interval"
+            verdicts.append(f"- KL {config.flag('--kl_target')}: final KL {kls[0]:.2f} against PPO's {base_kl:.2f} "
+                            f"(ratio {ratio:.2f}: {'matched' if matched else 'NOT matched, more than 20% apart'}); "
+                            f"MA-PPO minus PPO {key} {fmt(*gap[:2])} over {gap[2]} seeds: {sign}.")
+    return lines + ([""] + verdicts if verdicts else [])
+
+
+# the fixed-beta runs shown beside each matched-KL hypothesis in its reward-against-KL picture
+FRONTIER_WITH = {"real_kl": "real", "kl": "baseline", "kl_count": "count"}
+
+
+def kl_frontier(args, hypothesis, records):
+    """Score against KL at every evaluation of every run of `hypothesis` and of its fixed-beta hypothesis
+    (FRONTIER_WITH), one colour per method (n), circles at a fixed beta, triangles under the controller:
+    <results_dir>/<hypothesis>.png (docs/study/real_kl.png)."""
+    h = HYPOTHESES[hypothesis]
+    metric = h.configs[0].metrics[0]
+    other = HYPOTHESES[FRONTIER_WITH[hypothesis]].configs
+    runs = [(c, r) for c in (*other, *h.configs) for seed in committed_seeds(args, c.name)
+            for r in [json.load(open(record_path(args, c.name, seed)))]]
+    if not any(c in h.configs for c, _ in runs):
+        return None
+    plt = evaluate.pyplot()
+    fig, ax = plt.subplots(figsize=(6.5, 4.2))
+    colours = {}
+    for config, record in runs:
+        method = config.label.split(",")[0]
+        controlled = config.flag("--kl_target") is not None
+        colour = colours.setdefault(method, f"C{len(colours)}")
+        points = [(r["kl"], r[metric]) for r in record["rows"] if metric in r]
+        ax.scatter(*zip(*points), color=colour, marker="^" if controlled else "o", s=16, alpha=0.6,
+                   label=f"{method}, " + ("KL controller" if controlled else "fixed beta"))
+    handles, labels = ax.get_legend_handles_labels()
+    unique = dict(zip(labels, handles))
+    ax.legend(unique.values(), unique.keys(), fontsize=7)
+    ax.set_xlabel("per-sequence KL from the SFT model (the iteration's batch)")
+    ax.set_ylabel(metric)
+    ax.set_title(f"{hypothesis}: every evaluation of every run")
+    fig.tight_layout()
+    png = os.path.join(args.results_dir, f"{hypothesis}.png")
+    fig.savefig(png, dpi=100)
+    plt.close(fig)
+    return png
 
 
 def final_table(h, records, result):
@@ -917,11 +1031,12 @@ def main(argv=None):
     train_all(args, list(dict.fromkeys(todo)))
     lines, result, blocks = [], {}, {}
     for hypothesis in names:
-        records = {c.name: [train(args, c, seed) for seed in seeds] for c in HYPOTHESES[hypothesis].configs}
+        records = {c.name: [train(args, c, seed) for seed in sorted(set(seeds) | committed_seeds(args, c.name))]
+                   for c in HYPOTHESES[hypothesis].configs}
         h_lines, result[hypothesis] = report(args, hypothesis, records)
         if hypothesis == "segment_count":
             h_lines += error_table(args)
-        png = plot(args, hypothesis, records)
+        png = kl_frontier(args, hypothesis, records) if HYPOTHESES[hypothesis].matched_kl else plot(args, hypothesis, records)
         h_lines += ["", f"![{hypothesis}]({os.path.basename(png)})"] if png else []
         blocks[hypothesis] = h_lines[2:]                 # the page has its own heading
         lines += h_lines + [""]

@@ -233,3 +233,48 @@ def test_the_study_page_holds_exactly_the_generated_tables():
     for name, body in sections.items():
         block = page.split(f"<!-- study:{name} -->\n")[1].split(f"<!-- /study:{name} -->")[0]
         assert block == body, name
+
+
+def test_matched_kl_pairs_each_method_with_ppo_at_its_own_target_by_hand(tmp_path):
+    """real_kl: MA-PPO at KL 0.7 against PPO at KL 0.7 (not at 2.5), final KL from the last 5 iterations, the
+    SFT row from its record, thresholds reached, and a verdict that says whether the KLs matched."""
+    def run(seed, golds, kl, curve):
+        return {"seed": seed, "trace": [{"step": s, "kl": 99.0 if s <= 25 else kl, "beta": 0.1} for s in range(1, 31)],
+                "rows": [{"step": s, "eval/gold": v, "eval/rm": 0.0, "kl": 1.0, "macro/mean_len": 1.0,
+                          "response/len": 20.0} for s, v in zip((10, 20, 30), curve)], "final": {"gold": golds, "rm": golds}}
+    n1, n5, n1_high, n5_high = study.HYPOTHESES["real_kl"].configs
+    assert (n5.partner, n5_high.partner) == (n1.name, n1_high.name) and n5.flag("--kl_target") == "0.7"
+    records = {n1.name: [run(1, [0.4, 0.4], 0.7, [0.3, 0.4, 0.5]), run(2, [0.6, 0.6], 0.7, [0.3, 0.3, 0.3])],
+               n5.name: [run(2, [0.5, 0.5], 0.8, [0.5, 0.6, 0.6]), run(1, [0.5, 0.5], 0.8, [0.6, 0.6, 0.6])],
+               n1_high.name: [run(1, [0.0, 0.0], 2.5, [0.0] * 3)], n5_high.name: [run(1, [1.0, 1.0], 4.0, [1.0] * 3)]}
+    study.write_record(study.record_path(argparse.Namespace(results_dir=str(tmp_path)), "real_sft", 0),
+                       {"config": "real_sft", "final": {"gold": [0.1, 0.3]}})
+    args = argparse.Namespace(smooth=1, results_dir=str(tmp_path), report_only=True)
+    lines, result = study.report(args, "real_kl", records)
+    m = result[n5.name]["matched_kl"]
+    assert m["final_kl"][0] == pytest.approx(0.8) and m["kl_ratio"] == pytest.approx(0.8 / 0.7)   # last 5: 26-30
+    assert m["gap_vs_ppo"][0] == pytest.approx(0.0) and m["gap_vs_ppo"][2] == 2      # seed 1: +0.1, seed 2: -0.1
+    assert m["reach"] == {"0.4": "10 (2/2)", "0.5": "10 (2/2)", "0.6": "15 (2/2)"}   # median of 10 and 20
+    assert result[n1.name]["matched_kl"]["reach"]["0.5"] == "30 (1/2)"
+    assert result[n1.name]["matched_kl"]["reach"]["0.6"] == "never (0/2)"
+    assert result["sft"]["final_mean"] == pytest.approx(0.2)
+    assert result[n5_high.name]["matched_kl"]["gap_vs_ppo"][0] == 1.0                # against PPO at 2.5
+    verdicts = [line for line in lines if line.startswith("- KL ")]
+    assert "(ratio 1.14: matched)" in verdicts[0] and "level (the interval holds 0)" in verdicts[0]
+    assert "NOT matched" in verdicts[1] and "one seed: no interval" in verdicts[1]
+
+
+def test_a_record_says_what_produced_it(tmp_path):
+    """Provenance: the commit that ran, whether tracked files differed from it, versions, threads, jobs and
+    the hashes of the model folders (a change to one byte changes the hash)."""
+    (tmp_path / "sft").mkdir()
+    (tmp_path / "sft" / "config.json").write_text("{}")
+    before = study.folder_hash(str(tmp_path / "sft"))
+    p = study.provenance(argparse.Namespace(jobs=2), (str(tmp_path / "sft"), None))
+    assert len(p["commit"]) == 40 and isinstance(p["dirty"], bool) and p["jobs"] == 2 and p["threads"] >= 1
+    assert p["sft_hash"] == before and p["rm_hash"] is None and p["torch"].startswith("2.")
+    (tmp_path / "sft" / "config.json").write_text("{ }")
+    assert study.folder_hash(str(tmp_path / "sft")) != before
+    assert study.committed_seeds(argparse.Namespace(results_dir=str(tmp_path)), "x") == set()
+    study.write_record(study.record_path(argparse.Namespace(results_dir=str(tmp_path)), "x", 7), {})
+    assert study.committed_seeds(argparse.Namespace(results_dir=str(tmp_path)), "x") == {7}
