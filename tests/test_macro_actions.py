@@ -12,6 +12,8 @@ import macro_actions as ma
 from reference import (fixed_ngram_loop, macro_gae_loop, macro_lengths, macro_rewards_loop, perplexity_loop,
                        sigma_loop, token_gae)
 
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
 LENGTHS = [7, 1, 12, 0, 5]          # rows of different lengths, one empty
 
 
@@ -268,3 +270,28 @@ def test_sigma_weights_match_paper_d1_on_worked_examples():
 def test_macro_ids_are_segment_ids():
     starts = torch.tensor([[1, 0, 1, 1, 0, 0]], dtype=torch.bool)
     assert ma.macro_ids(starts).tolist() == [[0, 0, 1, 2, 2, 2]]
+
+
+def test_the_file_runs_alone_with_torch_and_without_numpy(tmp_path):
+    """macro_actions.py is the file people copy: it needs torch alone. Loaded from a copy outside the checkout,
+    in a fresh interpreter where numpy cannot be imported, every n-gram / perplexity / GAE path runs."""
+    shutil.copy(os.path.join(ROOT, "macro_actions.py"), tmp_path / "macro_actions.py")
+    code = """
+import sys, importlib.abc
+class NoNumpy(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path, target=None):
+        if name.split(".")[0] == "numpy":
+            raise ModuleNotFoundError("No module named 'numpy' (blocked)")
+sys.meta_path.insert(0, NoNumpy())
+import torch
+import macro_actions as ma
+lp = torch.log(torch.tensor([[0.5, 0.5, 0.1, 0.9, 0.2, 0.9, 0.9, 0.9]]))
+mask = torch.tensor([[1, 1, 1, 1, 1, 1, 0, 0]])
+starts = ma.perplexity_starts(lp, mask)
+adv, ret = ma.macro_advantages(torch.zeros(1, 8), ma.macro_rewards(lp, torch.ones(1), mask, starts), mask, starts)
+print(starts.int().tolist(), ma.fixed_ngram_starts(mask, 2).int().tolist(), "numpy" in sys.modules)
+"""
+    proc = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.split() == ["[[1,", "0,", "1,", "0,", "1,", "0,", "0,", "0]]", "[[1,", "0,", "1,", "0,", "1,",
+                                   "0,", "0,", "0]]", "False"]
