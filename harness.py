@@ -27,6 +27,7 @@ import shutil
 import signal
 import sys
 import time
+import warnings
 from dataclasses import asdict
 
 import torch
@@ -61,6 +62,8 @@ def make_accelerator(bf16=False, grad_accum=1, micro_batch_size=1, **kwargs):
     DeepSpeed launch: cpu=True would silently turn DeepSpeed off.) `micro_batch_size`: examples per
     process per micro-step, which a DeepSpeed engine must be told."""
     from accelerate import Accelerator
+    if not torch.cuda.is_available():       # transformers' save_pretrained imports deepspeed whenever it is
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")   # installed: named, it does not warn that it guessed
     if deepspeed_launch() and "deepspeed_plugins" not in kwargs:
         kwargs["deepspeed_plugins"] = deepspeed_plugin(micro_batch_size)
     return Accelerator(cpu=not torch.cuda.is_available() and not deepspeed_launch(),
@@ -95,6 +98,15 @@ def is_sharded(accelerator):
     return accelerator.distributed_type.value in ("FSDP", "DEEPSPEED")
 
 
+def unwrap(accelerator, model):
+    """The module inside its DDP / DeepSpeed / FSDP wrapper. Only DeepSpeed and FSDP runs ask accelerate:
+    its unwrap_model imports deepspeed whenever it is installed (about 100 MB resident and a "Setting
+    accelerator to CPU" warning in a run that never uses it)."""
+    if accelerator.distributed_type.value in ("DEEPSPEED", "FSDP"):
+        return accelerator.unwrap_model(model)
+    return model.module if isinstance(model, torch.nn.parallel.DistributedDataParallel) else model
+
+
 @contextlib.contextmanager
 def generation_model(accelerator, model, gather=True):
     """Yields (module to call generate() on, synced_gpus for generate()).
@@ -103,7 +115,7 @@ def generation_model(accelerator, model, gather=True):
     whole policy sits on every GPU meanwhile). Without `gather`: sharded forwards, every rank in lockstep
     (synced_gpus=True) and every layer gathered again for every generated token, the ZeRO-3 trap that
     makes generation 10x slower (TRL PR 1483; DeepSpeed issue 4354)."""
-    unwrapped = accelerator.unwrap_model(model)
+    unwrapped = unwrap(accelerator, model)
     kind = accelerator.distributed_type.value
     zero3 = kind == "DEEPSPEED" and accelerator.state.deepspeed_plugin.zero_stage == 3
     if not is_sharded(accelerator) or (kind == "DEEPSPEED" and not zero3):
@@ -161,7 +173,7 @@ def whole_state_dicts(models):
     out = {}
     for name, (accelerator, model) in models.items():
         sd = accelerator.get_state_dict(model)
-        wrapped = not hasattr(accelerator.unwrap_model(model), "save_pretrained")
+        wrapped = not hasattr(unwrap(accelerator, model), "save_pretrained")
         out[name] = {k.removeprefix("model."): v for k, v in sd.items()} if sd and wrapped else sd
     return out
 
@@ -172,7 +184,7 @@ def final_model(accelerator, model):
     merged into the weights (W + alpha / r * B A, peft's merge) from whole weights: a plain model whose
     keys any from_pretrained reads."""
     weights = whole_state_dicts({"m": (accelerator, model)})["m"] if is_sharded(accelerator) else None
-    unwrapped = accelerator.unwrap_model(model)
+    unwrapped = unwrap(accelerator, model)
     if not accelerator.is_main_process:
         return None
     if weights is None:
@@ -203,7 +215,7 @@ def parameter_checksums(model):
 @torch.no_grad()
 def ranks_in_sync(accelerator, model):
     """True when every process holds the same parameters (per-tensor checksums gathered over ranks)."""
-    every = accelerator.gather(parameter_checksums(accelerator.unwrap_model(model)).unsqueeze(0))
+    every = accelerator.gather(parameter_checksums(unwrap(accelerator, model)).unsqueeze(0))
     return bool((every == every[0]).all())
 
 
@@ -282,6 +294,8 @@ def start(name, args, accelerator, final="config.json"):
                  "--resume, or start afresh in another --output_dir (or delete this one).")
     torch.manual_seed(args.seed)
     random.seed(args.seed)
+    import transformers
+    transformers.utils.logging.disable_progress_bar()   # no "Writing model shards" bar at every checkpoint
     threads = cpu_threads(accelerator.num_processes) if accelerator.device.type == "cpu" else None
     if threads:
         torch.set_num_threads(threads)
@@ -315,8 +329,10 @@ def with_lora(model, r, alpha, target_modules, task_type):
     separated by commas); only the adapters train (and, for a reward model / critic, the score head)."""
     from peft import LoraConfig, get_peft_model
     targets = target_modules if target_modules == "all-linear" else target_modules.split(",")
-    return get_peft_model(model, LoraConfig(r=r, lora_alpha=alpha, lora_dropout=0.0, target_modules=targets,
-                                            task_type=task_type))
+    with warnings.catch_warnings():     # peft reads transformers' deprecated is_gradient_checkpointing: not ours to fix
+        warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
+        return get_peft_model(model, LoraConfig(r=r, lora_alpha=alpha, lora_dropout=0.0, target_modules=targets,
+                                                task_type=task_type))
 
 
 def twin(model):
@@ -569,7 +585,7 @@ class Trainer:
         sharded = is_sharded(acc)   # ZeRO / FSDP: whole weights gathered (collective); optimizer state is per rank
         weights = whole_state_dicts({"model": (acc, self.model)}) if sharded else None
         if acc.is_main_process:
-            save_checkpoint(self.args.output_dir, {"model": acc.unwrap_model(self.model)}, self.tokenizer, step,
+            save_checkpoint(self.args.output_dir, {"model": unwrap(acc, self.model)}, self.tokenizer, step,
                             self.args, {} if sharded else {"optimizer": self.optimizer}, {"scheduler": self.scheduler},
                             weights)
         acc.wait_for_everyone()

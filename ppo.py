@@ -139,7 +139,7 @@ def reference_logprobs(ref, accelerator, policy, ids, attention_mask, prompt_wid
     is the SFT model."""
     if ref is not None:
         return response_logprobs(ref, ids, attention_mask, prompt_width, temperature, t1_entropy=t1_entropy)
-    with accelerator.unwrap_model(policy).disable_adapter():
+    with harness.unwrap(accelerator, policy).disable_adapter():
         return response_logprobs(policy, ids, attention_mask, prompt_width, temperature, t1_entropy=t1_entropy)
 
 
@@ -441,8 +441,8 @@ def main(args):
     def save(step):
         weights = harness.whole_state_dicts({"policy": (acc, policy), "critic": (critic_acc, critic)}) if sharded else None
         if acc.is_main_process:
-            harness.save_checkpoint(args.output_dir, {"policy": acc.unwrap_model(policy),
-                                                      "critic": critic_acc.unwrap_model(critic).model}, tokenizer,
+            harness.save_checkpoint(args.output_dir, {"policy": harness.unwrap(acc, policy),
+                                                      "critic": harness.unwrap(critic_acc, critic).model}, tokenizer,
                                     step, args, {} if sharded else opts, scheds, weights,
                                     truncated=truncated, generator=generator.get_state(), beta=beta)
         acc.wait_for_everyone()
