@@ -441,9 +441,9 @@ def provenance(args, models):
 
 def sft_record(args, config):
     """The SFT model's own record for `config`'s models: its per-prompt final scores on the same held-out prompts
-    and sampling seed as the runs' final policies (the SFT row of the tables), at docs/study/runs/<name>/seed0.json
-    with <name> `real_sft` or `<task>_sft`."""
-    name = "real_sft" if config.model == "smollm2" else f"{config.task}_sft"
+    and sampling seed as the runs' final policies (the SFT line of the tables), at docs/study/runs/<name>/seed0.json
+    with <name> `real_sft` or `<task>_sft`. Made before a task's first run; the report only reads it."""
+    name = sft_record_name(config)
     path = record_path(args, name, 0)
     if os.path.exists(path) or args.report_only:
         return json.load(open(path)) if os.path.exists(path) else None
@@ -452,6 +452,16 @@ def sft_record(args, config):
               args.runs_dir, name), config, sft_path), **provenance(args, args.models[config.models_key])}
     write_record(path, record)
     return record
+
+
+def sft_record_name(config):
+    return "real_sft" if config.model == "smollm2" else f"{config.task}_sft"
+
+
+def committed_sft_record(args, config):
+    """The SFT record of `config`'s models if one is committed (the report never makes one)."""
+    path = record_path(args, sft_record_name(config), 0) if getattr(args, "results_dir", None) else None
+    return json.load(open(path)) if path and os.path.exists(path) else None
 
 
 def write_record(path, record):
@@ -603,8 +613,8 @@ def train_all(args, todo):
         return
     build_segment_rms(args, todo)
     build_real_models(args, todo)
-    for config in {c.models_key: c for c, _ in todo if c.name in MATCHED_KL}.values():
-        sft_record(args, config)                # the SFT row of the matched-KL tables
+    for config in {c.models_key: c for c, _ in todo}.values():
+        sft_record(args, config)                # the SFT line of every table of its task
     if args.jobs == 1:
         for config, seed in todo:
             train(args, config, seed)
@@ -759,6 +769,13 @@ def report(args, hypothesis, records):
                                                                         for m in (score, second, "kl"))
                      + f" | {fmt(*early)} | {fmt_parity(parity.get(score))} | {fmt_parity(parity.get(second))} | "
                      + (fmt_win(win) if win else "-") + " |")
+    sft = committed_sft_record(args, base)
+    if sft:
+        sft_mean = sum(sft["final"][base.win_key]) / len(sft["final"][base.win_key])
+        result["sft"] = {"final_mean": sft_mean, "record": sft["config"]}
+        lines += ["", f"The SFT model, scored like the final policies (the same {len(sft['final'][base.win_key])} "
+                  f"held-out prompts and sampling seed): mean {base.win_key} {sft_mean:.3f} (its record: "
+                  f"`runs/{sft['config']}/seed0.json`)."]
     if h.paired:
         lines += paired_table(h, records, result)
     if h.matched_kl:
@@ -787,17 +804,12 @@ def matched_kl_table(args, h, records, result):
     its gap, the win rate, and the iterations each needs to reach the score thresholds `h.matched_kl`."""
     base = h.configs[0]
     key, metric = base.win_key, base.metrics[0]
-    sft = sft_record(args, base)
     done = {c.name: [r for r in records.get(c.name, []) if r] for c in h.configs}
     n_prompts = next((len(r["final"][key]) for runs in done.values() for r in runs), 0)
     lines = ["", f"At matched KL: each method held at the same per-sequence KL target by the adaptive controller. "
              f"Final KL: the mean of the last 5 iterations; final {key}: the final policies' mean on {n_prompts} held-out "
              f"prompts (one sampling seed), and MA-PPO minus PPO paired by seed (95% t-interval); iterations to reach "
              f"{metric} " + " / ".join(map(str, h.matched_kl)) + " (median over seeds, the seeds that reach it).", ""]
-    if sft:
-        sft_mean = sum(sft["final"][key]) / len(sft["final"][key])
-        result["sft"] = {"final_mean": sft_mean}
-        lines += [f"The SFT model on the same prompts: mean {key} {sft_mean:.3f} ({sft['config']} record).", ""]
     lines += [f"| KL target | configuration | seeds | final KL | final mean {key} | minus PPO's, same seed | win rate vs "
               f"PPO [95% CI] | iterations to {metric} " + " / ".join(map(str, h.matched_kl)) + " |", "|---" * 8 + "|"]
     verdicts = []

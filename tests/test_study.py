@@ -183,13 +183,19 @@ def test_report_pairs_configurations_with_their_own_ppo(tmp_path):
     assert result["n5"]["early"]["score_at_first"][0] == 0.0 and result["n5"]["early"]["macro_len"][0] == 5.0
 
 
-def test_count_reports_the_share_of_exact_counts_by_hand():
+def test_count_reports_the_share_of_exact_counts_and_the_sft_line_from_its_record_by_hand(tmp_path):
     def run(seed, golds):
         return {"seed": seed, "rows": [{"step": s, "eval/gold": 0.5, "eval/rm": 0.0, "kl": 1.0,
                                         "macro/mean_len": 1.0, "response/len": 30.0 + seed} for s in (10, 20)],
                 "final": {"gold": golds, "rm": golds}}
     records = {"count_n1": [run(1, [1.0, 0.8, 0.6, 1.0])], "count_n5": [run(1, [1.0, 0.2, 0.0, 0.0])]}
     lines, result = study.report(argparse.Namespace(smooth=1), "count", records)
+    assert "sft" not in result and not any("The SFT model" in line for line in lines)    # no record: no line
+    study.write_record(study.record_path(argparse.Namespace(results_dir=str(tmp_path)), "count_sft", 0),
+                       {"config": "count_sft", "final": {"gold": [0.25, 0.5, 1.0, 0.0]}})
+    lines, result = study.report(argparse.Namespace(smooth=1, results_dir=str(tmp_path)), "count", records)
+    assert result["sft"] == {"final_mean": 0.4375, "record": "count_sft"}
+    assert any("mean gold 0.438 (its record: `runs/count_sft/seed0.json`)" in line for line in lines)
     assert result["count_n1"]["early"]["exact"] == 0.5 and result["count_n5"]["early"]["exact"] == 0.25
     assert any(line.startswith("| MA-PPO (n=5) |") and line.endswith("| 1.0 | 31.0 | 25.0% |") for line in lines)
     assert result["count_n1"]["early"]["response_len"][0] == 31.0
