@@ -65,7 +65,7 @@ class PPOArgs:
     max_response_len: int = field(default=0, metadata={"help": "generated tokens at most; 0 = the task's default (64 for count, else 32)"})
     rollout_batch_size: int = field(default=32, metadata={"help": "prompts per process per iteration"})
     mini_batch_size: int = field(default=16, metadata={"help": "rollouts per PPO minibatch"})
-    grad_accum: int = field(default=1, metadata={"help": "minibatches per optimizer step"})
+    grad_accum: int = field(default=1, metadata={"help": "minibatches per optimizer step; an iteration whose minibatches it does not divide steps once more on its remainder (a mean over those), so no step mixes two iterations' gradients"})
     ppo_epochs: int = field(default=1, metadata={"help": "passes over each rollout batch"})
     steps: int = field(default=120, metadata={"help": "PPO iterations"})
     policy_lr: float = field(default=3e-4, metadata={"help": "policy learning rate (~1e-6 for Gemma-2B)"})
@@ -522,10 +522,18 @@ def main(args):
             policy.train()
             critic.train()
             stats = []
+            # accumulation groups of --grad_accum minibatches, the iteration's remainder a group of its own: the
+            # optimizers step at the end of every iteration, never on gradients of an older policy's rollout
+            n_minibatches = args.ppo_epochs * -(-len(idx) // args.mini_batch_size)
+            j = 0
             for _ in range(args.ppo_epochs):
                 order = torch.randperm(len(idx), generator=generator)
                 for k in range(0, len(idx), args.mini_batch_size):
                     mb = order[k:k + args.mini_batch_size]
+                    group = min(args.grad_accum, n_minibatches - j // args.grad_accum * args.grad_accum)
+                    if j % args.grad_accum == 0:
+                        harness.start_accumulation((acc, critic_acc), group)
+                    j += 1
                     with harness.accumulate(acc, policy, critic_acc, critic):
                         if fused:       # the rows of step 2's forwards, in the minibatch's order
                             logp, values = new_logp[mb], new_values[mb]
@@ -538,9 +546,10 @@ def main(args):
                         if not harness.all_finite(acc, pg_loss, vf_loss):
                             raise FloatingPointError(f"non-finite loss at iteration {step}; last good checkpoint "
                                                      f"in {harness.checkpoint_dir(args.output_dir)}")
+                        scale = args.grad_accum / group     # backward divides by --grad_accum: a mean over the group
                         if not frozen:
-                            acc.backward(pg_loss)      # the two graphs are disjoint: one backward per model
-                        critic_acc.backward(vf_loss)
+                            acc.backward(pg_loss * scale)      # the two graphs are disjoint: one backward per model
+                        critic_acc.backward(vf_loss * scale)
                         for opt in [o for k, o in opts.items() if k not in frozen]:
                             opt.step()
                         for opt in opts.values():

@@ -179,6 +179,19 @@ def test_several_minibatches_epochs_or_accumulation_run_their_own_forwards(tiny_
         assert not ppo.fused_update(ppo.PPOArgs(**{**vars(args), **changed}), acc, 4, tiny_lm, tiny_lm)
 
 
+def test_grad_accum_never_steps_across_iterations(tiny_models, tmp_path):
+    """Two minibatches an iteration and --grad_accum 3: each iteration steps once on its own two (their
+    mean), so 3 iterations make 3 AdamW steps per model, never one on two iterations' gradients."""
+    args = ppo.PPOArgs(sft_path=str(tiny_models / "sft"), rm_path=str(tiny_models / "rm"), output_dir=str(tmp_path),
+                       steps=3, rollout_batch_size=8, mini_batch_size=4, grad_accum=3, save_every=3,
+                       max_prompt_len=16, max_response_len=8, n_eval_prompts=4, eval_every=100)
+    ppo.main(args)
+    state = torch.load(tmp_path / "checkpoint" / "trainer_state.pt", weights_only=False)
+    for opt in ("policy_opt", "critic_opt"):
+        steps = {int(s["step"]) for s in state[opt]["state"].values()}
+        assert steps == {3}, (opt, steps)
+
+
 @pytest.mark.launch
 @pytest.mark.parametrize("flags", [{"n": 10}, {"termination": "parsing"}])
 def test_code_task_uses_the_execution_reward(tiny_models, tmp_path, flags):
