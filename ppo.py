@@ -43,7 +43,7 @@ class PPOArgs:
     critic_warmup: int = field(default=0, metadata={"help": "value-only updates for the first k iterations, the policy not stepped (OpenRLHF's --freezing_actor_steps)"})
     sigma: str = field(default="equal", metadata={"help": "macro value weights: equal | unit | position | first (App. D.1)"})
     reward_agg: str = field(default="sum", metadata={"help": "macro reward: sum (the paper's equation) | mean (the released code: each macro action's KL penalty averaged, the score kept whole)"})
-    ratio: str = field(default="token", metadata={"help": "token: per-token ratios with macro advantages (released code) | macro: pi(omega)/pi_old(omega)"})
+    ratio: str = field(default="token", metadata={"help": "token: per-token ratios with macro advantages (released code), the loss a mean over tokens | macro: the paper's pi(omega)/pi_old(omega), the loss a mean over macro actions (each weighs the same, whatever its length)"})
     kl_estimator: str = field(default="k1", metadata={"help": "per-token KL: k1 = logp - logp_ref | k3 = (r - 1) - log r, r = p_ref/p"})
     beta: float = field(default=0.05, metadata={"help": "KL penalty coefficient (the first one, under --kl_target)"})
     kl_target: float = field(default=0.0, metadata={"help": "adaptive KL controller (Ziegler et al. 2019): the per-sequence KL to hold. After each iteration beta <- beta * (1 + clip(KL / target - 1, -0.2, 0.2) * n / --kl_horizon), KL the batch's mean per-sequence KL over every process, n its samples; 0 = off (--beta fixed)"})
@@ -222,8 +222,11 @@ def ppo_losses(logp, old_logp, values, old_values, advantages, returns, response
     stats. Every tensor [B, R]; `response_mask` 1.0 on real response tokens, `starts` where macro
     actions begin."""
     log_ratio = (logp - old_logp) * response_mask
+    weights = response_mask         # token ratios: a mean over tokens
     if ratio == "macro":            # §3.3 MA-PPO: pi(omega)/pi_old(omega) = product of its token ratios
         log_ratio = ma.macro_sum(log_ratio, starts) * response_mask
+        # the objective is a mean over macro actions: each weighs the same, whatever its length
+        weights = response_mask / ma.macro_sum(response_mask, starts).clamp(min=1)
     ratios = log_ratio.exp()
     # §2 PPO clipped surrogate (Schulman et al. 2017, Eq. 7): max of the two negated terms = min of the objectives
     pg = torch.max(-advantages * ratios, -advantages * ratios.clamp(1 - clip, 1 + clip))
@@ -233,7 +236,7 @@ def ppo_losses(logp, old_logp, values, old_values, advantages, returns, response
     stats = {"policy/clipfrac": masked_mean(((ratios - 1).abs() > clip).float(), response_mask),
              "policy/approxkl": masked_mean(0.5 * log_ratio ** 2, response_mask),
              "policy/ratio": masked_mean(ratios, response_mask)}
-    return masked_mean(pg, response_mask), masked_mean(vf, response_mask), stats
+    return masked_mean(pg, weights), masked_mean(vf, response_mask), stats
 
 
 # ---------------------------------------------------------------------------------------------
