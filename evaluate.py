@@ -37,6 +37,9 @@ import sandbox
 COMMANDS = ("score", "winrate", "agreement", "best_of_n", "curves", "passk")
 
 
+JUDGES = ("rm", "gold", "llm")
+
+
 @dataclass
 class EvalArgs:
     task: str = field(default="chitchat", metadata={"help": "task whose held-out (test) prompts are used"})
@@ -45,15 +48,15 @@ class EvalArgs:
     policies: list[str] = field(default_factory=list, metadata={"help": "score / passk: policies (folders or `sft`)"})
     policy: str = field(default="sft", metadata={"help": "winrate / agreement / best_of_n: the policy (A)"})
     baseline: str = field(default="sft", metadata={"help": "winrate / agreement: B = `sft`, `chosen` or a folder"})
-    judge: str = field(default="gold", metadata={"help": "winrate: rm (higher RM score) | gold (embedded judge) | llm"})
-    judges: str = field(default="rm,gold", metadata={"help": "agreement: comma-separated judges"})
+    judge: str = field(default="gold", metadata={"help": "winrate: rm (higher RM score) | gold (embedded judge) | llm", "choices": JUDGES})
+    judges: str = field(default="rm,gold", metadata={"help": "agreement: judges (rm, gold, llm) separated by commas"})
     judge_url: str = field(default="", metadata={"help": "llm: OpenAI-compatible base URL, e.g. https://api.openai.com/v1"})
     judge_model: str = field(default="gpt-4", metadata={"help": "llm: model name sent to the endpoint"})
     judge_key_env: str = field(default="OPENAI_API_KEY", metadata={"help": "llm: environment variable holding the API key"})
-    judge_template: str = field(default="", metadata={"help": "llm: tldr | hh | webgpt (default: from --task; chitchat uses hh)"})
+    judge_template: str = field(default="", metadata={"help": "llm: tldr | hh | webgpt (default: from --task; chitchat uses hh)", "choices": ("", "tldr", "hh", "webgpt")})
     judge_timeout: float = field(default=60.0, metadata={"help": "llm: seconds per request"})
     judge_retries: int = field(default=4, metadata={"help": "llm: retries with exponential backoff (1, 2, 4 ... s)"})
-    judge_mode: str = field(default="text", metadata={"help": "llm: text (the template's answer format) | logprobs (one letter; its probability read from top_logprobs, for small judges)"})
+    judge_mode: str = field(default="text", metadata={"help": "llm: text (the template's answer format) | logprobs (one letter; its probability read from top_logprobs, for small judges)", "choices": ("text", "logprobs")})
     judge_max_tokens: int = field(default=96, metadata={"help": "llm, text mode: the longest answer asked for (max_tokens)"})
     judge_min_answered: float = field(default=0.5, metadata={"help": "llm: fewer usable verdicts than this fraction of the items is an error (exit 1)"})
     n_prompts: int = field(default=256, metadata={"help": "held-out prompts evaluated"})
@@ -634,6 +637,11 @@ def main(argv=None):
         HfArgumentParser(EvalArgs).print_help()
         sys.exit(0 if not argv or argv[0] in ("-h", "--help") else f"error: unknown command {argv[0]!r}")
     args = HfArgumentParser(EvalArgs).parse_args_into_dataclasses(argv[1:])[0]
+    harness.check_choices(args)
+    unknown = [j for j in args.judges.split(",") if j not in JUDGES]
+    if unknown:
+        sys.exit(f"error: --judges {args.judges!r}: {unknown[0]!r} is not a judge; choose from {', '.join(JUDGES)}, "
+                 "separated by commas")
     print(f"[evaluate] {argv[0]}: {asdict(args)}")
     needs_models = argv[0] != "curves" and not (argv[0] == "passk" and args.results)
     try:

@@ -18,6 +18,7 @@ Checkpoint layout, the same for every stage:
 """
 import contextlib
 import copy
+import dataclasses
 import ctypes
 import ctypes.util
 import math
@@ -291,6 +292,16 @@ def cpu_threads(num_processes, environ=os.environ):
     if launched and environ.get("OMP_NUM_THREADS") == "1":
         return max(1, (os.cpu_count() or 1) // num_processes)
     return None
+
+
+def check_choices(args):
+    """Every choice flag of a stage's arguments dataclass (a field with "choices" in its metadata, which
+    argparse also enforces on the command line) holds one of its choices, also when the dataclass was built
+    in Python: an unknown value stops the run at start, naming the flag and its choices."""
+    for f in dataclasses.fields(args):
+        choices = f.metadata.get("choices")
+        if choices is not None and getattr(args, f.name) not in choices:
+            sys.exit(f"error: --{f.name} {getattr(args, f.name)!r}: choose from {', '.join(map(repr, choices))}")
 
 
 def start(name, args, accelerator, final="config.json"):

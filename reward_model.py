@@ -51,7 +51,7 @@ class RMArgs:
     skip_bad_rows: bool = field(default=False, metadata={"help": "drop malformed dataset rows (and report how many) instead of stopping"})
     seed: int = field(default=1234, metadata={"help": "random seed (data split seed is fixed at 1234)"})
     resume: bool = field(default=False, metadata={"help": "continue from <output_dir>/checkpoint"})
-    unit: str = field(default="sequence", metadata={"help": "what the head scores (Yin et al. 2025): sequence (the whole response, EOS included: the ordinary RM) | segment (entropy segments, each scored at its last token; a response's score e is their mean) | token (one token per segment). EOS belongs to no segment"})
+    unit: str = field(default="sequence", metadata={"help": "what the head scores (Yin et al. 2025): sequence (the whole response, EOS included: the ordinary RM) | segment (entropy segments, each scored at its last token; a response's score e is their mean) | token (one token per segment). EOS belongs to no segment", "choices": ("sequence", "segment", "token")})
     c_ent: float = field(default=6.0, metadata={"help": "--unit segment: a response token whose SFT next-token entropy (nats, temperature 1) exceeds c_ent starts a segment. 6.0 gives the tiny chitchat SFT model (median entropy 5.5 nats) segments of about 3 tokens; a pretrained model's entropies are far lower: check the logged mean segment length"})
     n_calibration: int = field(default=1024, metadata={"help": "--unit segment/token: RM-split pairs whose chosen and rejected responses fit the location normalizer"})
 
@@ -383,9 +383,8 @@ def load_segment_settings(args):
 
 
 def main(args):
+    harness.check_choices(args)
     data.resolve_paths(args, "rm")
-    if args.unit not in ("sequence", "segment", "token"):
-        raise ValueError(f"unknown --unit {args.unit!r}; choose sequence, segment or token")
     args.max_response_len = data.response_len(args.task, args.max_response_len)
     accelerator = harness.make_accelerator(args.bf16, args.grad_accum, args.batch_size)
     harness.start("rm", args, accelerator)

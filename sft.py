@@ -150,6 +150,7 @@ def split_holdout(rows, fraction=0.05, seed=data.SEED):
 
 
 def main(args):
+    harness.check_choices(args)
     data.resolve_paths(args, "sft")
     args.max_response_len = data.response_len(args.task, args.max_response_len)
     accelerator = harness.make_accelerator(args.bf16, args.grad_accum, args.batch_size)
