@@ -52,6 +52,14 @@ def fixed_ngram_starts(mask, n):
     return starts & mask.bool()
 
 
+def final_token_apart(starts, mask):
+    """The released code's split (`split_list += [1]`): the last real token a macro action of its own, so
+    12 tokens at n=5 are [5, 5, 1, 1] where the fixed n-grams alone give [5, 5, 2]."""
+    last = (mask.long().sum(-1) - 1).clamp(min=0)
+    apart = torch.zeros_like(starts).scatter(1, last.unsqueeze(1), True)
+    return (starts | apart) & mask.bool()
+
+
 def randomized_ngram_starts(mask, lengths=(2, 3, 5, 10), repeats=3, generator=None):
     """Randomized n-gram termination: each row draws its own order of `lengths * repeats`
     (the paper's {2, 3, 5, 10}); once that list is used up, the rest is one macro action."""
@@ -132,8 +140,8 @@ def macro_rewards(kl_rewards, score, mask, starts, agg="sum"):
 
     kl_rewards [B, T]  -beta * KL of each response token (0 on padding);  score [B]  the sequence score
     sum   the paper (§3.3): R_tau = the sum of its tokens' rewards, the score added at the last real token
-    mean  the released code: each macro action's KL rewards averaged (divided by its length), the score
-          added whole, never divided"""
+    mean  the released code's: each macro action's KL rewards averaged (divided by its length), the score
+          added whole, never divided (its macro actions also set the final token apart: final_token_apart)"""
     if agg == "mean":
         kl_rewards = kl_rewards / macro_sum(mask.to(kl_rewards.dtype), starts).clamp(min=1)
     elif agg != "sum":

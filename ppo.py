@@ -42,7 +42,7 @@ class PPOArgs:
     reward_clip: float = field(default=10.0, metadata={"help": "--reward segment: the per-token segment rewards clipped to [-c, c] before the KL penalty is added, as in the released code; 0 = off"})
     critic_warmup: int = field(default=0, metadata={"help": "value-only updates for the first k iterations, the policy not stepped (OpenRLHF's --freezing_actor_steps)"})
     sigma: str = field(default="equal", metadata={"help": "macro value weights: equal | unit | position | first (App. D.1)", "choices": ("equal", "unit", "position", "first")})
-    reward_agg: str = field(default="sum", metadata={"help": "macro reward: sum (the paper's equation) | mean (the released code: each macro action's KL penalty averaged, the score kept whole)", "choices": ("sum", "mean")})
+    reward_agg: str = field(default="sum", metadata={"help": "macro reward: sum (the paper's equation) | mean (each macro action's KL penalty averaged, the score kept whole) | released (the released code: mean, and the final token a macro action of its own, for every termination)", "choices": ("sum", "mean", "released")})
     ratio: str = field(default="token", metadata={"help": "token: per-token ratios with macro advantages (released code), the loss a mean over tokens | macro: the paper's pi(omega)/pi_old(omega), the loss a mean over macro actions (each weighs the same, whatever its length)", "choices": ("token", "macro")})
     kl_estimator: str = field(default="k1", metadata={"help": "per-token KL: k1 = logp - logp_ref | k3 = (r - 1) - log r, r = p_ref/p", "choices": ("k1", "k3")})
     beta: float = field(default=0.05, metadata={"help": "KL penalty coefficient (the first one, under --kl_target)"})
@@ -512,9 +512,11 @@ def main(args):
                                             entropy=entropy, entropy_threshold=args.entropy_threshold,
                                             tokenizer=tokenizer, cutoff=args.cutoff, generator=generator,
                                             language="python" if code else "text", segments=seg_starts)
+            if args.reward_agg == "released":    # the released code: the final token a macro action of its own
+                starts = ma.final_token_apart(starts, response_mask)
             # 5. Advantages (§3.3, Eq. 4-5): macro rewards R_tau, sigma-weighted macro values, macro GAE
-            token_rewards = token_rewards_of(kl_rewards, score, response_mask, starts, args.reward_agg, dense, penalty,
-                                             args.reward_clip)
+            agg = "mean" if args.reward_agg == "released" else args.reward_agg
+            token_rewards = token_rewards_of(kl_rewards, score, response_mask, starts, agg, dense, penalty, args.reward_clip)
             advantages, returns = ma.macro_advantages(old_values, token_rewards, response_mask, starts, args.gamma,
                                                       args.lam, args.sigma)
             raw_adv = advantages

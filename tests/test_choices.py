@@ -21,7 +21,7 @@ CHOICE_FLAGS = {
     ("ppo.py", "seg_norm"): ("regression", "global", "last", "none"),
     ("ppo.py", "seg_interp"): ("even", "repeat", "end"),
     ("ppo.py", "sigma"): ("equal", "unit", "position", "first"),
-    ("ppo.py", "reward_agg"): ("sum", "mean"),
+    ("ppo.py", "reward_agg"): ("sum", "mean", "released"),
     ("ppo.py", "ratio"): ("token", "macro"),
     ("ppo.py", "kl_estimator"): ("k1", "k3"),
     ("ppo.py", "report_to"): ("none", "tensorboard", "wandb"),

@@ -104,6 +104,23 @@ def test_macro_rewards_sum_is_the_paper_and_mean_the_released_code_on_a_hand_cas
         ma.macro_rewards(kl_rewards, score, mask, starts, "max")
 
 
+def test_final_token_apart_is_the_released_split_and_keeps_the_score_whole():
+    """The released code's `split_list += [1]`: 12 tokens at n=5 are [5, 5, 1, 1] (ours alone: [5, 5, 2]); with
+    the mean macro reward the last token's KL reward is not averaged and the score is added whole."""
+    lengths = [12, 7, 2, 1]
+    mask = torch.tensor([[1] * L + [0] * (12 - L) for L in lengths]).float()
+    fixed = ma.fixed_ngram_starts(mask, 5)
+    starts = ma.final_token_apart(fixed, mask)
+    assert macro_lengths(fixed[0].tolist(), 12) == [5, 5, 2]
+    assert [macro_lengths(starts[b].tolist(), L) for b, L in enumerate(lengths)] == [[5, 5, 1, 1], [5, 1, 1], [1, 1], [1]]
+    assert not (starts & ~mask.bool()).any()
+    torch.manual_seed(0)
+    kl_rewards, score = -torch.rand(4, 12) * mask, torch.randn(4)
+    rewards = ma.macro_rewards(kl_rewards, score, mask, starts, "mean")
+    assert torch.allclose(rewards * mask, macro_rewards_loop(kl_rewards, score, mask, starts, "mean"), atol=1e-6)
+    assert torch.allclose(rewards[0, 11], kl_rewards[0, 11] + score[0])        # the final macro action: one token
+
+
 def test_reward_sum_preserves_total_and_mean_shrinks_it_n_fold():
     # KL-only rewards of -1 on every token, zero values: with gamma = lam = 1 the first token's
     # advantage is the total reward the policy sees.

@@ -139,7 +139,7 @@ def test_update_forward_builds_no_entropy(policy, tokenizer):
 @pytest.mark.parametrize("flags", [
     {"n": 1}, {"n": 0}, {"termination": "randomized"}, {"termination": "ppl"}, {"termination": "parsing"},
     {"termination": "entropy", "entropy_threshold": 1.0}, {"sigma": "unit"}, {"sigma": "position"},
-    {"sigma": "first"}, {"reward_agg": "mean"}, {"ratio": "macro"}, {"critic_path": "SFT"}, {"kl_estimator": "k3"},
+    {"sigma": "first"}, {"reward_agg": "mean"}, {"reward_agg": "released"}, {"ratio": "macro"}, {"critic_path": "SFT"}, {"kl_estimator": "k3"},
     {"top_k": 5, "top_p": 0.9, "missing_eos_penalty": -1.0, "whiten_advantages": False, "ppo_epochs": 2},
 ])
 @pytest.mark.launch
