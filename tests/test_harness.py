@@ -228,3 +228,34 @@ def test_freed_cpu_tensor_memory_goes_back_to_the_os():
     assert before > start + 350, (start, before)           # the freed blocks are still resident
     assert untouched > before - 50, (before, untouched)     # another device, or less freed than asked: no trim
     assert after < before - 300, (before, after)            # of the 400 MB freed, most is handed back
+
+
+def test_an_accumulation_group_shorter_than_grad_accum_steps_once_on_the_mean_of_its_gradients():
+    """--grad_accum 3 and an iteration of 5 minibatches: groups of 3 and 2, each ending in one step; the loss
+    scaled by grad_accum / group, the remainder's step is on the mean of its two gradients (SGD at lr 1: the
+    weights move by minus that mean), and nothing is left accumulated for the next iteration."""
+    torch.manual_seed(0)
+    acc = harness.make_accelerator(grad_accum=3)
+    model = torch.nn.Linear(3, 1, bias=False)
+    opt = torch.optim.SGD(model.parameters(), lr=1.0)
+    model, opt = acc.prepare(model, opt)
+    xs = torch.randn(5, 4, 3)
+
+    def grad(w, x):
+        w = w.clone().requires_grad_()
+        return torch.autograd.grad((x @ w.T).pow(2).mean(), w)[0]
+
+    w, weights = model.weight.detach().clone(), []
+    for j, x in enumerate(xs):
+        group = min(3, 5 - j // 3 * 3)
+        if j % 3 == 0:
+            harness.start_accumulation((acc, acc), group)
+        with acc.accumulate(model):
+            acc.backward(model(x).pow(2).mean() * 3 / group)
+            opt.step()
+            opt.zero_grad()
+        weights.append(model.weight.detach().clone())
+    expected = w - sum(grad(w, x) for x in xs[:3]) / 3
+    assert torch.allclose(weights[1], w) and torch.allclose(weights[2], expected, atol=1e-6)     # one step after 3
+    expected = expected - (grad(expected, xs[3]) + grad(expected, xs[4])) / 2
+    assert torch.allclose(weights[3], weights[2]) and torch.allclose(weights[4], expected, atol=1e-6)   # and after 2
