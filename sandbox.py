@@ -701,8 +701,21 @@ DENIED_SYSCALLS = ("add_key", "request_key", "keyctl", "ptrace", "mount", "umoun
                    "process_vm_writev", "userfaultfd", "open_by_handle_at", "name_to_handle_at", "fsopen", "fsmount",
                    "fspick", "fsconfig", "move_mount", "open_tree", "mount_setattr", "acct", "quotactl", "syslog",
                    "iopl", "ioperm", "personality", "setsid", "setpgid", "lookup_dcookie", "vhangup", "settimeofday",
-                   "clock_settime", "adjtimex", "sethostname", "setdomainname", "io_uring_setup")
+                   "clock_settime", "adjtimex", "sethostname", "setdomainname", "io_uring_setup",
+                   # one process per run: its CPU time limit is the run's (threads count in it, forks would not)
+                   "fork", "vfork",
+                   # state kept on inodes that every run sees (the standard library, /dev/null): concurrent runs
+                   # would talk through locks, watches, shared futexes and the page cache
+                   "flock", "inotify_init", "inotify_init1", "inotify_add_watch", "fanotify_init", "fanotify_mark",
+                   "futex_waitv", "futex_wake", "futex_wait", "futex_requeue", "mincore", "fadvise64", "readahead",
+                   "cachestat", "remap_file_pages",
+                   # the host's memory, load, uptime and process count
+                   "sysinfo")
 NAMESPACE_FLAGS = (0x00020000, 0x02000000, 0x04000000, 0x08000000, 0x10000000, 0x20000000, 0x40000000, 0x00000080)
+CLONE_THREAD, FUTEX_PRIVATE_FLAG = 0x00010000, 128
+# fcntl's record locks (POSIX and open-file-description), leases and directory notifications
+FCNTL_SHARED_STATE = (5, 6, 7, 36, 37, 38, 1024, 1025, 1026)
+MADV_COLD, MADV_PAGEOUT = 20, 21                             # evict pages of a file every run maps
 
 
 def _libseccomp():
@@ -714,8 +727,11 @@ def _libseccomp():
 
 
 def _seccomp():
-    """Deny DENIED_SYSCALLS, clone() with a namespace flag, and clone3 (ENOSYS: libc falls back to clone);
-    True where the filter is loaded (needs libseccomp.so.2 and no_new_privs or root)."""
+    """Deny DENIED_SYSCALLS; clone() with a namespace flag or without CLONE_THREAD (a thread, never a new
+    process); clone3 (ENOSYS: libc falls back to clone); fcntl's locks, leases and notifications; futexes
+    without FUTEX_PRIVATE_FLAG (keyed by inode and offset on a file's pages: the standard library's pages are
+    every run's); madvise's page-out. True where the filter is loaded (needs libseccomp.so.2 and no_new_privs
+    or root)."""
     import ctypes
     lib = _libseccomp()
     if lib is None:
@@ -741,6 +757,14 @@ def _seccomp():
             return False
     if clone3 >= 0 and lib.seccomp_rule_add_array(ctx, enosys, clone3, 0, None) != 0:
         return False
+    masked_eq, eq = 7, 4
+    rules = [(clone, Compare(0, masked_eq, CLONE_THREAD, 0)),
+             (lib.seccomp_syscall_resolve_name(b"futex"), Compare(1, masked_eq, FUTEX_PRIVATE_FLAG, 0))]
+    rules += [(lib.seccomp_syscall_resolve_name(b"fcntl"), Compare(1, eq, cmd, 0)) for cmd in FCNTL_SHARED_STATE]
+    rules += [(lib.seccomp_syscall_resolve_name(b"madvise"), Compare(2, eq, advice, 0)) for advice in (MADV_COLD, MADV_PAGEOUT)]
+    for number, compare in rules:
+        if lib.seccomp_rule_add_array(ctx, eperm, number, 1, ctypes.byref(compare)) != 0:
+            return False
     return lib.seccomp_load(ctx) == 0
 
 

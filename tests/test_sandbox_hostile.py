@@ -225,6 +225,64 @@ def test_syscalls_a_test_program_never_needs_are_denied(name, call):
     assert r.outcome != "passed", (name, r)
 
 
+# Two concurrent runs of one batch, a sender and a receiver: the receiver prints "seen" if the sender's
+# signal crossed over through an inode both runs see (the standard library's os.py). Each side stops by
+# itself within a few seconds.
+OS_PY = "import os\npath = os.__file__\n"
+SENDERS = {
+    "flock": OS_PY + "import fcntl, time\nf = open(path, 'rb')\nfcntl.flock(f, fcntl.LOCK_SH)\ntime.sleep(5)\nprint('x')\n",
+    "fcntl record lock": OS_PY + "import fcntl, time\nf = open(path, 'rb')\nfcntl.lockf(f, fcntl.LOCK_SH, 1, 7)\n"
+                                 "time.sleep(5)\nprint('x')\n",
+    "inotify": OS_PY + "import time\nt = time.time()\nwhile time.time() - t < 5:\n    open(path, 'rb').close()\n"
+                       "    time.sleep(0.05)\nprint('x')\n",
+    "shared futex": CTYPES + OS_PY + "import time\nlibc.mmap.restype = ctypes.c_void_p\n"
+                    "f = open(path, 'rb')\naddr = libc.mmap(None, 4096, 1, 2, f.fileno(), 0)\nt = time.time()\n"
+                    "while time.time() - t < 5:\n    libc.syscall(202, ctypes.c_void_p(addr), 1, 1, None, None, 0)\n"
+                    "    time.sleep(0.01)\nprint('x')\n",
+}
+RECEIVERS = {
+    "flock": OS_PY + "import fcntl, time\nf = open(path, 'rb')\nseen = False\nt = time.time()\n"
+                     "while not seen and time.time() - t < 4:\n    try:\n        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)\n"
+                     "        fcntl.flock(f, fcntl.LOCK_UN)\n    except BlockingIOError:\n        seen = True\n"
+                     "    time.sleep(0.05)\nprint('seen' if seen else 'no')\n",
+    "fcntl record lock": OS_PY + "import fcntl, struct, time\nf = open(path, 'rb')\nseen = False\nt = time.time()\n"
+                                 "while not seen and time.time() - t < 4:\n"
+                                 "    got = fcntl.fcntl(f, fcntl.F_GETLK, struct.pack('hhqqi4x', fcntl.F_WRLCK, 0, 7, 1, 0))\n"
+                                 "    seen = struct.unpack('hhqqi4x', got)[0] != fcntl.F_UNLCK\n    time.sleep(0.05)\n"
+                                 "print('seen' if seen else 'no')\n",
+    "inotify": CTYPES + OS_PY + "import select\nfd = libc.inotify_init1(0)\n"
+                                "ok = fd >= 0 and libc.inotify_add_watch(fd, path.encode(), 0x20) >= 0\n"
+                                "print('seen' if ok and select.select([fd], [], [], 4)[0] else 'no')\n",
+    "shared futex": CTYPES + OS_PY + "libc.mmap.restype = ctypes.c_void_p\nf = open(path, 'rb')\n"
+                    "addr = libc.mmap(None, 4096, 1, 2, f.fileno(), 0)\nvalue = ctypes.c_uint32.from_address(addr).value\n"
+                    "timeout = (ctypes.c_long * 2)(4, 0)\n"
+                    "r = libc.syscall(202, ctypes.c_void_p(addr), 0, value, timeout, None, 0)\n"
+                    "print('seen' if r == 0 else 'no')\n",
+}
+
+
+@pytest.mark.parametrize("channel", list(SENDERS))
+def test_concurrent_runs_cannot_pass_a_signal_through_a_shared_inode(channel):
+    """Locks (flock, fcntl record locks), inotify watches and futexes keyed by a file's inode: a sender holds
+    or pokes os.py, a concurrent receiver in the same run_many batch looks for it."""
+    need("namespaces", "seccomp")
+    results = sandbox.run_many([(SENDERS[channel], says("x")), (RECEIVERS[channel], says("seen"))], PATIENT, workers=2)
+    assert results[1].outcome != "passed", (channel, results)
+
+
+def test_forked_workers_share_the_runs_cpu_budget():
+    """Three processes (fork restored by a fresh `posix`), each spinning for at most 0.8 s of its own CPU,
+    under a budget of 1 s for the run: together 2.4 s, so the run may not pass."""
+    need("seccomp")
+    program = ("import sys, time\ndel sys.modules['posix']\nimport posix\n"
+               "def spin():\n    t = time.time()\n    while time.process_time() < 0.8 and time.time() - t < 10:\n"
+               "        pass\nkids = []\nfor _ in range(2):\n    pid = posix.fork()\n    if pid == 0:\n        spin()\n"
+               "        posix._exit(0)\n    kids.append(pid)\nspin()\nfor pid in kids:\n    posix.waitpid(pid, 0)\n"
+               "print('done')\n")
+    r = sandbox.run(program, says("done"), sandbox.Limits(timeout=30, cpu_seconds=1))
+    assert r.outcome != "passed", r
+
+
 # ---------------------------------------------------------------- nothing of the host is visible
 
 @pytest.mark.parametrize("what, path", [
