@@ -56,7 +56,7 @@ import signal
 import sys
 
 OUTCOMES = ("passed", "failed", "runtime_error", "compile_error", "timeout")
-NAMESPACES = ["--net", "--mount", "--pid", "--ipc", "--fork", "--kill-child"]
+NAMESPACES = ["--net", "--mount", "--pid", "--ipc", "--uts", "--fork", "--kill-child"]
 
 
 class Result:
@@ -100,9 +100,13 @@ class Limits:
 # ast.literal_eval, which spends seconds on a megabyte of small literals) and then `decode` (strict).
 # The children write it with _json's C string encoder and never import the json package (10 ms each).
 
-def send(stream, value):
+def _frame(value):
     data = marshal.dumps(value)
-    stream.write(len(data).to_bytes(4, "little") + data)
+    return len(data).to_bytes(4, "little") + data
+
+
+def send(stream, value):
+    stream.write(_frame(value))
     stream.flush()
 
 
@@ -199,13 +203,25 @@ def _same_value(got, expected):
 # ---------------------------------------------------------------- the trusted side
 
 _ISOLATION = None
-# a child's interpreter imports this module (its cached bytecode) rather than running this file as a script,
-# which would compile all of it again in every child (20 ms)
-CHILD = (f"import sys; sys.path.insert(0, {os.path.dirname(os.path.abspath(__file__))!r}); import sandbox; "
-         "del sys.path[0]; sys.exit(sandbox.main(sys.argv[1:]))")
+# A child's interpreter runs this module's code, compiled once by the trainer and sent ahead of the job on stdin
+# (compiling the file in every child costs 20 ms): no path of the checkout in its arguments, modules or frames.
+CHILD = ("import sys, marshal; sandbox = type(sys)('sandbox'); given = sys.stdin.buffer; "
+         "exec(marshal.loads(given.read(int.from_bytes(given.read(4), 'little'))), sandbox.__dict__); "
+         "del given; sys.exit(sandbox.main(sys.argv[1:]))")
+_CHILD_CODE = None
 CGROUP_PARENT = "ma_sandbox"           # each run's cgroup: <hierarchy>/ma_sandbox/<trainer pid>_<n>_<its PID ns>
 CGROUP_ROOT = "/sys/fs/cgroup"
 _RUN_NUMBERS = iter(range(1 << 62))
+
+
+def _child_code():
+    """This module compiled under a neutral file name, framed for the child's stdin (once per trainer)."""
+    global _CHILD_CODE
+    if _CHILD_CODE is None:
+        with open(os.path.abspath(__file__), encoding="utf-8") as f:
+            code = marshal.dumps(compile(f.read(), "sandbox.py", "exec"))
+        _CHILD_CODE = len(code).to_bytes(4, "little") + code
+    return _CHILD_CODE
 
 
 def _write(path, text):
@@ -354,9 +370,10 @@ def isolation():
             group = None
             try:
                 group = _Cgroup(cg_kind, Limits()) if cg_kind else None
-                probe = [unshare, *flags, sys.executable, "-I", "-S", "-c", CHILD, "--probe", "ns",
-                         str(Limits().uid if with_uid else -1), ":".join(group.procs) if group else ""]
-                out = subprocess.run(probe, capture_output=True, timeout=20, cwd="/").stdout.split()
+                probe = [unshare, *flags, sys.executable, "-I", "-S", "-c", CHILD, "--probe", "ns"]
+                setup = {"uid": Limits().uid if with_uid else -1, "cgroup": group.procs if group else []}
+                given = _child_code() + _frame(setup)
+                out = subprocess.run(probe, input=given, capture_output=True, timeout=20, cwd="/").stdout.split()
             except (OSError, subprocess.TimeoutExpired):
                 out = []
             finally:
@@ -375,7 +392,7 @@ def isolation():
                     "mount namespace with an allowlisted root: the interpreter and its standard library read-only, "
                     "/dev/null, /dev/zero, /dev/urandom and a private tmpfs /tmp; nothing else of the host",
                     "PID namespace: no other process in /proc; its processes die with its first",
-                    "IPC namespace; a fresh session keyring"] if prefix else [])
+                    "IPC namespace; UTS namespace with a neutral host name; a fresh session keyring"] if prefix else [])
         layers += ([f"unprivileged uid {Limits().uid} with no_new_privs and the parent-death signal re-armed"]
                    if drop else [])
         layers += (["seccomp filter: keyrings, ptrace, mount, namespaces, bpf, perf_event_open, module and kexec "
@@ -406,8 +423,7 @@ def _spawn(role, job, fds, limits):
     try:
         group = _Cgroup(kind, limits) if kind else None
         folder = None if prefix else tempfile.mkdtemp(prefix=f"sandbox_{os.getpid()}_")   # whose it is, for leak checks
-        argv = [sys.executable, "-I", "-S", "-c", CHILD, role, "ns" if prefix else "plain",
-                str(limits.uid if drop else -1), ":".join(group.procs) if group else "", *map(str, fds)]
+        argv = [sys.executable, "-I", "-S", "-c", CHILD, role, "ns" if prefix else "plain", *map(str, fds)]
         # no preexec_fn (unsafe with run_many's threads): the child joins its cgroup and sets its limits first
         proc = subprocess.Popen(prefix + argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                 cwd=folder or "/", pass_fds=fds, env={"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8"},
@@ -416,7 +432,8 @@ def _spawn(role, job, fds, limits):
         _end([(None, group, folder)])
         raise
     try:
-        send(proc.stdin, {**job, "limits": vars(limits)})
+        setup = {"uid": limits.uid if drop else -1, "cgroup": group.procs if group else []}   # not in its argv
+        proc.stdin.write(_child_code() + _frame({**job, "limits": vars(limits), "setup": setup}))
         proc.stdin.close()
     except BrokenPipeError:
         pass
@@ -638,7 +655,7 @@ def _isolate(uid, cgroup_procs):
     /dev/urandom and a private tmpfs /tmp with the working folder; then (as root on the host) the
     unprivileged uid with no_new_privs and the parent-death signal re-armed."""
     ctypes, libc = _libc()
-    for path in filter(None, cgroup_procs.split(":")):
+    for path in cgroup_procs:
         _write(path, str(os.getpid()))                       # before anything else: all it starts is in it
 
     def mount(source, target, fstype, flags, options=None):
@@ -648,6 +665,9 @@ def _isolate(uid, cgroup_procs):
     rdonly, nosuid, nodev, remount, bind, recursive = 1, 2, 4, 32, 4096, 16384
     if libc.syscall(250, 1, None) < 0:                       # keyctl(KEYCTL_JOIN_SESSION_KEYRING, NULL)
         raise OSError(ctypes.get_errno(), "a fresh session keyring")
+    for call, name in ((libc.sethostname, b"sandbox"), (libc.setdomainname, b"(none)")):   # its own UTS namespace
+        if call(name, len(name)) != 0:
+            raise OSError(ctypes.get_errno(), "a neutral host name")
     stdlib = os.path.dirname(os.path.realpath(os.__file__))
     visible = sorted({stdlib, *_mounted_library_dirs()})
     hidden = [os.path.join(stdlib, name) for name in ("site-packages", "dist-packages")]
@@ -883,23 +903,33 @@ def _error(err):
 
 def _start(argv):
     """Common start of a child: cgroup, isolation, the job, stdin files, limits, seccomp.
-    argv: role, "ns" | "plain", uid, cgroup.procs paths joined by ":", fds..."""
-    if argv[1] == "ns":
-        _isolate(int(argv[2]), argv[3])
-    else:
-        for path in filter(None, argv[3].split(":")):
-            _write(path, str(os.getpid()))
+    argv: role, "ns" | "plain", fds...; the job's "setup": the uid to run as and the cgroup.procs files to join."""
     job = receive(sys.stdin.buffer)
+    setup = job.pop("setup")
+    if argv[1] == "ns":
+        _isolate(setup["uid"], setup["cgroup"])
+    else:
+        for path in setup["cgroup"]:
+            _write(path, str(os.getpid()))
     stdin = ([_stdin_file(given if isinstance(given, str) else "\n".join(map(str, given))) for given in job["inputs"]]
              if argv[0] == "--run" and not job.get("fn_name") else [])          # before the file size limit
-    _set_limits(job["limits"], rlimit_nproc=not argv[3], open_already=len(stdin))
+    _set_limits(job["limits"], rlimit_nproc=not setup["cgroup"], open_already=len(stdin))
     if sys.platform.startswith("linux"):
         ctypes, libc = _libc()
         if libc.prctl(38, 1, 0, 0, 0) != 0:                  # PR_SET_NO_NEW_PRIVS
             raise OSError(ctypes.get_errno(), "prctl(PR_SET_NO_NEW_PRIVS)")
         if not _seccomp() and _libseccomp() is not None:
             raise OSError("the seccomp filter did not load")
-    return job, [int(fd) for fd in argv[4:]], stdin
+    _neutral_view()
+    return job, [int(fd) for fd in argv[2:]], stdin
+
+
+def _neutral_view():
+    """Nothing of the trainer in what the program can read of its interpreter: the arguments it was started
+    with (a program's own: none), the virtual environment's paths (under the checkout)."""
+    sys.argv, sys.orig_argv = ["<program>"], ["python3", "<program>"]
+    sys.prefix, sys.exec_prefix = sys.base_prefix, sys.base_exec_prefix
+    sys.executable = sys._base_executable = os.path.join(sys.base_exec_prefix, "bin", "python3")
 
 
 def _stdin_file(text):
@@ -1076,7 +1106,8 @@ def main(argv):
     if argv[:1] == ["--check-child"]:
         return _check_child(argv)
     if argv[:1] == ["--probe"]:      # isolation(): can a child isolate itself (and import, and filter) here?
-        _isolate(int(argv[2]), argv[3])
+        setup = receive(sys.stdin.buffer)
+        _isolate(setup["uid"], setup["cgroup"])
         import hashlib, math, shutil, subprocess  # noqa: E401,F401 - the standard library is still importable
         _libc()[1].prctl(38, 1, 0, 0, 0)
         print("isolated", "seccomp" if _seccomp() else "")

@@ -300,6 +300,28 @@ def test_nothing_of_the_host_is_visible(what, path):
     assert r.outcome != "passed", (what, r)
 
 
+def test_nothing_of_the_trainer_or_the_host_is_in_the_programs_view():
+    """The program looks for the trainer's pid (as in its runs' cgroup names), the checkout's path and the host's
+    name in its arguments, its interpreter's paths, every module's file, every frame's file and locals, and
+    its host name. The markers reach it hex-encoded, so that the job's own text does not contain them."""
+    markers = [f"{os.getpid()}_", ROOT, sys.prefix]
+    program = ("import os, socket, sys\ndef look():\n"          # in a function: the markers stay out of its globals
+               f"    markers = [bytes.fromhex(m).decode() for m in {[m.encode().hex() for m in markers]!r}]\n"
+               f"    host = bytes.fromhex({platform.node().encode().hex()!r}).decode()\n"
+               "    seen = [*sys.argv, *sys.orig_argv, sys.executable, getattr(sys, '_base_executable', ''), sys.prefix,\n"
+               "            sys.exec_prefix, *sys.path, *map(str, sys.path_importer_cache), os.getcwd()]\n"
+               "    seen += [str(getattr(m, '__file__', '')) for m in list(sys.modules.values())]\n"
+               "    for frame in sys._current_frames().values():\n        while frame is not None:\n"
+               "            if frame.f_code.co_filename != '<program>':\n"
+               "                seen += [frame.f_code.co_filename] + [repr(v)[:10000] for v in frame.f_locals.values()]\n"
+               "            frame = frame.f_back\n"
+               "    leaks = [s for s in seen if any(m in s for m in markers)]\n"
+               "    leaks += [n for n in (socket.gethostname(), os.uname().nodename) if n == host]\n"
+               "    return leaks\nprint('clean' if not look() else 'leak')\n")
+    r = sandbox.run(program, says("clean"), PATIENT)
+    assert r.outcome == "passed", r
+
+
 # ---------------------------------------------------------------- honest idioms of contest code pass
 
 @pytest.mark.parametrize("name, program, given, expected", [
