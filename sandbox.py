@@ -802,52 +802,19 @@ def _set_limits(limits, rlimit_nproc=True, open_already=0):
             pass
 
 
-class _CappedOutput:
-    """stdout for the program: text up to `limit` characters, then an error (a flood of output); bytes
-    written to its `buffer` are decoded as UTF-8."""
-    encoding, errors = "utf-8", "strict"
-
-    def __init__(self, limit):
-        self.parts, self.size, self.limit = [], 0, limit
-        self.buffer = _BytesOutput(self)
-
-    def write(self, text):
-        if type(text) is not str:
-            raise TypeError(f"write() argument must be str, not {type(text).__name__}")
-        self.size += len(text)
-        if self.size > self.limit:
-            raise RuntimeError(f"output limit of {self.limit} characters exceeded")
-        self.parts.append(text)
-        return len(text)
-
-    def writelines(self, lines):
-        for line in lines:
-            self.write(line)
-
-    def flush(self):
-        pass
-
-    def isatty(self):
-        return False
-
-    def getvalue(self):
-        return "".join(self.parts)
+class ProgramExit(BaseException):
+    """os._exit(code) in the program: ends this input as sys.exit(code) would, but no `except SystemExit` or
+    `except Exception` of the program stops it (its output so far is kept: a real _exit would lose it here)."""
 
 
-class _BytesOutput:
-    def __init__(self, text):
-        self.text = text
-
-    def write(self, data):
-        self.text.write(bytes(data).decode("utf-8", "replace"))
-        return len(data)
-
-    def flush(self):
-        pass
+def _program_exit(code):
+    raise ProgramExit(code)
 
 
-def _guard(workdir, memory_mb=1024):
-    """Remove the process, signal and file-system calls generated code never needs (an extra layer)."""
+def _guard(scratch, memory_mb=1024, isolated=False):
+    """Remove the process and signal calls generated code never needs, and confine writes and deletions to
+    the scratch folder (an extra layer: in the mount namespace the kernel refuses every write outside /tmp)."""
+    import _sitebuiltins
     import builtins
     import io
     import posix
@@ -855,18 +822,19 @@ def _guard(workdir, memory_mb=1024):
     import subprocess as subprocess_
     os.environ.clear()                                  # before unsetenv goes
     for module in (os, posix):
-        for name in ("fork", "forkpty", "vfork", "kill", "_exit", "abort", "killpg", "system", "popen", "execv", "execve", "execvp",
+        for name in ("fork", "forkpty", "vfork", "kill", "abort", "killpg", "system", "popen", "execv", "execve", "execvp",
                      "execvpe", "execl", "execle", "execlp", "execlpe", "spawnv", "spawnve", "spawnvp", "spawnvpe",
-                     "spawnl", "spawnle", "posix_spawn", "posix_spawnp", "remove", "unlink", "rmdir", "removedirs",
-                     "rename", "renames", "replace", "truncate", "chmod", "chown", "lchown", "fchmod", "fchown",
+                     "spawnl", "spawnle", "posix_spawn", "posix_spawnp", "chmod", "chown", "lchown", "fchmod", "fchown",
                      "setuid", "setgid", "setsid", "setpgrp", "setpgid", "putenv", "unsetenv", "register_at_fork", "symlink", "link"):
             if hasattr(module, name):          # deleted, not set to None: code that asks hasattr()
                 delattr(module, name)           # (random's register_at_fork) carries on without it
+        module._exit = _program_exit
     for module, names in [(signal, ("pthread_kill", "pthread_sigmask")),
-                          (subprocess_, ("Popen", "run", "call", "check_call", "check_output", "getoutput")),
-                          (shutil_, ("rmtree", "move"))]:
+                          (subprocess_, ("Popen", "run", "call", "check_call", "check_output", "getoutput"))] + (
+                         [] if isolated else [(shutil_, ("rmtree", "move"))]):
         for name in names:
             delattr(module, name)
+    builtins.exit, builtins.quit = (_sitebuiltins.Quitter(name, "Ctrl-D (i.e. EOF)") for name in ("exit", "quit"))
     set_limit = sys.setrecursionlimit                   # deep but bounded (the program runs on a large stack,
     cap = min(10 ** 6, 1000 * memory_mb)                # frames take memory): a bomb ends in RecursionError
     sys.setrecursionlimit = lambda n: set_limit(min(n, cap))
@@ -881,7 +849,7 @@ def _guard(workdir, memory_mb=1024):
         full = os.path.realpath(os.fsdecode(path))
         if full.startswith("/proc"):
             return False
-        return not writing or full == workdir or full.startswith(workdir + os.sep)
+        return not writing or full == scratch or full.startswith(scratch + os.sep)
 
     def guarded_open(file, mode="r", *args, **kwargs):
         if not allowed(file, any(c in mode for c in "wax+")):
@@ -893,11 +861,23 @@ def _guard(workdir, memory_mb=1024):
             raise PermissionError(f"sandbox: opening {path!r} is not allowed")
         return real_os_open(path, flags, *args, **kwargs)
 
+    def confined(change, paths):                        # unlink, rename, ...: inside the scratch folder only
+        def call(*args, **kwargs):
+            relative = any(kwargs.get(k) is not None for k in ("dir_fd", "src_dir_fd", "dst_dir_fd"))
+            if (relative and not isolated) or not all(allowed(path, True) for path in args[:paths]):
+                raise PermissionError(f"sandbox: {change.__name__} of {args[:paths]!r} is not allowed")
+            return change(*args, **kwargs)
+        return call
+    for module in (os, posix):
+        for name, paths in (("remove", 1), ("unlink", 1), ("rmdir", 1), ("truncate", 1), ("rename", 2), ("replace", 2)):
+            setattr(module, name, confined(getattr(posix, name), paths))
     builtins.open = io.open = guarded_open
     os.open = guarded_os_open
 
 
 def _error(err):
+    if isinstance(err, OSError) and err.errno == 27:             # EFBIG: RLIMIT_FSIZE on the output file
+        return "RuntimeError: output limit exceeded (the output file is full)"
     return f"{type(err).__name__}: {err}"[-500:]
 
 
@@ -945,14 +925,14 @@ def _stdin_file(text):
 
 
 def _use_stdin(fd, text):
-    """sys.stdin for one input: a text wrapper over a real fd 0 (so .buffer, open(0) and readline work)."""
+    """sys.stdin for one input: a text file over a real fd 0, as CPython's (so .buffer, .mode, fileno(), open(0)
+    and readline work)."""
     import io
     if fd is None:
         return io.StringIO(text)
     os.dup2(fd, 0)
     os.close(fd)
-    return io.TextIOWrapper(io.BufferedReader(io.FileIO(0, "rb", closefd=False)), encoding="utf-8",
-                            errors="surrogateescape", newline="\n")
+    return io.open(0, "r", encoding="utf-8", errors="surrogateescape", newline="\n", closefd=False)
 
 
 def _with_a_large_stack(limits, fn, *args):
@@ -983,11 +963,13 @@ def _program_child(argv):
         report.flush()
         return
     channels = [os.fdopen(fd, mode) for fd, mode in zip(fds[1:], ("rb", "w"))]
-    _guard(os.path.realpath(os.getcwd()), job["limits"]["memory_mb"])
+    isolated = argv[1] == "ns"
+    stdout = None if argv[0] == "--serve" else _scratch_file("stdout")
+    _guard("/tmp" if isolated else os.path.realpath(os.getcwd()), job["limits"]["memory_mb"], isolated)
     if argv[0] == "--serve":
         return _with_a_large_stack(job["limits"], _serve, code, job, *channels)
     results = []
-    _with_a_large_stack(job["limits"], _run_inputs, code, job, stdin, results)
+    _with_a_large_stack(job["limits"], _run_inputs, code, job, stdin, stdout, results)
     room, pieces = 6 * job["limits"]["output_bytes"], []      # within the trusted side's cap on this channel
     for result in results:
         piece = _json_text(result)
@@ -1000,13 +982,47 @@ def _program_child(argv):
     report.flush()
 
 
-def _run_inputs(code, job, stdin, results):
-    real_stdout, real_stdin = sys.stdout, sys.stdin
+def _scratch_file(name):
+    """An fd of an empty file of this process (a memfd, else an unlinked file in the working folder)."""
+    if hasattr(os, "memfd_create"):
+        return os.memfd_create(name)
+    fd = os.open(f".{name}", os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+    os.unlink(f".{name}")
+    return fd
+
+
+def _use_stdout(fd):
+    """fd 1 on an emptied file for one input, and sys.stdout a text file over fd 1 as CPython's would be
+    (fileno(), mode, buffer), writing through to its buffer: print, sys.stdout.buffer, os.write(1, ...) and
+    os.fdopen(1) all land in the file, in the order written. Its size is capped by RLIMIT_FSIZE."""
+    import io
+    os.ftruncate(fd, 0)
+    os.lseek(fd, 0, os.SEEK_SET)
+    os.dup2(fd, 1)
+    stdout = io.open(1, "w", encoding="utf-8", errors="surrogateescape", closefd=False)
+    stdout.reconfigure(write_through=True)
+    return stdout
+
+
+def _printed(fd, namespace):
+    """What one input's program wrote to fd 1: flushed as at the end of a CPython process (sys.stdout, then
+    the program's own file objects as they are freed), read back from the file."""
+    import gc
+    for stream in (sys.stdout, sys.__stdout__):
+        if hasattr(stream, "flush"):
+            stream.flush()
+    namespace.clear()
+    gc.collect()
+    return os.pread(fd, os.fstat(fd).st_size, 0).decode("utf-8", "surrogateescape")
+
+
+def _run_inputs(code, job, stdin, stdout, results):
+    real = sys.stdout, sys.stdin, sys.__stdout__, sys.__stdin__
     for i, given in enumerate(job["inputs"]):
-        out = _CappedOutput(job["limits"]["output_bytes"])
         namespace = {"__name__": "__main__" if not job["fn_name"] else "program"}
-        sys.stdout = out
         try:
+            sys.stdout = sys.__stdout__ = _use_stdout(stdout)     # __stdout__ keeps it alive when the program
+                                                                   # wraps sys.stdout.buffer in a file of its own
             if job["fn_name"]:
                 exec(code, namespace)
                 fn = namespace.get(job["fn_name"])
@@ -1015,24 +1031,25 @@ def _run_inputs(code, job, stdin, results):
                 if fn is None:
                     raise NameError(f"no function {job['fn_name']!r}")
                 value = fn(*given)
-                sys.stdout = real_stdout
+                sys.stdout = real[0]
                 try:
                     results.append({"out": encode(value)})
                 except NotPlain as err:                      # compared as a wrong answer by the parent
                     results.append({"out": {"not_plain": str(err)}})
             else:
-                sys.stdin = _use_stdin(stdin[i], given if isinstance(given, str) else "\n".join(map(str, given)))
+                sys.stdin = sys.__stdin__ = _use_stdin(stdin[i], given if isinstance(given, str) else "\n".join(map(str, given)))
                 try:
                     exec(code, namespace)
-                except SystemExit as stop:
-                    if stop.code not in (None, 0):
+                except (SystemExit, ProgramExit) as stop:
+                    status = stop.code if isinstance(stop, SystemExit) else stop.args[0] if stop.args else None
+                    if status not in (None, 0):
                         raise
-                results.append({"out": out.getvalue()})
+                results.append({"out": _printed(stdout, namespace)})
         except BaseException as err:  # noqa: BLE001 - the program's own failure, whatever it is
-            sys.stdout, sys.stdin = real_stdout, real_stdin
+            sys.stdout, sys.stdin, sys.__stdout__, sys.__stdin__ = real
             results.append({"error": _error(err)})
             break
-        sys.stdout, sys.stdin = real_stdout, real_stdin
+        sys.stdout, sys.stdin, sys.__stdout__, sys.__stdin__ = real
 
 
 def _serve(code, job, calls, replies):

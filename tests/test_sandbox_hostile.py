@@ -324,6 +324,51 @@ def test_nothing_of_the_trainer_or_the_host_is_in_the_programs_view():
 
 # ---------------------------------------------------------------- honest idioms of contest code pass
 
+# the fast-IO template of many contest solutions (PyRival's): fileno(), mode, os.read and os.write
+FAST_IO = '''import os, sys
+from io import BytesIO, IOBase
+BUFSIZE = 8192
+class FastIO(IOBase):
+    newlines = 0
+    def __init__(self, file):
+        self._fd = file.fileno()
+        self.buffer = BytesIO()
+        self.writable = "x" in file.mode or "r" not in file.mode
+        self.write = self.buffer.write if self.writable else None
+    def read(self):
+        while True:
+            b = os.read(self._fd, max(os.fstat(self._fd).st_size, BUFSIZE))
+            if not b:
+                break
+            ptr = self.buffer.tell()
+            self.buffer.seek(0, 2), self.buffer.write(b), self.buffer.seek(ptr)
+        self.newlines = 0
+        return self.buffer.read()
+    def readline(self):
+        while self.newlines == 0:
+            b = os.read(self._fd, max(os.fstat(self._fd).st_size, BUFSIZE))
+            self.newlines = b.count(b"\\n") + (not b)
+            ptr = self.buffer.tell()
+            self.buffer.seek(0, 2), self.buffer.write(b), self.buffer.seek(ptr)
+        self.newlines -= 1
+        return self.buffer.readline()
+    def flush(self):
+        if self.writable:
+            os.write(self._fd, self.buffer.getvalue())
+            self.buffer.truncate(0), self.buffer.seek(0)
+class IOWrapper(IOBase):
+    def __init__(self, file):
+        self.buffer = FastIO(file)
+        self.flush = self.buffer.flush
+        self.writable = self.buffer.writable
+        self.write = lambda s: self.buffer.write(s.encode("ascii"))
+        self.read = lambda: self.buffer.read().decode("ascii")
+        self.readline = lambda: self.buffer.readline().decode("ascii")
+sys.stdin, sys.stdout = IOWrapper(sys.stdin), IOWrapper(sys.stdout)
+input = lambda: sys.stdin.readline().rstrip("\\r\\n")
+'''
+
+
 @pytest.mark.parametrize("name, program, given, expected", [
     ("sys.stdin.buffer", "import sys\na, b = map(int, sys.stdin.buffer.read().split())\nprint(a + b)\n",
      "1 2\n", "3"),
@@ -337,10 +382,31 @@ def test_nothing_of_the_trainer_or_the_host_is_in_the_programs_view():
     ("300 KB of output", "print('x' * 300000)\n", "", "x" * 300000),
     ("many lines of output", "print('\\n'.join(map(str, range(50000))))\n", "",
      "\n".join(map(str, range(50000)))),
+    # exit() and quit(), os._exit after a flush, output through fd 1, fast-IO templates, fileinput, tempfile
+    ('exit()', "print(int(input()) + 1)\nexit()\nprint('never')\n", "2\n", "3"),
+    ('quit() in a function', "def main():\n    print(int(input()) + 1)\n    quit()\nmain()\nprint('never')\n", "2\n", "3"),
+    ('exit(0) after sys.stdout.write', "import sys\nsys.stdout.write(str(int(input()) + 1) + '\\n')\nexit(0)\n", "2\n", "3"),
+    ('os._exit(0) after a flush', 'import os, sys\nprint(int(input()) + 1)\nsys.stdout.flush()\nos._exit(0)\n', "2\n", "3"),
+    ('os.write(1, ...)', "import os\nos.write(1, (str(int(input()) + 1) + '\\n').encode())\n", "2\n", "3"),
+    ("os.fdopen(sys.stdout.fileno(), 'w')", "import os, sys\nout = os.fdopen(sys.stdout.fileno(), 'w')\nout.write(str(int(input()) + 1) + '\\n')\n", "2\n", "3"),
+    ("open(1, 'w') with a large buffer", "out = open(1, 'w', buffering=1 << 16, closefd=False)\nprint(int(input()) + 1, file=out)\nout.flush()\n", "2\n", "3"),
+    ('sys.stdout = io.TextIOWrapper(sys.stdout.buffer)', "import io, sys\nsys.stdout = io.TextIOWrapper(sys.stdout.buffer, encoding='utf-8')\nprint(int(input()) + 1)\n", "2\n", "3"),
+    ('io.BufferedWriter over fd 1', "import io, sys\nout = io.BufferedWriter(io.FileIO(sys.stdout.fileno(), 'w', closefd=False))\nout.write(b'%d\\n' % (int(input()) + 1))\nout.flush()\n", "2\n", "3"),
+    ('the FastIO template', FAST_IO + 'print(int(input()) + 1)\n', "2\n", "3"),
+    ('fileinput.input()', 'import fileinput\nprint(sum(int(line) for line in fileinput.input()) + 1)\n', "2\n", "3"),
+    ("tempfile and a scratch file in /tmp", "import os, tempfile\nn = int(input())\nwith tempfile.TemporaryDirectory() as d:\n    p = os.path.join(d, 'x.txt')\n    with open(p, 'w') as f:\n        f.write(str(n))\n    a = int(open(p).read())\nwith tempfile.NamedTemporaryFile('w+') as f:\n    f.write('1')\n    f.seek(0)\n    a += int(f.read())\nwith tempfile.TemporaryFile() as f:\n    f.write(b'0')\nwith open('/tmp/scratch.txt', 'w') as f:\n    f.write('0')\na += int(open('/tmp/scratch.txt').read())\nos.remove('/tmp/scratch.txt')\nprint(a)\n", "2\n", "3"),
 ])
 def test_honest_idioms_pass(name, program, given, expected):
     r = sandbox.run(program, {"inputs": [given, given], "outputs": [expected, expected]}, PATIENT)
     assert r.outcome == "passed", (name, r)
+
+
+def test_scratch_files_in_tmp_are_private_to_the_run():
+    """Two runs of one program, one after the other: each writes /tmp/note and may not find the other's."""
+    program = "import os\nprint(os.path.exists('/tmp/note'))\nwith open('/tmp/note', 'w') as f:\n    f.write('x')\n"
+    for _ in range(2):
+        r = sandbox.run(program, says("False"), PATIENT)
+        assert r.outcome == "passed", r
 
 
 def test_check_names_every_layer_that_holds():
