@@ -102,8 +102,8 @@ def test_bytes_on_the_report_channel_end_in_a_verdict_never_an_exception():
 def test_a_flood_on_the_report_channel_costs_the_trusted_side_one_parse(monkeypatch):
     """30,000 short lines, then silence: parsing may not grow with what the program writes."""
     calls = []
-    real = sandbox.parse_line
-    monkeypatch.setattr(sandbox, "parse_line", lambda line: calls.append(1) or real(line))
+    real = sandbox.parse_report
+    monkeypatch.setattr(sandbox, "parse_report", lambda line: calls.append(1) or real(line))
     program = ("import os, signal\nfor fd in range(3, 30):\n    try:\n        os.write(fd, b'0\\n' * 30000)\n"
                "    except OSError:\n        pass\n" + SILENCE)
     r = sandbox.run(program, says("x"), PATIENT)
