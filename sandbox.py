@@ -913,12 +913,26 @@ def _guard(scratch, memory_mb=1024, isolated=False):
             return False
         return not writing or full == scratch or full.startswith(scratch + os.sep)
 
+    def standard(path):                                 # /dev/stdout and the like: there is no /proc here
+        if isinstance(path, (str, bytes)):
+            name = os.fsdecode(path)
+            for prefix in ("/dev/fd/", "/proc/self/fd/"):
+                if name.startswith(prefix) and name[len(prefix):].isdigit():
+                    return os.dup(int(name[len(prefix):]))
+            if name in ("/dev/stdin", "/dev/stdout", "/dev/stderr"):
+                return os.dup(("/dev/stdin", "/dev/stdout", "/dev/stderr").index(name))
+        return path
+
     def guarded_open(file, mode="r", *args, **kwargs):
+        file = standard(file)
         if not allowed(file, any(c in mode for c in "wax+")):
             raise PermissionError(f"sandbox: opening {file!r} with mode {mode!r} is not allowed")
         return real_open(file, mode, *args, **kwargs)
 
     def guarded_os_open(path, flags, *args, **kwargs):
+        path = standard(path)
+        if isinstance(path, int):
+            return path
         if not allowed(path, flags & writes):
             raise PermissionError(f"sandbox: opening {path!r} is not allowed")
         return real_os_open(path, flags, *args, **kwargs)

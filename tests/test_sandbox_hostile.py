@@ -393,6 +393,10 @@ input = lambda: sys.stdin.readline().rstrip("\\r\\n")
     ('sys.stdout = io.TextIOWrapper(sys.stdout.buffer)', "import io, sys\nsys.stdout = io.TextIOWrapper(sys.stdout.buffer, encoding='utf-8')\nprint(int(input()) + 1)\n", "2\n", "3"),
     ('io.BufferedWriter over fd 1', "import io, sys\nout = io.BufferedWriter(io.FileIO(sys.stdout.fileno(), 'w', closefd=False))\nout.write(b'%d\\n' % (int(input()) + 1))\nout.flush()\n", "2\n", "3"),
     ('the FastIO template', FAST_IO + 'print(int(input()) + 1)\n', "2\n", "3"),
+    ("/dev/stdout and /dev/stdin", "import sys\nsys.stdout = open('/dev/stdout', 'w')\nprint(int(open('/dev/stdin').read()) + 1)\n",
+     "2\n", "3"),
+    ("/dev/fd/0 and /proc/self/fd/1", "data = open('/dev/fd/0', 'rb').read()\nwith open('/proc/self/fd/1', 'w') as out:\n"
+     "    out.write(str(int(data) + 1) + '\\n')\n", "2\n", "3"),
     ('fileinput.input()', 'import fileinput\nprint(sum(int(line) for line in fileinput.input()) + 1)\n', "2\n", "3"),
     ("tempfile and a scratch file in /tmp", "import os, tempfile\nn = int(input())\nwith tempfile.TemporaryDirectory() as d:\n    p = os.path.join(d, 'x.txt')\n    with open(p, 'w') as f:\n        f.write(str(n))\n    a = int(open(p).read())\nwith tempfile.NamedTemporaryFile('w+') as f:\n    f.write('1')\n    f.seek(0)\n    a += int(f.read())\nwith tempfile.TemporaryFile() as f:\n    f.write(b'0')\nwith open('/tmp/scratch.txt', 'w') as f:\n    f.write('0')\na += int(open('/tmp/scratch.txt').read())\nos.remove('/tmp/scratch.txt')\nprint(a)\n", "2\n", "3"),
 ])
