@@ -460,13 +460,21 @@ def isolation():
         layers += ([f"unprivileged uid {Limits().uid} with no_new_privs and the parent-death signal re-armed"]
                    if drop else [])
         layers += (["seccomp filter: keyrings, ptrace, mount, namespaces, bpf, perf_event_open, module and kexec "
-                    "loading, setsid / setpgid and more denied"] if seccomp else [])
+                    "loading, setsid / setpgid, sysinfo and more denied",
+                    "one process per run (seccomp: fork, vfork and clone without CLONE_THREAD denied): the CPU time "
+                    "limit is the run's budget, threads included",
+                    "nothing lockable or watchable shared between concurrent runs (seccomp: flock, fcntl record locks, "
+                    "leases and notifications, inotify, fanotify, shared futexes, page-cache probes denied)"]
+                   if seccomp else [])
         layers += ["rlimits: CPU time, address space, file size, open files, no core files" +
                    ("" if kind else ", processes (per uid: not for root)"),
                    "wall-clock timeout; the whole process group is killed",
                    "trusted side reads every channel while the program runs, each capped, and always ends in a verdict",
-                   "environment scrubbed to PATH and LANG; output capped",
-                   "in-process guard: fork/exec/kill/system, subprocess, ctypes, file deletion removed"]
+                   f"one report costs the trusted side at most {MAX_REPORT_VALUES} values, counted before it is parsed",
+                   "the program's view: no trainer pid, run counter or checkout path in its arguments, interpreter "
+                   "paths, modules or frames; environment scrubbed to PATH and LANG; output capped",
+                   "in-process guard: fork/exec/kill/system, subprocess, ctypes removed; writes and deletions only in "
+                   "the run's scratch folder"]
         _ISOLATION = (prefix, drop, kind, seccomp, layers)
         missing = [name for name, held in [("namespaces", prefix), ("an unprivileged uid", drop),
                                           ("per-run cgroups", kind), ("seccomp", seccomp)] if not held]

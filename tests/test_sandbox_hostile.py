@@ -420,7 +420,9 @@ def test_check_names_every_layer_that_holds():
     prefix, drop, kind, seccomp, layers = sandbox.isolation()
     assert all(layer in proc.stdout for layer in layers)
     assert ("per-run cgroup" in proc.stdout) == bool(kind) and ("seccomp filter" in proc.stdout) == seccomp
-    assert ("allowlisted root" in proc.stdout) == bool(prefix)
+    assert ("allowlisted root" in proc.stdout) == bool(prefix) and ("UTS namespace" in proc.stdout) == bool(prefix)
+    assert ("one process per run" in proc.stdout) == seccomp and ("nothing lockable" in proc.stdout) == seccomp
+    assert "one report costs the trusted side" in proc.stdout and "the program's view" in proc.stdout
 
 
 def test_cgroups_of_a_trainer_that_is_gone_are_removed():
