@@ -8,7 +8,7 @@
 
 `tests` is one of three formats:
 - APPS standard input / output: {"inputs": ["1 2\\n", ...], "outputs": ["3\\n", ...]}; outputs are compared
-  line by line with trailing whitespace ignored;
+  line by line with trailing whitespace ignored (an input or output stored as a list of lines is those lines);
 - APPS call-based: the same with "fn_name" (a function, or a method of `class Solution`) and each input a
   list of arguments;
 - HumanEval: {"test": "def check(candidate): ...", "entry_point": "name", "prompt": "..."}; one test,
@@ -27,27 +27,36 @@ untrusted program never holds an expected output, a test's result or the report 
 
 The trusted side is total: whatever bytes the program writes on whatever channel it can reach, `run`
 returns a verdict, never an exception. Every channel is read while the program runs under a byte cap
-(a channel over its cap is closed and the run fails), and only a report's last line is parsed, once.
+(a channel over its cap is closed and the run fails), and only a report's last line is parsed, once, after
+its values are counted on its bytes (at most MAX_REPORT_VALUES: one report costs this process little).
 
 Isolation of the program's process, where the machine allows it (Linux as root; `--check` lists what holds):
 - a per-run cgroup (v1 memory / pids / freezer, or v2): memory (tmpfs, memfd and page cache included)
   and tasks (threads included) capped for this run alone; everything in it killed and the cgroup
   removed at the end;
 - namespaces: network (no network, not even 127.0.0.1), PID (its processes die with its first), IPC,
-  and mount, with a new root: a read-only tmpfs holding only the standard library (site-packages
-  hidden) and the shared libraries the interpreter maps, /dev/null, /dev/zero, /dev/urandom and a
-  private tmpfs /tmp; nothing else of the host;
+  UTS (host name "sandbox") and mount, with a new root: a read-only tmpfs holding only the standard
+  library (site-packages hidden) and the shared libraries the interpreter maps, /dev/null, /dev/zero,
+  /dev/urandom and a private tmpfs /tmp; nothing else of the host;
 - a fresh session keyring; the unprivileged uid 65534 with no_new_privs, the parent-death signal
   re-armed; a seccomp filter (libseccomp through ctypes) denying keyrings, ptrace, mount, namespaces,
-  bpf, perf_event_open, module / kexec loading, setsid / setpgid and more;
+  bpf, perf_event_open, module / kexec loading, setsid / setpgid, sysinfo and more; new processes (one
+  process per run, so the CPU time limit is the run's budget, threads included); and whatever keeps state
+  on an inode every run sees (flock, fcntl locks, leases and notifications, inotify, fanotify, futexes
+  without FUTEX_PRIVATE_FLAG, page-cache probes), so concurrent runs cannot talk;
+- the program's view: the child runs this module's code compiled by the trainer under a neutral name and
+  sent on stdin, its uid and cgroup arrive with the job, and sys.argv, orig_argv, executable and prefix
+  are neutral: no trainer pid, run counter or checkout path;
 - always: limits on CPU time, address space, file size and open files, no core files, a wall-clock
   timeout that kills the whole process group, an environment of only PATH and LANG, captured output
-  capped, and an in-process guard that removes fork/exec/kill/system, subprocess, ctypes and file
-  deletion (an extra layer, not a boundary).
-Where a layer is unavailable the first run warns once and names the active ones. The program runs with
-a real fd 0 under sys.stdin, in a thread with a large stack (deep recursion works). The kernel is still
-shared and the filter is a denylist: for untrusted code at scale, run the trainer in a container or VM
-as well.
+  capped, and an in-process guard that removes fork/exec/kill/system, subprocess and ctypes and keeps
+  writes and deletions in the run's scratch folder (an extra layer, not a boundary).
+Where a layer is unavailable the first run warns once and names the active ones. The program runs as under
+CPython: a real fd 0 under sys.stdin and a file on fd 1 under sys.stdout (fileno(), mode, buffer; whatever
+reaches fd 1 counts, read back after the flushes CPython does at exit), exit() and quit(), os._exit ending
+the input with its output kept, tempfile and /tmp, fileinput on stdin, in a thread with a large stack (deep
+recursion works). The kernel is still shared and the filter is a denylist: for untrusted code at scale,
+run the trainer in a container or VM as well.
 """
 import marshal
 import os
