@@ -171,8 +171,8 @@ def parse_report(line):
     import json
     if report_values(line) > MAX_REPORT_VALUES:
         raise ValueError(f"a report of more than {MAX_REPORT_VALUES} values")
-    try:
-        return json.loads(line, object_pairs_hook=_plain_object)
+    try:                                  # as UTF-8 text, as it was counted (json.loads would guess UTF-16 in bytes)
+        return json.loads(line.decode("utf-8", "replace"), object_pairs_hook=_plain_object)
     except (ValueError, TypeError, MemoryError, RecursionError):
         return None
 
