@@ -1098,11 +1098,19 @@ def _use_stdout(fd):
 
 
 def _printed(fd, namespace):
-    """What one input's program wrote to fd 1: flushed as at the end of a CPython process (sys.stdout, then
-    the program's own file objects as they are freed), read back from the file."""
+    """What one input's program wrote to fd 1, after the end of a CPython process: its other non-daemon threads
+    joined (a program often runs main in a thread with a larger stack and returns), its atexit functions run,
+    sys.stdout flushed unless closed, its own files flushed as they are freed; read back from the file."""
+    import atexit
     import gc
+    import threading
+    for thread in threading.enumerate():
+        if thread is not threading.current_thread() and thread is not threading.main_thread() and not thread.daemon:
+            thread.join()                                # the run's wall-clock limit still holds
+    atexit._run_exitfuncs()
+    atexit._clear()
     for stream in (sys.stdout, sys.__stdout__):
-        if hasattr(stream, "flush"):
+        if hasattr(stream, "flush") and not getattr(stream, "closed", False):
             stream.flush()
     namespace.clear()
     gc.collect()

@@ -397,6 +397,10 @@ input = lambda: sys.stdin.readline().rstrip("\\r\\n")
      "2\n", "3"),
     ("/dev/fd/0 and /proc/self/fd/1", "data = open('/dev/fd/0', 'rb').read()\nwith open('/proc/self/fd/1', 'w') as out:\n"
      "    out.write(str(int(data) + 1) + '\\n')\n", "2\n", "3"),
+    # what CPython does at exit: non-daemon threads joined, atexit functions run, a closed stdout left alone
+    ('sys.stdout.close() at the end', 'import sys\nprint(int(input()) + 1)\nsys.stdout.close()\n', "2\n", "3"),
+    ('output written by an atexit function', 'import atexit, io, sys\nbuffer = io.StringIO()\nsys.stdout = buffer\n@atexit.register\ndef write():\n    sys.__stdout__.write(buffer.getvalue())\nprint(int(input()) + 1)\n', "2\n", "3"),
+    ('main in a thread, not joined', 'import sys, threading\nsys.setrecursionlimit(10 ** 6)\nthreading.stack_size(1 << 26)\ndef main():\n    print(int(input()) + 1)\nthreading.Thread(target=main).start()\n', "2\n", "3"),
     ('fileinput.input()', 'import fileinput\nprint(sum(int(line) for line in fileinput.input()) + 1)\n', "2\n", "3"),
     ("tempfile and a scratch file in /tmp", "import os, tempfile\nn = int(input())\nwith tempfile.TemporaryDirectory() as d:\n    p = os.path.join(d, 'x.txt')\n    with open(p, 'w') as f:\n        f.write(str(n))\n    a = int(open(p).read())\nwith tempfile.NamedTemporaryFile('w+') as f:\n    f.write('1')\n    f.seek(0)\n    a += int(f.read())\nwith tempfile.TemporaryFile() as f:\n    f.write(b'0')\nwith open('/tmp/scratch.txt', 'w') as f:\n    f.write('0')\na += int(open('/tmp/scratch.txt').read())\nos.remove('/tmp/scratch.txt')\nprint(a)\n", "2\n", "3"),
 ])
