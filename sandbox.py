@@ -1104,9 +1104,14 @@ def _printed(fd, namespace):
     import atexit
     import gc
     import threading
+    for hook in reversed(threading._threading_atexits):  # e.g. idle ThreadPoolExecutor workers are told to end
+        hook()
     for thread in threading.enumerate():
         if thread is not threading.current_thread() and thread is not threading.main_thread() and not thread.daemon:
             thread.join()                                # the run's wall-clock limit still holds
+    pool = sys.modules.get("concurrent.futures.thread")
+    if pool is not None:
+        pool._shutdown = False                           # the next input's executors may start again
     atexit._run_exitfuncs()
     atexit._clear()
     for stream in (sys.stdout, sys.__stdout__):
