@@ -38,8 +38,8 @@ Isolation of the program's process, where the machine allows it (Linux as root; 
   UTS (host name "sandbox") and mount, with a new root: a read-only tmpfs holding only the standard
   library (site-packages hidden) and the shared libraries the interpreter maps, /dev/null, /dev/zero,
   /dev/urandom and a private tmpfs /tmp; nothing else of the host;
-- a fresh session keyring; the unprivileged uid 65534 with no_new_privs, the parent-death signal
-  re-armed; a seccomp filter (libseccomp through ctypes) denying keyrings, ptrace, mount, namespaces,
+- a fresh session keyring; an unprivileged uid of its own (drawn at random from RUN_UIDS: per-user
+  counts of the kernel are not shared between runs) with no_new_privs, the parent-death signal re-armed; a seccomp filter (libseccomp through ctypes) denying keyrings, ptrace, mount, namespaces,
   bpf, perf_event_open, module / kexec loading, setsid / setpgid, sysinfo and more; new processes (one
   process per run, so the CPU time limit is the run's budget, threads included); and whatever keeps state
   on an inode every run sees (flock, fcntl locks, leases and notifications, inotify, fanotify, futexes
@@ -91,8 +91,19 @@ class Result:
         return -0.3 + 1.3 * self.passed / total if total else -0.3
 
 
+# Each run's own uid (when the trainer is root): the kernel keeps per-user counts (tasks, pending signals, message
+# queue bytes, pipe pages) that concurrent runs of one uid would share and could signal through. Drawn at random,
+# far above the uids of people and of rootless containers, so that the uid tells the program nothing.
+RUN_UIDS = range(0x70000000, 0x70000000 + (1 << 24))
+
+
+def run_uid(limits):
+    import random
+    return random.SystemRandom().choice(RUN_UIDS) if limits.uid is None else limits.uid
+
+
 class Limits:
-    def __init__(self, timeout=4.0, cpu_seconds=4, memory_mb=1024, output_bytes=1 << 20, processes=64, uid=65534,
+    def __init__(self, timeout=4.0, cpu_seconds=4, memory_mb=1024, output_bytes=1 << 20, processes=64, uid=None,
                  open_files=256):
         self.timeout = timeout              # wall-clock seconds for the whole program and all its tests
         self.cpu_seconds = cpu_seconds
@@ -100,7 +111,8 @@ class Limits:
         self.output_bytes = output_bytes    # per captured stream, and the largest file the program may write
         self.processes = processes          # tasks (threads included) of the run's cgroup, else RLIMIT_NPROC
         self.open_files = open_files        # RLIMIT_NOFILE
-        self.uid = uid                      # the unprivileged user programs run as (when this process is root)
+        self.uid = uid                      # the unprivileged user programs run as (when this process is root);
+                                            # None: each run a uid of its own, drawn at random from RUN_UIDS
 
 
 # Messages between processes. Trusted -> untrusted (the job, the check's calls): marshal, framed by its
@@ -444,7 +456,7 @@ def isolation():
             try:
                 group = _Cgroup(cg_kind, Limits()) if cg_kind else None
                 probe = [unshare, *flags, sys.executable, "-I", "-S", "-c", CHILD, "--probe", "ns"]
-                setup = {"uid": Limits().uid if with_uid else -1, "cgroup": group.procs if group else []}
+                setup = {"uid": run_uid(Limits()) if with_uid else -1, "cgroup": group.procs if group else []}
                 given = _child_code() + _frame(setup)
                 out = subprocess.run(probe, input=given, capture_output=True, timeout=20, cwd="/").stdout.split()
             except (OSError, subprocess.TimeoutExpired):
@@ -466,8 +478,8 @@ def isolation():
                     "/dev/null, /dev/zero, /dev/urandom and a private tmpfs /tmp; nothing else of the host",
                     "PID namespace: no other process in /proc; its processes die with its first",
                     "IPC namespace; UTS namespace with a neutral host name; a fresh session keyring"] if prefix else [])
-        layers += ([f"unprivileged uid {Limits().uid} with no_new_privs and the parent-death signal re-armed"]
-                   if drop else [])
+        layers += (["an unprivileged uid of its own per run (drawn at random: no per-user count shared between "
+                    "runs), no_new_privs and the parent-death signal re-armed"] if drop else [])
         layers += (["seccomp filter: keyrings, ptrace, mount, namespaces, bpf, perf_event_open, module and kexec "
                     "loading, setsid / setpgid, sysinfo and more denied",
                     "one process per run (seccomp: fork, vfork and clone without CLONE_THREAD denied): the CPU time "
@@ -513,7 +525,7 @@ def _spawn(role, job, fds, limits):
         _end([(None, group, folder)])
         raise
     try:
-        setup = {"uid": limits.uid if drop else -1, "cgroup": group.procs if group else []}   # not in its argv
+        setup = {"uid": run_uid(limits) if drop else -1, "cgroup": group.procs if group else []}   # not in its argv
         proc.stdin.write(_child_code() + _frame({**job, "limits": vars(limits), "setup": setup}))
         proc.stdin.close()
     except BrokenPipeError:

@@ -61,13 +61,14 @@ def sandbox_processes():
     return found
 
 
-def key_count(uid):
-    """Keys the kernel holds for `uid` (/proc/key-users: 'uid: usage nkeys/nikeys ...')."""
+def key_count(uids):
+    """Keys the kernel holds for the users in `uids` (/proc/key-users: 'uid: usage nkeys/nikeys ...')."""
+    count = 0
     for line in open("/proc/key-users"):
         head, _, rest = line.partition(":")
-        if head.strip() == str(uid):
-            return int(rest.split()[1].split("/")[0])
-    return 0
+        if head.strip().isdigit() and int(head) in uids:
+            count += int(rest.split()[1].split("/")[0])
+    return count
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -75,8 +76,8 @@ def nothing_is_left_behind():
     """After the module: no process of the sandbox, no cgroup, tmp folder or key of this process's runs."""
     import glob
     import tempfile
-    uid = sandbox.Limits().uid
-    keys = key_count(uid)
+    uids = getattr(sandbox, "RUN_UIDS", [sandbox.Limits().uid])
+    keys = key_count(uids)
     folders = set(glob.glob(os.path.join(tempfile.gettempdir(), f"sandbox_{os.getpid()}_*")))
     yield
     time.sleep(0.5)
@@ -84,7 +85,7 @@ def nothing_is_left_behind():
     assert set(glob.glob(os.path.join(tempfile.gettempdir(), f"sandbox_{os.getpid()}_*"))) <= folders
     assert not glob.glob(f"/sys/fs/cgroup/*/{CGROUP_PARENT}/{os.getpid()}_*") + glob.glob(
         f"/sys/fs/cgroup/{CGROUP_PARENT}/{os.getpid()}_*"), "a cgroup of a run was left behind"
-    assert key_count(uid) <= keys, "a key of the sandbox uid was left behind"
+    assert key_count(uids) <= keys, "a key of a sandbox uid was left behind"
 
 
 # ---------------------------------------------------------------- the trusted side is total
@@ -268,6 +269,21 @@ def test_concurrent_runs_cannot_pass_a_signal_through_a_shared_inode(channel):
     need("namespaces", "seccomp")
     results = sandbox.run_many([(SENDERS[channel], says("x")), (RECEIVERS[channel], says("seen"))], PATIENT, workers=2)
     assert results[1].outcome != "passed", (channel, results)
+
+
+def test_concurrent_runs_share_no_per_user_count():
+    """The kernel counts tasks per user: a sender holds 30 threads for 4 s; a concurrent receiver lowers its own
+    limit on its user's tasks to 20 and starts a thread, which fails if the sender's threads count as its
+    user's (one uid for every run)."""
+    need("uid", "cgroup")
+    sender = ("import threading, time\nhold = threading.Event()\nthreading.stack_size(1 << 16)\n"
+              "for _ in range(30):\n    threading.Thread(target=hold.wait, args=(4,), daemon=True).start()\n"
+              "time.sleep(4)\nprint('x')\n")
+    receiver = ("import resource, threading, time\ntime.sleep(1.5)\n"
+                "resource.setrlimit(resource.RLIMIT_NPROC, (20, resource.getrlimit(resource.RLIMIT_NPROC)[1]))\n"
+                "try:\n    threading.Thread(target=int).start()\n    print('no')\nexcept RuntimeError:\n    print('seen')\n")
+    results = sandbox.run_many([(sender, says("x")), (receiver, says("seen"))], PATIENT, workers=2)
+    assert results[0].outcome == "passed" and results[1].outcome != "passed", results
 
 
 def test_forked_workers_share_the_runs_cpu_budget():
