@@ -167,6 +167,14 @@ def accumulate(accelerator, policy, critic_accelerator, critic):
     return stack
 
 
+def start_accumulation(accelerators, group):
+    """The next `group` micro-steps (at most the accelerators' gradient_accumulation_steps) end in one
+    optimizer step: accelerate's counter is set so that the last of them syncs and steps. Called at the
+    start of every group, so that a group never spans two calls' worth of data (e.g. two PPO iterations)."""
+    for accelerator in set(accelerators):
+        accelerator.step = accelerator.gradient_accumulation_steps - group
+
+
 def whole_state_dicts(models):
     """{name: (accelerator, model)} -> {name: whole state dict}, gathered from ZeRO-3 / FSDP shards (a
     collective call: every rank must make it). A wrapper module's "model." prefix is dropped."""

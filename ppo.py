@@ -43,7 +43,7 @@ class PPOArgs:
     critic_warmup: int = field(default=0, metadata={"help": "value-only updates for the first k iterations, the policy not stepped (OpenRLHF's --freezing_actor_steps)"})
     sigma: str = field(default="equal", metadata={"help": "macro value weights: equal | unit | position | first (App. D.1)"})
     reward_agg: str = field(default="sum", metadata={"help": "macro reward: sum (the paper's equation) | mean (the released code: each macro action's KL penalty averaged, the score kept whole)"})
-    ratio: str = field(default="token", metadata={"help": "token: per-token ratios with macro advantages (released code) | macro: pi(omega)/pi_old(omega)"})
+    ratio: str = field(default="token", metadata={"help": "token: per-token ratios with macro advantages (released code), the loss a mean over tokens | macro: the paper's pi(omega)/pi_old(omega), the loss a mean over macro actions (each weighs the same, whatever its length)"})
     kl_estimator: str = field(default="k1", metadata={"help": "per-token KL: k1 = logp - logp_ref | k3 = (r - 1) - log r, r = p_ref/p"})
     beta: float = field(default=0.05, metadata={"help": "KL penalty coefficient (the first one, under --kl_target)"})
     kl_target: float = field(default=0.0, metadata={"help": "adaptive KL controller (Ziegler et al. 2019): the per-sequence KL to hold. After each iteration beta <- beta * (1 + clip(KL / target - 1, -0.2, 0.2) * n / --kl_horizon), KL the batch's mean per-sequence KL over every process, n its samples; 0 = off (--beta fixed)"})
@@ -65,7 +65,7 @@ class PPOArgs:
     max_response_len: int = field(default=0, metadata={"help": "generated tokens at most; 0 = the task's default (64 for count, else 32)"})
     rollout_batch_size: int = field(default=32, metadata={"help": "prompts per process per iteration"})
     mini_batch_size: int = field(default=16, metadata={"help": "rollouts per PPO minibatch"})
-    grad_accum: int = field(default=1, metadata={"help": "minibatches per optimizer step"})
+    grad_accum: int = field(default=1, metadata={"help": "minibatches per optimizer step; an iteration whose minibatches it does not divide steps once more on its remainder (a mean over those), so no step mixes two iterations' gradients"})
     ppo_epochs: int = field(default=1, metadata={"help": "passes over each rollout batch"})
     steps: int = field(default=120, metadata={"help": "PPO iterations"})
     policy_lr: float = field(default=3e-4, metadata={"help": "policy learning rate (~1e-6 for Gemma-2B)"})
@@ -222,8 +222,11 @@ def ppo_losses(logp, old_logp, values, old_values, advantages, returns, response
     stats. Every tensor [B, R]; `response_mask` 1.0 on real response tokens, `starts` where macro
     actions begin."""
     log_ratio = (logp - old_logp) * response_mask
+    weights = response_mask         # token ratios: a mean over tokens
     if ratio == "macro":            # §3.3 MA-PPO: pi(omega)/pi_old(omega) = product of its token ratios
         log_ratio = ma.macro_sum(log_ratio, starts) * response_mask
+        # the objective is a mean over macro actions: each weighs the same, whatever its length
+        weights = response_mask / ma.macro_sum(response_mask, starts).clamp(min=1)
     ratios = log_ratio.exp()
     # §2 PPO clipped surrogate (Schulman et al. 2017, Eq. 7): max of the two negated terms = min of the objectives
     pg = torch.max(-advantages * ratios, -advantages * ratios.clamp(1 - clip, 1 + clip))
@@ -233,7 +236,7 @@ def ppo_losses(logp, old_logp, values, old_values, advantages, returns, response
     stats = {"policy/clipfrac": masked_mean(((ratios - 1).abs() > clip).float(), response_mask),
              "policy/approxkl": masked_mean(0.5 * log_ratio ** 2, response_mask),
              "policy/ratio": masked_mean(ratios, response_mask)}
-    return masked_mean(pg, response_mask), masked_mean(vf, response_mask), stats
+    return masked_mean(pg, weights), masked_mean(vf, response_mask), stats
 
 
 # ---------------------------------------------------------------------------------------------
@@ -522,10 +525,18 @@ def main(args):
             policy.train()
             critic.train()
             stats = []
+            # accumulation groups of --grad_accum minibatches, the iteration's remainder a group of its own: the
+            # optimizers step at the end of every iteration, never on gradients of an older policy's rollout
+            n_minibatches = args.ppo_epochs * -(-len(idx) // args.mini_batch_size)
+            j = 0
             for _ in range(args.ppo_epochs):
                 order = torch.randperm(len(idx), generator=generator)
                 for k in range(0, len(idx), args.mini_batch_size):
                     mb = order[k:k + args.mini_batch_size]
+                    group = min(args.grad_accum, n_minibatches - j // args.grad_accum * args.grad_accum)
+                    if j % args.grad_accum == 0:
+                        harness.start_accumulation((acc, critic_acc), group)
+                    j += 1
                     with harness.accumulate(acc, policy, critic_acc, critic):
                         if fused:       # the rows of step 2's forwards, in the minibatch's order
                             logp, values = new_logp[mb], new_values[mb]
@@ -538,9 +549,10 @@ def main(args):
                         if not harness.all_finite(acc, pg_loss, vf_loss):
                             raise FloatingPointError(f"non-finite loss at iteration {step}; last good checkpoint "
                                                      f"in {harness.checkpoint_dir(args.output_dir)}")
+                        scale = args.grad_accum / group     # backward divides by --grad_accum: a mean over the group
                         if not frozen:
-                            acc.backward(pg_loss)      # the two graphs are disjoint: one backward per model
-                        critic_acc.backward(vf_loss)
+                            acc.backward(pg_loss * scale)      # the two graphs are disjoint: one backward per model
+                        critic_acc.backward(vf_loss * scale)
                         for opt in [o for k, o in opts.items() if k not in frozen]:
                             opt.step()
                         for opt in opts.values():

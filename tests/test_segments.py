@@ -568,3 +568,14 @@ def test_reward_segment_refuses_lora(tiny_models, segment_rm, tmp_path):
     import ppo
     with pytest.raises(SystemExit, match="--lora_r"):
         ppo.main(ppo_args(tiny_models, segment_rm, tmp_path, reward="segment", lora_r=4))
+
+
+def test_next_token_entropy_is_finite_where_a_logit_is_minus_infinity():
+    """A token of probability 0 adds nothing: [0, 0, -inf] is two equal choices, log 2 nats (NaN before,
+    and a NaN entropy never exceeds c_ent, so that token silently never started a segment)."""
+    logits = torch.tensor([[[0.0, 0.0, -math.inf], [0.0, 0.0, 0.0], [1.0, -math.inf, -math.inf]]])
+    entropy = rm.next_token_entropy(logits)
+    assert torch.allclose(entropy, torch.tensor([[math.log(2), math.log(3), 0.0]]))
+    starts, _ = rm.segment_starts(torch.tensor([[5, 6, 7]]), torch.ones(1, 3), "segment", 0.5, eos_token_id=2,
+                                  entropy=entropy)
+    assert starts.tolist() == [[True, True, False]]
