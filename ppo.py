@@ -29,16 +29,16 @@ class PPOArgs:
     task: str = field(default="chitchat", metadata={"help": "chitchat, count, tldr, tldr_carper, hh, webgpt, code, apps, or a local json/jsonl/parquet file"})
     sft_path: str = field(default="", metadata={"help": "SFT model (policy init and frozen reference); default runs/<task>/sft, built if missing on chitchat, count and code"})
     rm_path: str = field(default="", metadata={"help": "reward model (also the critic's init); default runs/<task>/rm, built if missing on chitchat and count; unused for code tasks"})
-    reward: str = field(default="rm", metadata={"help": "the sequence score: rm (the reward model, the paper) | gold (the task's gold judge as a verifiable reward: chitchat, count) | segment (a segment or token RM's rewards spread over each segment's tokens, Yin et al. 2025; needs the RM's segment_reward.json); code tasks always run the program"})
+    reward: str = field(default="rm", metadata={"help": "the sequence score: rm (the reward model, the paper; a segment or token RM scores e(x, y), the mean of its segment rewards) | gold (the task's gold judge as a verifiable reward: chitchat, count) | segment (a segment or token RM's rewards spread over each segment's tokens, Yin et al. 2025; needs the RM's segment_reward.json); code tasks always run the program"})
     critic_path: str = field(default="", metadata={"help": "critic init: default the RM (App. B.2; the SFT model for code tasks); any causal LM or RM folder, a fresh value head on an LM"})
     output_dir: str = field(default="", metadata={"help": "default runs/<task>/ppo_n<n>_fixed, or runs/<task>/ppo_<termination> for the other terminations"})
     sft_args: str = field(default="", metadata={"help": "extra sft.py flags used when the default SFT model is built, e.g. '--max_steps 600' (count: '--max_steps 1600 ...' when empty)"})
     rm_args: str = field(default="", metadata={"help": "extra reward_model.py flags used when the default RM is built (count: '--max_steps 1000 ...' when empty)"})
     n: int = field(default=5, metadata={"help": "macro action length for --termination fixed: 1 = vanilla PPO, 0 = the whole response"})
     termination: str = field(default="fixed", metadata={"help": "fixed | randomized | parsing | ppl | entropy (paper §3.2.1) | segment (the segment RM's entropy segments, c_ent from its segment_reward.json, or --c_ent)"})
-    c_ent: float = field(default=0.0, metadata={"help": "--termination segment with --reward rm or gold: the SFT entropy threshold (nats) of the segments, e.g. a segment RM's c_ent to compare on the same segments; 0 = read the --rm_path's segment_reward.json"})
+    c_ent: float = field(default=0.0, metadata={"help": "--termination segment with --reward rm or gold: the SFT entropy threshold (nats) of the segments, e.g. a segment RM's c_ent to compare on the same segments; 0 = read the --rm_path's segment_reward.json. With --reward segment and a sequence RM (and --seg_norm none): its head read at the end of each of these segments (Yin et al. 2025, Table 1's bandit as segment)"})
     seg_norm: str = field(default="regression", metadata={"help": "--reward segment: normalizer of the segment rewards: regression (Mean(p), Std(p) on log p, the paper's) | global | last (one mean and std) | none"})
-    seg_interp: str = field(default="even", metadata={"help": "--reward segment: a segment's reward on its tokens: even (divided by its length, the paper's) | repeat (on every token) | end (on its last token)"})
+    seg_interp: str = field(default="even", metadata={"help": "--reward segment: a segment's reward on its tokens: even (divided by its length, the paper's) | repeat (on every token) | end (on its last token) | bandit (none of them: e(x, y), the mean raw segment reward, as one score at the last token; Yin et al. 2025, Table 1's segment as bandit)"})
     reward_clip: float = field(default=10.0, metadata={"help": "--reward segment: the per-token segment rewards clipped to [-c, c] before the KL penalty is added, as in the released code; 0 = off"})
     critic_warmup: int = field(default=0, metadata={"help": "value-only updates for the first k iterations, the policy not stepped (OpenRLHF's --freezing_actor_steps)"})
     sigma: str = field(default="equal", metadata={"help": "macro value weights: equal | unit | position | first (App. D.1)"})
@@ -258,13 +258,13 @@ def resolve(args):
     if args.reward == "segment" and args.lora_r:
         sys.exit("error: --reward segment scores held-out responses with the frozen SFT model's segments; "
                  "it has none under --lora_r (the reference is the policy with its adapters off)")
-    if args.c_ent and (args.reward == "segment" or args.termination != "segment"):
-        sys.exit("error: --c_ent sets the segments of --termination segment with --reward rm or gold; "
-                 "under --reward segment the segments are the RM's own (its segment_reward.json)")
+    if args.c_ent and args.reward != "segment" and args.termination != "segment":
+        sys.exit("error: --c_ent sets the segments of --termination segment, or those a sequence RM is read on "
+                 "under --reward segment (bandit as segment)")
     if args.seg_norm not in ("regression", "global", "last", "none"):
         sys.exit(f"error: --seg_norm {args.seg_norm!r}: choose regression, global, last or none")
-    if args.seg_interp not in ("even", "repeat", "end"):
-        sys.exit(f"error: --seg_interp {args.seg_interp!r}: choose even, repeat or end")
+    if args.seg_interp not in ("even", "repeat", "end", "bandit"):
+        sys.exit(f"error: --seg_interp {args.seg_interp!r}: choose even, repeat, end or bandit")
     if args.kl_target < 0 or args.kl_horizon < 1:
         sys.exit(f"error: --kl_target {args.kl_target} / --kl_horizon {args.kl_horizon}: a target >= 0 (0 = a fixed "
                  "--beta) and a horizon of at least 1 sample")
@@ -399,12 +399,22 @@ def main(args):
             "do not: the first ratio is not 1 and the KL is off-policy")
     build_default(args, acc, code)
     tokenizer, policy, critic, ref, reward_model = load_models(args, code, harness.is_sharded(acc))
-    segments = rm.load_segment_settings(args) if "segment" in (args.reward, args.termination) else None
+    own = None if code else rm.read_segment_settings(args.rm_path)     # a segment / token RM's own settings
+    segment_rm_as_bandit = args.reward == "rm" and own is not None     # scored with e(x, y), as evaluate.py does
+    if own is not None and args.lora_r:
+        sys.exit(f"error: --lora_r: {args.rm_path} is a {own.get('unit')} RM, scored with e(x, y) on the frozen SFT "
+                 "model's segments; under --lora_r there is none (the reference is the policy with its adapters off)")
+    segments = (rm.load_segment_settings(args) if "segment" in (args.reward, args.termination) or segment_rm_as_bandit
+                else None)
+    if segment_rm_as_bandit:    # its head at EOS never trained (zero gradient there): Yin et al. 2025's segment as bandit
+        log(f"[ppo] --reward rm: {args.rm_path} is a {own['unit']} RM; its score is e(x, y), the mean of its segment "
+            f"rewards on the SFT model's segments (as in its training and in evaluate.py), one reward at the last token")
     trained_on = (segments or {}).get("sft_path")
     if trained_on and os.path.realpath(trained_on) != os.path.realpath(args.sft_path):
         log(f"[ppo] warning: the segment RM's segments come from the SFT model {trained_on}, this run's is "
             f"{args.sft_path}: its entropies, and so its segments, may differ from the RM's training")
-    scorer = rm.segment_scorer(segments if args.reward == "segment" else None, ref, tokenizer.eos_token_id)
+    scorer = rm.segment_scorer(own, ref, tokenizer.eos_token_id)      # the held-out score: the RM's own
+    seg_interp = "bandit" if segment_rm_as_bandit else args.seg_interp
     score_name = "exec" if code else args.reward          # reward/<score_name> in the metrics
     splits = data.load_task(args.task, only=("ppo", "test"))
     problems = data.with_chat_template(data.first_row_per_prompt(splits["ppo"]), tokenizer, args.chat_template)
@@ -487,9 +497,9 @@ def main(args):
                 elif score_name == "gold":     # a verifiable reward: the gold judge reads the whole response
                     score = torch.tensor(data.gold(args.task, data.judged_prompts([problems[i] for i in idx]), texts),
                                          device=acc.device)
-                elif score_name == "segment":   # the head at each segment's end; the score is e, their mean
+                elif score_name == "segment" or segment_rm_as_bandit:   # the head at each segment's end; e, their mean
                     values = rm.token_values(reward_model, ids, attention_mask)[:, P:]
-                    dense, score, seg_stats = rm.segment_rewards(values, seg_starts, inside, segments, args.seg_norm, args.seg_interp)
+                    dense, score, seg_stats = rm.segment_rewards(values, seg_starts, inside, segments, args.seg_norm, seg_interp)
                 else:       # the RM's head at the last real token
                     score = rm.last_token(rm.token_values(reward_model, ids, attention_mask), attention_mask)
             has_eos = ((r_ids == tokenizer.eos_token_id) & response_mask.bool()).any(-1)
@@ -620,8 +630,8 @@ def finish(args, truncated, *, accelerators, policy, critic, reward_model, token
         with harness.loading_whole():
             policy = AutoModelForCausalLM.from_pretrained(final, dtype=dtype).to(acc.device).eval()
             sft_model = AutoModelForCausalLM.from_pretrained(args.sft_path, dtype=dtype).to(acc.device).eval()
-        scorer = rm.segment_scorer(rm.load_segment_settings(args) if args.reward == "segment" else None, sft_model,
-                                tokenizer.eos_token_id)
+        scorer = rm.segment_scorer(None if args.task in data.CODE_TASKS else rm.read_segment_settings(args.rm_path),
+                                   sft_model, tokenizer.eos_token_id)
         evaluate.final_report(args, policy, sft_model, reward_model, tokenizer, eval_rows, metrics_path, scorer)
     acc.wait_for_everyone()
     if args.report_to != "none":

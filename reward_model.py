@@ -333,14 +333,16 @@ def segment_rewards(values, starts, inside, settings, how="regression", interp="
     """Segment rewards (Yin et al. 2025, §2): the RM's head `values` [B, R] read at each segment's
     last token, normalized at its location p = k / K (`settings["normalizer"]`, the RM's), spread over
     its tokens by `interp`. Returns (dense per-token rewards [B, R], e = each response's mean raw segment
-    reward [B], their stats)."""
+    reward [B], their stats). `interp="bandit"` (Table 1, segment as bandit): no dense rewards (None), e is
+    the sequence score, one reward at the last token."""
     ends = ma.segment_ends(starts, inside)
     r_hat = normalize_segment_rewards(values, ma.segment_positions(starts, inside), settings.get("normalizer"), how)
     count = ends.sum(-1).float()
     normalized = r_hat[ends]
     stats = {"segment/count": count.mean(), "segment/mean_len": (inside.sum(-1) / count.clamp(min=1)).mean(),
              "segment/norm_mean": normalized.mean(), "segment/norm_std": normalized.std(correction=0)}
-    return ma.spread_segment_rewards(r_hat, starts, inside, interp), segment_evaluation(values, ends), stats
+    dense = None if interp == "bandit" else ma.spread_segment_rewards(r_hat, starts, inside, interp)
+    return dense, segment_evaluation(values, ends), stats
 
 
 def segment_scorer(settings, sft, eos_token_id):
@@ -360,14 +362,23 @@ def read_segment_settings(rm_path):
 
 def load_segment_settings(args):
     """The segment / token RM's settings (`reward_model.SEGMENT_FILE` beside its weights) that
-    ppo.py's --reward segment and --termination segment read; a clear exit when they are missing or unusable.
-    ppo.py's --c_ent (segments for --termination segment under another reward) needs no file."""
-    if getattr(args, "c_ent", 0) and args.reward != "segment":
-        return {"unit": "segment", "c_ent": args.c_ent}
+    ppo.py's --reward segment and --termination segment read (and --reward rm on such an RM); a clear exit
+    when they are missing or unusable. ppo.py's --c_ent needs no file: segments for --termination segment
+    under another reward, or the segments a sequence RM is read on under --reward segment (Yin et al. 2025,
+    Table 1's bandit as segment: no normalizer, so --seg_norm none)."""
     path = os.path.join(args.rm_path, SEGMENT_FILE)
+    if getattr(args, "c_ent", 0):
+        if os.path.exists(path) and args.reward in ("segment", "rm"):
+            sys.exit(f"error: --c_ent: {args.rm_path} is a segment / token RM ({path}), read on its own segments "
+                     f"under --reward {args.reward}; drop --c_ent")
+        if args.reward == "segment" and args.seg_norm != "none":
+            sys.exit(f"error: --seg_norm {args.seg_norm}: a sequence RM read at segment ends (--reward segment "
+                     f"--c_ent) has no segment normalizer; pass --seg_norm none")
+        return {"unit": "segment", "c_ent": args.c_ent}
     if not os.path.exists(path):
         sys.exit(f"error: --reward segment / --termination segment need a segment or token RM: no {path} "
-                 f"(train one with reward_model.py --unit segment)")
+                 f"(train one with reward_model.py --unit segment; or read a sequence RM at the segment ends of "
+                 f"--c_ent C with --seg_norm none)")
     settings = json.load(open(path))
     unit, c_ent = settings.get("unit"), settings.get("c_ent")
     if unit not in ("segment", "token"):
