@@ -590,9 +590,9 @@ def test_reward_rm_on_a_segment_rm_scores_e_as_evaluate_does(tiny_models, segmen
         ppo.main(ppo_args(tiny_models, segment_rm, tmp_path / name, steps=1, eval_every=1, policy_lr=0.0, **flags))
         rows[name] = metrics_of(tmp_path / name)[0]
     run("rm")
-    assert "is a segment RM; its score is e(x, y)" in capsys.readouterr().out
     run("segment", reward="segment")
     assert rows["rm"]["reward/rm"] == rows["segment"]["reward/segment"]
+    assert "is a segment RM; its score is e(x, y)" in capsys.readouterr().out
     # held out: evaluate.py's score of the responses ppo.py sampled (the SFT policy, ppo.py's seed)
     args = ppo.resolve(ppo_args(tiny_models, segment_rm, tmp_path / "rm"))[0]
     ctx = evaluate.Context(evaluate.EvalArgs(sft_path=args.sft_path, rm_path=args.rm_path, n_prompts=4,
