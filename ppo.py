@@ -37,6 +37,7 @@ class PPOArgs:
     n: int = field(default=5, metadata={"help": "macro action length for --termination fixed: 1 = vanilla PPO, 0 = the whole response"})
     termination: str = field(default="fixed", metadata={"help": "fixed | randomized | parsing | ppl | entropy (paper §3.2.1) | segment (the segment RM's entropy segments, c_ent from its segment_reward.json, or --c_ent)"})
     c_ent: float = field(default=0.0, metadata={"help": "--termination segment with --reward rm or gold: the SFT entropy threshold (nats) of the segments, e.g. a segment RM's c_ent to compare on the same segments; 0 = read the --rm_path's segment_reward.json. With --reward segment and a sequence RM (and --seg_norm none): its head read at the end of each of these segments (Yin et al. 2025, Table 1's bandit as segment)"})
+    rm_norm: bool = field(default=False, metadata={"help": "--reward rm: the RM's score standardized, (r - mean) / std, with the mean and std of its score on its calibration pairs (Yin et al. 2025, §2.1): score_norm.json beside the RM, written by reward_model.py (fitted here on the RM split's first 1024 pairs and written there when missing); eval/rm stays the raw score"})
     seg_norm: str = field(default="regression", metadata={"help": "--reward segment: normalizer of the segment rewards: regression (Mean(p), Std(p) on log p, the paper's) | global | last (one mean and std) | none"})
     seg_interp: str = field(default="even", metadata={"help": "--reward segment: a segment's reward on its tokens: even (divided by its length, the paper's) | repeat (on every token) | end (on its last token) | bandit (none of them: e(x, y), the mean raw segment reward, as one score at the last token; Yin et al. 2025, Table 1's segment as bandit)"})
     reward_clip: float = field(default=10.0, metadata={"help": "--reward segment: the per-token segment rewards clipped to [-c, c] before the KL penalty is added, as in the released code; 0 = off"})
@@ -261,6 +262,9 @@ def resolve(args):
     if args.c_ent and args.reward != "segment" and args.termination != "segment":
         sys.exit("error: --c_ent sets the segments of --termination segment, or those a sequence RM is read on "
                  "under --reward segment (bandit as segment)")
+    if args.rm_norm and (code or args.reward != "rm"):
+        sys.exit(f"error: --rm_norm normalizes the reward model's score under --reward rm, not --reward {args.reward}"
+                 + (f" (task {args.task!r} runs its code)" if code else ""))
     if args.seg_norm not in ("regression", "global", "last", "none"):
         sys.exit(f"error: --seg_norm {args.seg_norm!r}: choose regression, global, last or none")
     if args.seg_interp not in ("even", "repeat", "end", "bandit"):
@@ -374,6 +378,22 @@ def load_models(args, code, sharded=False):
     return tokenizer, policy, critic, ref, reward_model
 
 
+def score_normalizer(args, accelerator, reward_model, tokenizer, segmenter):
+    """--rm_norm: (mean, std) of the RM's score on its calibration pairs, from score_norm.json beside it;
+    an RM without one (trained before reward_model.py wrote it) gets it fitted on the first 1024 pairs of the
+    RM split, as reward_model.py does, and written there, once, by the main process."""
+    path = os.path.join(args.rm_path, rm.SCORE_FILE)
+    if accelerator.is_main_process and not os.path.exists(path):
+        rows = data.with_chat_template(data.load_task(args.task, only=("rm",))["rm"][:1024], tokenizer, args.chat_template)
+        rm.write_json(path, rm.fit_score_normalizer(reward_model, tokenizer, rows, args.max_prompt_len,
+                                                    args.max_response_len, segmenter))
+        accelerator.print(f"[ppo] --rm_norm: {path} missing: fitted on {len(rows)} RM-split pairs and written")
+    accelerator.wait_for_everyone()
+    mean, std = rm.read_score_normalizer(args.rm_path)
+    accelerator.print(f"[ppo] --rm_norm: the RM's score as (r - {mean:.4g}) / {std:.4g}")
+    return mean, std
+
+
 def optimizers(args, policy, critic):
     """AdamW for the policy and for the critic, each with a linear warmup over --warmup_steps."""
     trained = (lambda model: [p for p in model.parameters() if p.requires_grad])     # all of them, or LoRA's
@@ -430,6 +450,7 @@ def main(args):
     for frozen in (ref, reward_model):
         if frozen is not None:
             frozen.to(acc.device)
+    score_norm = score_normalizer(args, acc, reward_model, tokenizer, scorer) if args.rm_norm else None
     generator = torch.Generator().manual_seed(args.seed)       # minibatch order, randomized n-grams
     start, truncated, beta = 0, 0, args.beta
     if args.resume:
@@ -502,6 +523,8 @@ def main(args):
                     dense, score, seg_stats = rm.segment_rewards(values, seg_starts, inside, segments, args.seg_norm, seg_interp)
                 else:       # the RM's head at the last real token
                     score = rm.last_token(rm.token_values(reward_model, ids, attention_mask), attention_mask)
+                if score_norm is not None:      # Yin et al. 2025, §2.1: the RM's score over its calibration mean and std
+                    score = (score - score_norm[0]) / score_norm[1]
             has_eos = ((r_ids == tokenizer.eos_token_id) & response_mask.bool()).any(-1)
             penalty = args.missing_eos_penalty * (~has_eos).float()
             score = score + penalty

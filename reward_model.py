@@ -53,10 +53,12 @@ class RMArgs:
     resume: bool = field(default=False, metadata={"help": "continue from <output_dir>/checkpoint"})
     unit: str = field(default="sequence", metadata={"help": "what the head scores (Yin et al. 2025): sequence (the whole response, EOS included: the ordinary RM) | segment (entropy segments, each scored at its last token; a response's score e is their mean) | token (one token per segment). EOS belongs to no segment"})
     c_ent: float = field(default=6.0, metadata={"help": "--unit segment: a response token whose SFT next-token entropy (nats, temperature 1) exceeds c_ent starts a segment. 6.0 gives the tiny chitchat SFT model (median entropy 5.5 nats) segments of about 3 tokens; a pretrained model's entropies are far lower: check the logged mean segment length"})
-    n_calibration: int = field(default=1024, metadata={"help": "--unit segment/token: RM-split pairs whose chosen and rejected responses fit the location normalizer"})
+    n_calibration: int = field(default=1024, metadata={"help": "RM-split pairs whose chosen and rejected responses fit the score's mean and std (score_norm.json, every unit) and, --unit segment/token, the location normalizer"})
 
 
 SEGMENT_FILE = "segment_reward.json"     # beside a segment / token RM's weights: its settings and normalizer
+SCORE_FILE = "score_norm.json"           # beside any RM's weights: the mean and std of its score (ppo.py --rm_norm)
+SCORE_NORMALIZER_KIND = "score"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -354,6 +356,45 @@ def segment_scorer(settings, sft, eos_token_id):
                              eos_token_id=eos_token_id)
 
 
+@torch.no_grad()
+def fit_score_normalizer(model, tokenizer, rows, max_prompt_len, max_response_len, segmenter=None, batch_size=64):
+    """The mean and std (ddof 0, floored at 1e-6) of the RM's score, the head at the last token or with
+    `segmenter` e(x, y), over the chosen and the rejected responses of calibration pairs `rows` (Yin et al.
+    2025, §2.1: the reward normalized by its mean and std): named JSON fields."""
+    prompts = [r["prompt"] for r in rows] * 2
+    scores = score(model, tokenizer, prompts, [r["chosen"] for r in rows] + [r["rejected"] for r in rows],
+                   max_prompt_len, max_response_len, batch_size, segmenter).double()
+    return {"kind": SCORE_NORMALIZER_KIND, "mean": scores.mean().item(),
+            "std": max(scores.std(correction=0).item(), 1e-6), "n_responses": len(scores),
+            "score": "e(x, y), the mean of the segment rewards" if segmenter else "the head at the last token"}
+
+
+def write_json(path, value):
+    """`value` as JSON at `path`, atomically (a temp file renamed)."""
+    with open(path + ".tmp", "w") as f:
+        json.dump(value, f, indent=1)
+    os.replace(path + ".tmp", path)
+
+
+def read_score_normalizer(rm_path):
+    """The mean and std of an RM's score (`SCORE_FILE` beside it) as (mean, std); None when there is no file.
+    A file without a finite mean and a positive std is an error naming the field."""
+    path = os.path.join(rm_path, SCORE_FILE)
+    if not os.path.exists(path):
+        return None
+    norm = json.load(open(path))
+    if not isinstance(norm, dict) or norm.get("kind") != SCORE_NORMALIZER_KIND:
+        sys.exit(f"error: {path}: field 'kind' is {norm.get('kind') if isinstance(norm, dict) else norm!r}, "
+                 f"expected {SCORE_NORMALIZER_KIND!r}")
+    try:
+        mean, std = _field(norm, "mean"), _field(norm, "std")
+    except ValueError as e:
+        sys.exit(f"error: {path}: {str(e).replace('segment normalizer: ', '')}")
+    if std <= 0:
+        sys.exit(f"error: {path}: field 'std' must be positive, got {std}")
+    return mean, std
+
+
 def read_segment_settings(rm_path):
     """The settings a segment / token RM saved beside its weights (`SEGMENT_FILE`); None for a sequence RM."""
     path = os.path.join(rm_path, SEGMENT_FILE)
@@ -443,14 +484,16 @@ def main(args):
 
     accuracy = trainer.fit(train_rows, lambda rows: bradley_terry(trainer.model, pairs_of(rows))[0], evaluate)
     log(f"[rm] held-out pairwise accuracy {accuracy:.3f}")
+    if accelerator.is_main_process:     # the score's mean and std on the calibration pairs (ppo.py --rm_norm)
+        final = trainer.final.to(accelerator.device).eval()                  # the whole trained RM
+        write_json(os.path.join(args.output_dir, SCORE_FILE), fit_score_normalizer(
+            final, tokenizer, train_rows[:args.n_calibration], args.max_prompt_len, args.max_response_len, segmenter))
     if segmenter and accelerator.is_main_process:
         rows = train_rows[:args.n_calibration]
         batches = (pairs_of(rows[i:i + args.batch_size]) for i in range(0, len(rows), args.batch_size))
         settings = calibrate(trainer.final.to(accelerator.device).eval(), batches, args)   # the whole trained RM
         path = os.path.join(args.output_dir, SEGMENT_FILE)
-        with open(path + ".tmp", "w") as f:
-            json.dump(settings, f, indent=1)
-        os.replace(path + ".tmp", path)
+        write_json(path, settings)
         log(f"[rm] {args.unit} RM: mean segment length {settings['mean_segment_len']:.2f} tokens over "
             f"{settings['normalizer']['n_segments']} calibration segments; settings and normalizer in {path}")
     if args.task in data.GOLD_JUDGES and args.n_gold_prompts and accelerator.is_main_process:

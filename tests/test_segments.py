@@ -641,3 +641,53 @@ def test_bandit_as_segment_reads_a_sequence_rm_at_the_ends_of_c_ent_segments(tin
     assert len(rows) == 2 and all(r["segment/count"] == 1.0 for r in rows) and math.isfinite(rows[-1]["eval/rm"])
     with pytest.raises(SystemExit, match="--seg_norm regression"):
         ppo.main(ppo_args(tiny_models, tiny_models / "rm", tmp_path / "norm", reward="segment", c_ent=1.0))
+
+
+# --- the plain RM score normalized (ppo.py --rm_norm; Yin et al. 2025, §2.1) ---------------------------------
+
+def test_every_rm_saves_the_mean_and_std_of_its_score_on_the_calibration_pairs(tiny_models, tmp_path):
+    """reward_model.py writes score_norm.json beside any RM: the mean and std (ddof 0) of its score (the head
+    at the last token; a segment RM's e(x, y)) over the chosen and the rejected responses of the calibration
+    pairs, computed here again from the saved RM by rm.score."""
+    import data
+    from transformers import AutoModelForCausalLM
+    rows = data.load_task("chitchat", only=("rm",))["rm"][:6]
+    prompts, texts = [r["prompt"] for r in rows] * 2, [r["chosen"] for r in rows] + [r["rejected"] for r in rows]
+    sft_model = AutoModelForCausalLM.from_pretrained(tiny_models / "sft").eval()
+    for unit in ("sequence", "segment"):
+        out = tmp_path / unit
+        train_small(tiny_models, out, "--unit", unit, "--c_ent", "1.0")
+        model, tokenizer = rm.load_reward_model(str(out))
+        segmenter = rm.segment_scorer(rm.read_segment_settings(str(out)), sft_model, tokenizer.eos_token_id)
+        scores = rm.score(model.eval(), tokenizer, prompts, texts, 24, 12, segmenter=segmenter).double()
+        saved = json.loads((out / rm.SCORE_FILE).read_text())
+        assert saved["kind"] == "score" and saved["n_responses"] == 12
+        assert saved["mean"] == pytest.approx(scores.mean().item(), abs=1e-6)
+        assert saved["std"] == pytest.approx(scores.std(correction=0).item(), abs=1e-6) and saved["std"] > 0
+        assert rm.read_score_normalizer(str(out)) == (saved["mean"], saved["std"])
+        assert (segmenter is None) == (unit == "sequence")
+
+
+@pytest.mark.launch
+def test_rm_norm_standardizes_the_rm_score_and_keeps_eval_raw(tiny_models, tmp_path):
+    """ppo.py --rm_norm: the rollouts' RM score is (r - mean) / std with the RM's score_norm.json (fitted on
+    the RM split's pairs and written beside an RM that has none); the same seed without it logs r. The
+    held-out eval/rm stays the raw score. Off by default; refused outside --reward rm, naming the flag."""
+    import shutil
+    import ppo
+    rm_path = tmp_path / "rm"
+    shutil.copytree(tiny_models / "rm", rm_path)
+    rows = {}
+    for name, flags in (("raw", {}), ("norm", {"rm_norm": True})):
+        ppo.main(ppo_args(tiny_models, rm_path, tmp_path / name, steps=1, eval_every=1, policy_lr=0.0, **flags))
+        rows[name] = metrics_of(tmp_path / name)[0]
+        assert (rm_path / rm.SCORE_FILE).exists() == (name == "norm")
+    mean, std = rm.read_score_normalizer(str(rm_path))
+    assert std != 1.0 and mean != 0.0
+    assert rows["norm"]["reward/rm"] == pytest.approx((rows["raw"]["reward/rm"] - mean) / std, abs=1e-4)
+    assert rows["norm"]["eval/rm"] == rows["raw"]["eval/rm"]
+    with pytest.raises(SystemExit, match="--rm_norm"):
+        ppo.main(ppo_args(tiny_models, rm_path, tmp_path / "gold", reward="gold", rm_norm=True))
+    (rm_path / rm.SCORE_FILE).write_text(json.dumps({"kind": "score", "mean": 0.0, "std": 0.0}))
+    with pytest.raises(SystemExit, match="field 'std'"):
+        ppo.main(ppo_args(tiny_models, rm_path, tmp_path / "broken", rm_norm=True))
