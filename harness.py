@@ -14,7 +14,7 @@ Checkpoint layout, the same for every stage:
     <output_dir>/checkpoint/
         <part>/             one save_pretrained folder (weights + tokenizer) per trained model:
                             `model` for sft.py and reward_model.py, `policy` and `critic` for ppo.py
-        trainer_state.pt    step, optimizer / schedule states, RNG states, the run's arguments
+        trainer_state.pt    step, optimizer / schedule states, RNG states (every process's), the run's arguments
 """
 import contextlib
 import copy
@@ -503,9 +503,10 @@ def save_checkpoint(output_dir, parts, tokenizer, step, args, optimizers=None, s
     atomic_save(checkpoint_dir(output_dir), tokenizer=tokenizer, parts=parts, state=state, state_dicts=state_dicts)
 
 
-def load_checkpoint(output_dir, optimizers=None, schedulers=None, log=print):
+def load_checkpoint(output_dir, optimizers=None, schedulers=None, log=print, rank=0, world=1):
     """The one checkpoint reader: restores optimizers, schedules and RNG from `<output_dir>/checkpoint`
-    and returns the trainer state (its "step" is where to continue). A clear error when it is missing."""
+    and returns the trainer state (its "step" is where to continue). A clear error when it is missing.
+    Process `rank` of `world` gets its own RNG state back (`rng_ranks`, saved by `rng_states`)."""
     path = checkpoint_dir(output_dir)
     if not os.path.exists(os.path.join(path, "trainer_state.pt")):
         sys.exit(f"error: no checkpoint to resume at {path!r}. Run without --resume to start afresh.")
@@ -515,7 +516,15 @@ def load_checkpoint(output_dir, optimizers=None, schedulers=None, log=print):
             obj.load_state_dict(state[key])
         else:
             log(f"warning: the checkpoint holds no {key} state (saved under ZeRO/FSDP): it starts afresh")
-    set_rng_state(state["rng"])
+    ranks = state.get("rng_ranks")
+    if ranks is not None and len(ranks) == world:
+        set_rng_state(ranks[rank])
+    else:       # every process restarts from the main process's random numbers, which only it had drawn
+        if world > 1:
+            log(f"warning: the checkpoint holds the RNG states of {len(ranks) if ranks else 'only the main'} "
+                f"process(es), not of these {world}: each starts from the main process's, so the numbers after "
+                "this resume differ from an uninterrupted run's (resume with as many processes as saved it)")
+        set_rng_state(state["rng"])
     return state
 
 
@@ -525,12 +534,28 @@ def require_model_dir(path, what, hint):
 
 
 def rng_state():
-    return {"torch": torch.get_rng_state(), "python": random.getstate()}
+    """This process's random number generators: torch's (CPU, and CUDA's current device: sampling on a GPU
+    draws from it) and Python's."""
+    state = {"torch": torch.get_rng_state(), "python": random.getstate()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
 
 
 def set_rng_state(state):
     torch.set_rng_state(state["torch"])
     random.setstate(state["python"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+
+
+def rng_states(accelerator):
+    """Every process's `rng_state()`, in rank order, on every process (a collective). Each rank draws its
+    own random numbers (its prompts' samples end at different lengths), so a checkpoint keeps them all."""
+    if accelerator.num_processes == 1:
+        return [rng_state()]
+    from accelerate.utils import gather_object
+    return gather_object([rng_state()])
 
 
 def batch_indices(n_rows, batch_size, step, seed, rank=0, world=1):
@@ -577,17 +602,19 @@ class Trainer:
         self.start = 0
         if resume:
             self.start = load_checkpoint(args.output_dir, {"optimizer": self.optimizer},
-                                         {"scheduler": self.scheduler}, accelerator.print)["step"]
+                                         {"scheduler": self.scheduler}, accelerator.print,
+                                         accelerator.process_index, world)["step"]
             accelerator.print(f"[{name}] resumed at step {self.start}")
 
     def save(self, step):
         acc = self.accelerator
         sharded = is_sharded(acc)   # ZeRO / FSDP: whole weights gathered (collective); optimizer state is per rank
         weights = whole_state_dicts({"model": (acc, self.model)}) if sharded else None
+        rng = rng_states(acc)                                   # collective: every rank's own
         if acc.is_main_process:
             save_checkpoint(self.args.output_dir, {"model": unwrap(acc, self.model)}, self.tokenizer, step,
                             self.args, {} if sharded else {"optimizer": self.optimizer}, {"scheduler": self.scheduler},
-                            weights)
+                            weights, rng_ranks=rng)
         acc.wait_for_everyone()
 
     def fit(self, rows, loss_fn, evaluate):

@@ -455,7 +455,7 @@ def main(args):
     start, truncated, beta = 0, 0, args.beta
     if args.resume:
         # optimizer states are per-rank shards under ZeRO/FSDP: they are saved (and restored) only when whole
-        state = harness.load_checkpoint(args.output_dir, opts, scheds, log)
+        state = harness.load_checkpoint(args.output_dir, opts, scheds, log, rank, world)
         start, truncated, beta = state["step"], state["truncated"], state.get("beta", args.beta)
         generator.set_state(state["generator"])
         log(f"[ppo] resumed at iteration {start}")
@@ -471,11 +471,12 @@ def main(args):
 
     def save(step):
         weights = harness.whole_state_dicts({"policy": (acc, policy), "critic": (critic_acc, critic)}) if sharded else None
+        rng = harness.rng_states(acc)                       # collective: every rank's own random numbers
         if acc.is_main_process:
             harness.save_checkpoint(args.output_dir, {"policy": harness.unwrap(acc, policy),
                                                       "critic": harness.unwrap(critic_acc, critic).model}, tokenizer,
                                     step, args, {} if sharded else opts, scheds, weights,
-                                    truncated=truncated, generator=generator.get_state(), beta=beta)
+                                    truncated=truncated, generator=generator.get_state(), beta=beta, rng_ranks=rng)
         acc.wait_for_everyone()
 
     from tqdm.auto import tqdm

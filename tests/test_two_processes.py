@@ -173,3 +173,42 @@ def test_sigterm_to_a_two_process_launch_checkpoints_and_resumes_to_the_same_num
     assert f"resumed at iteration {done}" in resumed and "ranks in sync: True" in resumed
     # an uninterrupted 2-process run (evaluation aside, same numbers)
     assert [comparable(r) for r in metrics(split)] == [comparable(r) for r in whole[:done + 2]]
+
+
+@pytest.fixture(scope="module")
+def eos_prone_sft(tiny_models, tmp_path_factory):
+    """The tiny SFT model with its EOS embedding (tied to the LM head) along the mean direction of its final
+    hidden states: about two responses in three end before 8 tokens, at different lengths on the two ranks,
+    so the ranks' sampling draws different counts of random numbers and their RNG states part."""
+    import data
+    import harness
+    from transformers import AutoModelForCausalLM
+    out = tmp_path_factory.mktemp("eos_prone") / "sft"
+    tokenizer = data.load_tokenizer(str(tiny_models / "sft"))
+    model = AutoModelForCausalLM.from_pretrained(tiny_models / "sft").eval()
+    rows = data.first_row_per_prompt(data.load_task("chitchat", only=("ppo",))["ppo"])[:64]
+    batch = data.collate(tokenizer, [r["prompt"] for r in rows], [r["chosen"] for r in rows], 16, 8)
+    with torch.no_grad():
+        hidden = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
+                       output_hidden_states=True).hidden_states[-1][batch["attention_mask"].bool()].mean(0)
+        model.get_input_embeddings().weight[tokenizer.eos_token_id] = 4.0 * hidden / hidden.dot(hidden)
+    harness.atomic_save(str(out), model, tokenizer)
+    return out
+
+
+@pytest.mark.launch
+def test_a_resumed_two_process_run_draws_each_ranks_own_random_numbers(tiny_models, eos_prone_sft, tmp_path):
+    """Each rank samples its own prompts, whose responses end at different lengths, so the ranks' RNG states
+    part. A checkpoint keeps every rank's, and --resume gives each its own back: 2 + 2 iterations resumed
+    log the numbers of 4 uninterrupted ones (with rank 0's state on both ranks, rank 1's samples differ)."""
+    flags = [*ppo_flags(tiny_models), "--sft_path", str(eos_prone_sft), "--eval_every", "1000"]
+    lines = [["ppo.py", *flags, "--steps", "4", "--output_dir", str(tmp_path / "whole")],
+             ["ppo.py", *flags, "--steps", "2", "--save_every", "2", "--output_dir", str(tmp_path / "split")],
+             ["ppo.py", *flags, "--steps", "4", "--resume", "--output_dir", str(tmp_path / "split")]]
+    proc = subprocess.run([*LAUNCH, "tests/launched_stages.py", str(tmp_path), json.dumps(lines)], cwd=ROOT,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    whole, split = metrics(tmp_path / "whole"), metrics(tmp_path / "split")
+    assert "resumed at iteration 2" in (tmp_path / "2.0.txt").read_text()
+    assert any(r["response/eos_rate"] not in (0.0, 1.0) for r in whole)          # lengths differ within a batch
+    assert [comparable(r) for r in split] == [comparable(r) for r in whole]
