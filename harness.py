@@ -15,6 +15,7 @@ Checkpoint layout, the same for every stage:
         <part>/             one save_pretrained folder (weights + tokenizer) per trained model:
                             `model` for sft.py and reward_model.py, `policy` and `critic` for ppo.py
         trainer_state.pt    step, optimizer / schedule states, RNG states (every process's), the run's arguments
+    optimizer_shards/   under DeepSpeed ZeRO: each process's part of the optimizer states, <name>.rank<r>.pt
 """
 import contextlib
 import copy
@@ -448,12 +449,13 @@ class GracefulStop:
 # Checkpoints: one layout, atomic writes, one save / resume pair
 # ---------------------------------------------------------------------------------------------
 
-def atomic_save(path, model=None, tokenizer=None, state=None, parts=None, state_dicts=None, keep=()):
+def atomic_save(path, model=None, tokenizer=None, state=None, parts=None, state_dicts=None, keep=(), moved=None):
     """Write a save_pretrained folder to a temporary sibling, then swap it in with a rename: an
     interruption never leaves a half-written folder where the last good one was.
     `parts` {name: model} go to sub-folders, each with the tokenizer; `state_dicts` {name or "model":
     weights} replaces a model's own weights (the gathered whole weights of a ZeRO-3 / FSDP sharded
-    model); the sub-folders named in `keep` (a checkpoint inside a final model folder) move over."""
+    model); the sub-folders named in `keep` (a checkpoint inside a final model folder) move over, and
+    `moved` {name: folder} folders move in under `name`."""
     path = os.path.abspath(path)
     tmp, old = path + ".tmp", path + ".old"
     shutil.rmtree(tmp, ignore_errors=True)
@@ -469,6 +471,8 @@ def atomic_save(path, model=None, tokenizer=None, state=None, parts=None, state_
         tokenizer.save_pretrained(tmp)
     if state is not None:
         torch.save(state, os.path.join(tmp, "trainer_state.pt"))
+    for name, folder in (moved or {}).items():
+        os.rename(folder, os.path.join(tmp, name))
     for name in keep:
         if os.path.exists(os.path.join(path, name)):
             os.rename(os.path.join(path, name), os.path.join(tmp, name))
@@ -495,12 +499,45 @@ def checkpoint_part(output_dir, part):
 
 
 def save_checkpoint(output_dir, parts, tokenizer, step, args, optimizers=None, schedulers=None,
-                    state_dicts=None, **extra):
-    """The one checkpoint writer (main process only): the parts, and the trainer state of `step`."""
+                    state_dicts=None, shards=None, **extra):
+    """The one checkpoint writer (main process only): the parts, and the trainer state of `step`;
+    `shards`: the folder of `save_optimizer_shards`, moved in."""
     state = {"step": step, "rng": rng_state(), "args": asdict(args), **extra,
              **{k: o.state_dict() for k, o in (optimizers or {}).items()},
              **{k: s.state_dict() for k, s in (schedulers or {}).items()}}
-    atomic_save(checkpoint_dir(output_dir), tokenizer=tokenizer, parts=parts, state=state, state_dicts=state_dicts)
+    atomic_save(checkpoint_dir(output_dir), tokenizer=tokenizer, parts=parts, state=state, state_dicts=state_dicts,
+                moved={SHARDS: shards} if shards else None)
+
+
+SHARDS = "optimizer_shards"
+
+
+def save_optimizer_shards(accelerator, output_dir, optimizers):
+    """DeepSpeed ZeRO partitions the optimizer states (the AdamW moments of each rank's part of the
+    parameters): every rank writes its own, `<name>.rank<r>.pt`, into a folder beside the checkpoint that
+    `save_checkpoint` then moves into it. A collective. Returns the folder; None where the states are
+    not partitioned (saved whole by `save_checkpoint`) or under FSDP (not saved: resume warns)."""
+    if accelerator.distributed_type.value != "DEEPSPEED":
+        return None
+    folder = checkpoint_dir(output_dir) + ".shards"
+    if accelerator.is_main_process:
+        shutil.rmtree(folder, ignore_errors=True)
+        os.makedirs(folder)
+    accelerator.wait_for_everyone()
+    for name, optimizer in optimizers.items():
+        torch.save(optimizer.state_dict(), os.path.join(folder, f"{name}.rank{accelerator.process_index}.pt"))
+    accelerator.wait_for_everyone()
+    return folder
+
+
+def _optimizer_shard(path, name, rank, world):
+    """This rank's saved ZeRO optimizer state of `name` (its list for DeepSpeed's loader, which picks its
+    own rank's entry), or None unless every one of `world` ranks saved one."""
+    folder = os.path.join(path, SHARDS)
+    saved = [f for f in os.listdir(folder) if f.startswith(f"{name}.rank")] if os.path.isdir(folder) else []
+    if len(saved) != world:
+        return None
+    return [torch.load(os.path.join(folder, f"{name}.rank{rank}.pt"), weights_only=False)] * world
 
 
 def load_checkpoint(output_dir, optimizers=None, schedulers=None, log=print, rank=0, world=1):
@@ -512,10 +549,14 @@ def load_checkpoint(output_dir, optimizers=None, schedulers=None, log=print, ran
         sys.exit(f"error: no checkpoint to resume at {path!r}. Run without --resume to start afresh.")
     state = torch.load(os.path.join(path, "trainer_state.pt"), weights_only=False)
     for key, obj in {**(optimizers or {}), **(schedulers or {})}.items():
+        shard = None if key in state else _optimizer_shard(path, key, rank, world)
         if key in state:
             obj.load_state_dict(state[key])
+        elif shard is not None:
+            obj.load_state_dict(shard)                  # DeepSpeed ZeRO: this rank's partition
         else:
-            log(f"warning: the checkpoint holds no {key} state (saved under ZeRO/FSDP): it starts afresh")
+            log(f"warning: the checkpoint holds no {key} state (saved under FSDP, or ZeRO with another "
+                "number of processes): it starts afresh")
     ranks = state.get("rng_ranks")
     if ranks is not None and len(ranks) == world:
         set_rng_state(ranks[rank])
@@ -611,10 +652,11 @@ class Trainer:
         sharded = is_sharded(acc)   # ZeRO / FSDP: whole weights gathered (collective); optimizer state is per rank
         weights = whole_state_dicts({"model": (acc, self.model)}) if sharded else None
         rng = rng_states(acc)                                   # collective: every rank's own
+        shards = save_optimizer_shards(acc, self.args.output_dir, {"optimizer": self.optimizer}) if sharded else None
         if acc.is_main_process:
             save_checkpoint(self.args.output_dir, {"model": unwrap(acc, self.model)}, self.tokenizer, step,
                             self.args, {} if sharded else {"optimizer": self.optimizer}, {"scheduler": self.scheduler},
-                            weights, rng_ranks=rng)
+                            weights, shards, rng_ranks=rng)
         acc.wait_for_everyone()
 
     def fit(self, rows, loss_fn, evaluate):

@@ -454,7 +454,7 @@ def main(args):
     generator = torch.Generator().manual_seed(args.seed)       # minibatch order, randomized n-grams
     start, truncated, beta = 0, 0, args.beta
     if args.resume:
-        # optimizer states are per-rank shards under ZeRO/FSDP: they are saved (and restored) only when whole
+        # optimizer states are per-rank shards under ZeRO/FSDP: restored from each rank's file under ZeRO
         state = harness.load_checkpoint(args.output_dir, opts, scheds, log, rank, world)
         start, truncated, beta = state["step"], state["truncated"], state.get("beta", args.beta)
         generator.set_state(state["generator"])
@@ -472,10 +472,11 @@ def main(args):
     def save(step):
         weights = harness.whole_state_dicts({"policy": (acc, policy), "critic": (critic_acc, critic)}) if sharded else None
         rng = harness.rng_states(acc)                       # collective: every rank's own random numbers
+        shards = harness.save_optimizer_shards(acc, args.output_dir, opts) if sharded else None    # ZeRO: per rank
         if acc.is_main_process:
             harness.save_checkpoint(args.output_dir, {"policy": harness.unwrap(acc, policy),
                                                       "critic": harness.unwrap(critic_acc, critic).model}, tokenizer,
-                                    step, args, {} if sharded else opts, scheds, weights,
+                                    step, args, {} if sharded else opts, scheds, weights, shards,
                                     truncated=truncated, generator=generator.get_state(), beta=beta, rng_ranks=rng)
         acc.wait_for_everyone()
 
