@@ -483,6 +483,7 @@ def main(args):
                                     truncated=truncated, generator=generator.get_state(), beta=beta, rng_ranks=rng)
         acc.wait_for_everyone()
 
+    sft_replies = {}        # the SFT model's diversity on the held-out prompts, measured at the first evaluation
     from tqdm.auto import tqdm
     bar = tqdm(range(start, args.steps), desc=run_name(args), disable=not acc.is_local_main_process)
     with harness.GracefulStop(acc, "ppo", "iteration", harness.checkpoint_dir(args.output_dir), start) as stop:
@@ -611,7 +612,7 @@ def main(args):
                                if torch.cuda.is_available() else {})})
             if (step + 1) % args.eval_every == 0 or step + 1 == args.steps:
                 evaluate_now(args, metrics, accelerator=acc, policy=policy, reward_model=reward_model,
-                             tokenizer=tokenizer, eval_rows=eval_rows, segmenter=scorer)
+                             tokenizer=tokenizer, eval_rows=eval_rows, segmenter=scorer, sft=(ref, sft_replies))
             if acc.is_main_process:
                 with open(metrics_path, "a") as f:
                     f.write(json.dumps(metrics) + "\n")
@@ -625,20 +626,32 @@ def main(args):
            tokenizer=tokenizer, eval_rows=eval_rows, beta=beta)
 
 
-def evaluate_now(args, metrics, *, accelerator, policy, reward_model, tokenizer, eval_rows, segmenter=None):
-    """7. Held-out score (and gold score / pass rate) of the current policy into `metrics`; a log line."""
+def evaluate_now(args, metrics, *, accelerator, policy, reward_model, tokenizer, eval_rows, segmenter=None, sft=(None, None)):
+    """7. Held-out score (and gold score / pass rate), gold_strict and the replies' diversity of the current
+    policy into `metrics`, beside the SFT model's diversity; a log line, and a warning when the replies are
+    degenerate. `sft`: (the frozen SFT model or None under LoRA, a dict that keeps its diversity once measured)."""
     acc, sharded, code = accelerator, harness.is_sharded(accelerator), args.task in data.CODE_TASKS
     if acc.is_main_process or sharded:               # sharded weights: every rank takes part
         with harness.generation_model(acc, policy, args.gather_for_generation) as (model, synced):
-            _, scores, second = evaluate.held_out(model.eval(), reward_model, tokenizer, eval_rows, args, args.seed,
-                                                  synced, segmenter)
+            texts, scores, second = evaluate.held_out(model.eval(), reward_model, tokenizer, eval_rows, args, args.seed,
+                                                      synced, segmenter)
     if acc.is_main_process:
         key, second_key = ("exec", "pass@1") if code else ("rm", "gold")
         metrics[f"eval/{key}"] = round(scores.mean().item(), 4)
         if second is not None:
             metrics[f"eval/{second_key}"] = round(second.mean().item(), 4)
+        (ref, sft_replies), replies = sft, evaluate.reply_metrics(args.task, eval_rows, texts)
+        if not sft_replies:     # once a run, from the same prompts and seed; its own RNG (the run's is untouched)
+            sft_replies.update(evaluate.sft_replies(ref, args, tokenizer, eval_rows, acc.device))
+        metrics.update({f"eval/{k}": round(v, 4) for k, v in replies.items()})
+        metrics.update({f"eval/sft_{k}": round(sft_replies[k], 4) for k in ("distinct_1", "distinct_2", "repetition")})
         acc.print(f"[ppo] iteration {metrics['step']}: " + "  ".join(f"{k} {metrics[k]}" for k in (
-            f"reward/{'exec' if code else args.reward}", "kl", f"eval/{key}", f"eval/{second_key}", "macro/mean_len") if k in metrics))
+            f"reward/{'exec' if code else args.reward}", "kl", f"eval/{key}", f"eval/{second_key}", "eval/gold_strict",
+            "eval/distinct_2", "macro/mean_len") if k in metrics))
+        verdict = evaluate.degeneracy(replies, sft_replies, args.task)
+        if verdict:
+            acc.print(f"[ppo] warning: {verdict}. A larger --beta (or a --kl_target) keeps the policy nearer the "
+                      "SFT model; read eval/gold_strict beside eval/gold")
     acc.wait_for_everyone()
 
 
