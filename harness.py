@@ -66,8 +66,20 @@ def make_accelerator(bf16=False, grad_accum=1, micro_batch_size=1, **kwargs):
         os.environ.setdefault("DS_ACCELERATOR", "cpu")   # installed: named, it does not warn that it guessed
     if deepspeed_launch() and "deepspeed_plugins" not in kwargs:
         kwargs["deepspeed_plugins"] = deepspeed_plugin(micro_batch_size)
-    return Accelerator(cpu=not torch.cuda.is_available() and not deepspeed_launch(),
-                       gradient_accumulation_steps=grad_accum, mixed_precision="bf16" if bf16 else "no", **kwargs)
+    accelerator = Accelerator(cpu=not torch.cuda.is_available() and not deepspeed_launch(),
+                              gradient_accumulation_steps=grad_accum, mixed_precision="bf16" if bf16 else "no", **kwargs)
+    refuse_fallback_from_fsdp(accelerator)
+    return accelerator
+
+
+def refuse_fallback_from_fsdp(accelerator):
+    """An FSDP launch that accelerate did not start as FSDP stops here. accelerate (1.15) starts FSDP only
+    on an accelerator (CUDA, XPU, ...): on a CPU a `--config_file configs/fsdp.yaml` launch runs every
+    process as plain DDP over gloo (MULTI_CPU), with nothing said, so a run meant to test FSDP tests DDP."""
+    if os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true" and accelerator.distributed_type.value != "FSDP":
+        sys.exit(f"error: this is an FSDP launch, but accelerate started {accelerator.distributed_type.value} on "
+                 f"{accelerator.device}: it starts FSDP only on GPUs (or another accelerator), never on a CPU. "
+                 "On a CPU, launch DDP (--multi_gpu) or DeepSpeed ZeRO-3 instead (docs/distributed.md).")
 
 
 def make_accelerators(bf16, grad_accum, micro_batch_size, **kwargs):

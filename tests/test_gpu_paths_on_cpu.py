@@ -142,3 +142,85 @@ def test_bf16_under_ddp_trains_fp32_master_weights_within_tolerance_of_fp32(laun
     for k in BF16_METRICS:
         assert abs(bf16[k] - fp32[k]) <= BF16_ATOL + BF16_RTOL * abs(fp32[k]), (k, bf16[k], fp32[k])
     assert all(torch.isfinite(torch.tensor(v)) for k, v in bf16.items() if k.startswith("loss/"))
+
+
+@pytest.fixture(scope="module")
+def one_process(tiny_models, tmp_path_factory):
+    """{name: (output folder, what it printed)}: the same stages in this process (one process, no launch)."""
+    out = tmp_path_factory.mktemp("one_process")
+    ppo = [*ppo_flags(tiny_models), "--steps", "2"]
+    runs = {"ppo": ["ppo.py", *ppo], "ppo_gc": ["ppo.py", *ppo, "--gradient_checkpointing"],
+            "ppo_lora": ["ppo.py", *ppo, "--lora_r", "4"],
+            "ppo_lora_gc": ["ppo.py", *ppo, "--lora_r", "4", "--gradient_checkpointing"],
+            "ppo_bf16": ["ppo.py", *ppo_flags(tiny_models), "--steps", "1", "--bf16", "--policy_lr", "1e-6"],
+            "sft_bf16": ["sft.py", "--model", str(tiny_models / "sft"), *TINY, "--bf16"],
+            "rm_bf16": ["reward_model.py", "--sft_path", str(tiny_models / "sft"), "--n_gold_prompts", "4", *TINY,
+                        "--bf16"]}
+    from accelerate.state import AcceleratorState, GradientState
+    printed = {}
+    for name, argv in runs.items():
+        AcceleratorState._reset_state()         # each stage's own mixed precision (as tests/launched_stages.py)
+        GradientState._reset_state()
+        printed[name] = (out / name, run_stage(*argv, "--output_dir", out / name))
+    AcceleratorState._reset_state()
+    GradientState._reset_state()
+    return printed
+
+
+def test_gradient_checkpointing_in_one_process_with_and_without_lora_changes_no_number(one_process):
+    """One process, full weights and LoRA: --gradient_checkpointing gives the metrics and weights of the run
+    without it, bitwise."""
+    for plain, checkpointed in (("ppo", "ppo_gc"), ("ppo_lora", "ppo_lora_gc")):
+        assert [comparable(r) for r in metrics(one_process[checkpointed][0])] == \
+               [comparable(r) for r in metrics(one_process[plain][0])], plain
+        assert_same_weights(weights(one_process[plain][0] / "policy"), weights(one_process[checkpointed][0] / "policy"))
+
+
+def test_generation_keeps_its_kv_cache_under_gradient_checkpointing(tiny_models, tokenizer):
+    """A policy with gradient checkpointing on samples in eval mode (as ppo.py's rollout does): the KV cache is
+    used (every forward after the prompt's reads one new token) and the tokens are those of the same model
+    without checkpointing. In train mode transformers would turn the cache off."""
+    import data
+    from transformers import AutoModelForCausalLM
+    tokens, widths = {}, {}
+    for checkpointing in (False, True):
+        model = AutoModelForCausalLM.from_pretrained(tiny_models / "sft")
+        if checkpointing:
+            model.gradient_checkpointing_enable()
+        seen = widths[checkpointing] = []
+        model.model.layers[0].register_forward_pre_hook(
+            lambda module, args, kwargs: seen.append((args or [kwargs.get("hidden_states")])[0].shape[1]), with_kwargs=True)
+        torch.manual_seed(0)
+        tokens[checkpointing] = data.sample(model.eval(), tokenizer, ["hello there", "I think we should"], 16, 6,
+                                            temperature=0.8)[2]
+    assert torch.equal(tokens[False], tokens[True])
+    assert widths[True] == widths[False] and widths[True][0] > 1 and set(widths[True][1:]) == {1}
+
+
+def test_bf16_in_one_process_steps_fp32_master_weights(one_process, tiny_models):
+    """--bf16 in one process: finite losses; the trained models are saved in fp32, and PPO at lr 1e-6 moves
+    every weight of a layer. Before, the trained models were loaded and stepped in bf16, where such an update
+    rounds away (and the policy was saved in bf16)."""
+    for name in ("sft_bf16", "rm_bf16"):
+        losses = [float(line.split("train loss ")[1].split()[0]) for line in one_process[name][1].splitlines()
+                  if "train loss " in line]
+        assert losses and all(torch.isfinite(torch.tensor(losses)))
+        assert {t.dtype for t in weights(one_process[name][0]).values()} == {torch.float32}
+    policy, sft = weights(one_process["ppo_bf16"][0] / "policy"), weights(tiny_models / "sft")
+    assert {t.dtype for t in policy.values()} == {torch.float32}
+    key = "model.layers.0.mlp.down_proj.weight"
+    assert (policy[key] != sft[key]).float().mean() > 0.9
+    assert all(torch.isfinite(torch.tensor(v)) for v in metrics(one_process["ppo_bf16"][0])[0].values())
+
+
+@pytest.mark.launch
+def test_an_fsdp_launch_on_a_cpu_stops_instead_of_running_ddp(tmp_path):
+    """accelerate starts FSDP only on an accelerator: configs/fsdp.yaml on a CPU ran plain DDP with nothing
+    said (exit 0). Now every rank stops at its accelerator with an error that says so."""
+    proc = subprocess.run([sys.executable, "-m", "accelerate.commands.launch", "--config_file", "configs/fsdp.yaml",
+                           "--num_processes", "2", "sft.py", "--hidden_size", "32", "--num_layers", "1", "--vocab_size",
+                           "300", *TINY, "--output_dir", tmp_path / "sft"], cwd=ROOT, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode != 0
+    assert "this is an FSDP launch, but accelerate started MULTI_CPU" in proc.stderr, proc.stderr[-3000:]
+    assert not (tmp_path / "sft" / "config.json").exists()
