@@ -67,8 +67,20 @@ def make_accelerator(bf16=False, grad_accum=1, micro_batch_size=1, **kwargs):
         os.environ.setdefault("DS_ACCELERATOR", "cpu")   # installed: named, it does not warn that it guessed
     if deepspeed_launch() and "deepspeed_plugins" not in kwargs:
         kwargs["deepspeed_plugins"] = deepspeed_plugin(micro_batch_size)
-    return Accelerator(cpu=not torch.cuda.is_available() and not deepspeed_launch(),
-                       gradient_accumulation_steps=grad_accum, mixed_precision="bf16" if bf16 else "no", **kwargs)
+    accelerator = Accelerator(cpu=not torch.cuda.is_available() and not deepspeed_launch(),
+                              gradient_accumulation_steps=grad_accum, mixed_precision="bf16" if bf16 else "no", **kwargs)
+    refuse_fallback_from_fsdp(accelerator)
+    return accelerator
+
+
+def refuse_fallback_from_fsdp(accelerator):
+    """An FSDP launch that accelerate did not start as FSDP stops here. accelerate (1.15) starts FSDP only
+    on an accelerator (CUDA, XPU, ...): on a CPU a `--config_file configs/fsdp.yaml` launch runs every
+    process as plain DDP over gloo (MULTI_CPU), with nothing said, so a run meant to test FSDP tests DDP."""
+    if os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true" and accelerator.distributed_type.value != "FSDP":
+        sys.exit(f"error: this is an FSDP launch, but accelerate started {accelerator.distributed_type.value} on "
+                 f"{accelerator.device}: it starts FSDP only on GPUs (or another accelerator), never on a CPU. "
+                 "On a CPU, launch DDP (--multi_gpu) or DeepSpeed ZeRO-3 instead (docs/distributed.md).")
 
 
 def make_accelerators(bf16, grad_accum, micro_batch_size, **kwargs):
@@ -340,8 +352,8 @@ def with_lora(model, r, alpha, target_modules, task_type):
     targets = target_modules if target_modules == "all-linear" else target_modules.split(",")
     with warnings.catch_warnings():     # peft reads transformers' deprecated is_gradient_checkpointing: not ours to fix
         warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
-        return get_peft_model(model, LoraConfig(r=r, lora_alpha=alpha, lora_dropout=0.0, target_modules=targets,
-                                                task_type=task_type))
+        return fp32_trained(get_peft_model(model, LoraConfig(r=r, lora_alpha=alpha, lora_dropout=0.0,
+                                                             target_modules=targets, task_type=task_type)))
 
 
 def twin(model):
@@ -355,7 +367,18 @@ def twin(model):
 def load_lora(base, adapters):
     """A LoRA checkpoint part (adapters only) put back on its base model, trainable."""
     from peft import PeftModel
-    return PeftModel.from_pretrained(base, adapters, is_trainable=True)
+    return fp32_trained(PeftModel.from_pretrained(base, adapters, is_trainable=True))
+
+
+def fp32_trained(model):
+    """`model` with every trained parameter in fp32: a bf16 base (--bf16) stays bf16, frozen, while the
+    adapters and a score head copied from it train in fp32. An AdamW step on bf16 weights rounds away
+    any update below 2^-8 of the weight (at lr 1e-6, nearly all of them); bf16 autocast needs fp32 weights
+    to step (mixed precision's master weights)."""
+    for p in model.parameters():
+        if p.requires_grad and p.dtype != torch.float32:
+            p.data = p.data.float()
+    return model
 
 
 def is_lora(model):

@@ -370,9 +370,9 @@ def load_models(args, code, sharded=False):
         policy = harness.load_lora(policy, part("policy", "")) if args.resume else harness.with_lora(policy, *lora, "CAUSAL_LM")
         critic = Critic(harness.load_lora(critic, part("critic", "")) if args.resume else
                         harness.with_lora(critic, *lora, "SEQ_CLS"))      # SEQ_CLS: the score head trains too
-    else:
-        policy = AutoModelForCausalLM.from_pretrained(part("policy", args.sft_path), dtype=dtype)
-        critic = Critic(rm.load_reward_model(part("critic", args.critic_path), args.bf16)[0])
+    else:       # trained weights in fp32 (the master copy); --bf16 autocasts their forwards
+        policy = AutoModelForCausalLM.from_pretrained(part("policy", args.sft_path), dtype=torch.float32)
+        critic = Critic(rm.load_reward_model(part("critic", args.critic_path))[0])
     with harness.loading_whole():
         ref = None if args.lora_r else AutoModelForCausalLM.from_pretrained(args.sft_path, dtype=dtype).eval().requires_grad_(False)
     if args.gradient_checkpointing:

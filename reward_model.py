@@ -67,11 +67,18 @@ SCORE_NORMALIZER_KIND = "score"
 
 def token_values(model, input_ids, attention_mask):
     """The score head applied to every hidden state: [B, T]. For the RM only the last real token
-    matters; the PPO critic (initialised from the RM) reads a value at every response token."""
-    backbone = getattr(model, model.base_model_prefix)
-    hidden = backbone(input_ids=input_ids, attention_mask=attention_mask,
-                      position_ids=data.position_ids(attention_mask)).last_hidden_state
-    return model.score(hidden).squeeze(-1).float()
+    matters; the PPO critic (initialised from the RM) reads a value at every response token.
+    The model runs its own forward, through whatever wraps it (DDP syncs the gradients only of a forward
+    through the wrapper; accelerate's bf16 autocast is on that forward), and the head's output is read
+    on the way: the [B, T, 1] the model then pools at the last token."""
+    head = (model.module if isinstance(model, torch.nn.parallel.DistributedDataParallel) else model).score
+    read = []
+    hook = head.register_forward_hook(lambda module, inputs, output: read.append(output))
+    try:
+        model(input_ids=input_ids, attention_mask=attention_mask, position_ids=data.position_ids(attention_mask))
+    finally:
+        hook.remove()
+    return read[-1].squeeze(-1).float()
 
 
 def last_token(values, attention_mask):
@@ -450,7 +457,7 @@ def main(args):
     splits = data.load_task(args.task, skip_bad_rows=args.skip_bad_rows, only=("rm", "test"))
     train_rows, eval_rows = splits["rm"], splits["test"][:args.n_eval]
     log(f"[rm] {args.task}: {len(train_rows)} training pairs, {len(eval_rows)} held-out pairs")
-    model, tokenizer = load_reward_model(source, args.bf16)
+    model, tokenizer = load_reward_model(source)     # trained: fp32 master weights, --bf16 autocasts
     train_rows, eval_rows = (data.with_chat_template(r, tokenizer, args.chat_template) for r in (train_rows, eval_rows))
     if args.gradient_checkpointing:
         model.gradient_checkpointing_enable()
