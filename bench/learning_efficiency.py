@@ -12,7 +12,8 @@
 `--jobs 2` on 2 cores finished whole runs 1.2-1.5x faster than one run at a time on two threads (1.6x
 on short runs); a run's numbers do not depend on its thread count.
 
-Hypotheses: mean (the released code's macro reward vs PPO with beta/n), sigma (H1 credit leak),
+Hypotheses: mean (the released code's macro reward vs PPO with beta/n), sigma (H1 credit leak), ratio (the
+paper's macro ratio against token ratios),
 lambda (H2 effective lambda), critic (H3 RM-initialised critic), lr (H4 learning rate), length and
 termination (H5), code and count (H6: the execution-reward code task; counting, whose answers are
 2-3x longer and whose gold judge reads the whole response), segment* (segment-level rewards, Yin et al.
@@ -224,6 +225,10 @@ HYPOTHESES = {
         "H1 credit leak: V(omega) from values inside omega (equal, unit, position) or where it begins (first)",
         (PPO, MA5, *(ma(f"n5_sigma_{s}", f"MA-PPO (n=5, sigma={s})", ("--n", "5", "--sigma", s))
                      for s in ("first", "unit", "position")))),
+    "ratio": Hypothesis(
+        "The paper's objective: the macro ratio pi(omega)/pi_old(omega), a mean over macro actions, against token "
+        "ratios with macro advantages (a mean over tokens)",
+        (PPO, MA5, ma("n5_ratio_macro", "MA-PPO (n=5, ratio=macro)", ("--n", "5", "--ratio", "macro")))),
     "lambda": Hypothesis(
         "H2 effective lambda: is the macro effect a reparametrised GAE lambda?",
         (PPO, MA5, ppo("n1_lam0.99", "PPO (lam=0.99)", ("--lam", "0.99")), ppo("n1_lam1", "PPO (lam=1)", ("--lam", "1.0")),
