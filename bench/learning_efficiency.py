@@ -147,6 +147,14 @@ def segment_arms(task, prefix):
                    ("--termination", "segment", "--c_ent", "{c_ent}", *sft_critic, *seq), task, a.name, gold))
 
 
+def normalized_sequence_arm(task, prefix):
+    """(A) with the sequence RM's score standardized (--rm_norm: its mean and std on the calibration pairs,
+    Yin et al. 2025, §2.1), as (B)'s segment rewards are: (A') and (B) differ only in the reward's density."""
+    a = segment_arms(task, prefix)[0]
+    return dataclasses.replace(a, name=f"{prefix}seq_rm_norm", label="(A') sequence RM, its score normalized, PPO",
+                               flags=(*a.flags, "--rm_norm"))
+
+
 def segment_ablations(task, prefix):
     """(B) with the normalizer and the interpolation changed one at a time."""
     b = segment_arms(task, prefix)[1]
@@ -271,7 +279,8 @@ HYPOTHESES = {
             partner="count_n1_critic_sft")), paired=True),
     "segment_count": Hypothesis(
         "Segment-level rewards on count (its sequence RM is weak): do denser rewards, or macro actions on the same "
-        "segments, learn the gold count faster?", segment_arms("count", "segment_count_")),
+        "segments, learn the gold count faster?",
+        (*segment_arms("count", "segment_count_"), normalized_sequence_arm("count", "segment_count_"))),
     "segment": Hypothesis("Segment-level rewards on chitchat: the same five arms", segment_arms("chitchat", "segment_")),
     "segment_ablation": Hypothesis("Segment RM + PPO: the location normalizer and the interpolation",
                                    segment_ablations("chitchat", "segment_")),

@@ -59,6 +59,21 @@ def macro_rewards_loop(kl_rewards, score, mask, starts, agg="sum"):
     return out
 
 
+def macro_policy_loss_loop(logp, old_logp, advantages, mask, starts, clip):
+    """The paper's MA-PPO policy loss, one macro action at a time: its ratio pi(omega)/pi_old(omega) is the
+    product of its token ratios, its advantage that of its first token, the clipped objective counted once
+    per macro action, and the loss the mean over every macro action of the batch."""
+    terms = []
+    for b in range(len(mask)):
+        begin = 0
+        for n in macro_lengths(starts[b].tolist(), int(mask[b].sum())):
+            ratio = torch.exp(sum(logp[b, i] - old_logp[b, i] for i in range(begin, begin + n)))
+            a = advantages[b, begin]
+            terms.append(-torch.min(a * ratio, a * ratio.clamp(1 - clip, 1 + clip)))
+            begin += n
+    return torch.stack(terms).mean()
+
+
 def macro_gae_loop(values, rewards, mask, starts, gamma=1.0, lam=0.95, sigma="equal"):
     """Macro-level GAE, one sample and one macro action at a time (batched tensors in and out)."""
     B, T = values.shape

@@ -11,7 +11,7 @@ import data
 import macro_actions as ma
 import ppo
 import sandbox
-from reference import token_gae
+from reference import macro_policy_loss_loop, token_gae
 from stages import comparable, run_stage
 
 PROMPTS = ["\n\nHuman: how are you\n\nAssistant:", "hi", "\n\nHuman: tell me about the quick brown fox please\n\nAssistant:",
@@ -86,6 +86,30 @@ def test_macro_ratio_is_the_product_of_the_token_ratios_of_the_macro_action():
     _, _, stats = ppo.ppo_losses(logp, old, old, old, adv, old, mask, starts, clip=10.0, ratio="macro")
     expected = torch.tensor([0.25] * 3 + [0.3] * 2).exp().mean()
     assert torch.allclose(stats["policy/ratio"], expected)
+
+
+def test_macro_ratio_loss_is_a_mean_over_macro_actions_whatever_their_length():
+    """Two macro actions, 5 tokens at A = +1 and 1 token at A = -1, at ratio 1: the paper's mean over macro
+    actions is 0 (a mean over tokens would give -(5 - 1) / 6). Token ratios stay a mean over tokens."""
+    mask, starts = torch.ones(1, 6), torch.tensor([[True, False, False, False, False, True]])
+    zeros, adv = torch.zeros(1, 6), torch.tensor([[1.0] * 5 + [-1.0]])
+    macro, _, _ = ppo.ppo_losses(zeros, zeros, zeros, zeros, adv, zeros, mask, starts, ratio="macro")
+    token, _, _ = ppo.ppo_losses(zeros, zeros, zeros, zeros, adv, zeros, mask, starts, ratio="token")
+    assert macro.item() == pytest.approx(0.0, abs=1e-7) and token.item() == pytest.approx(-4 / 6)
+
+
+def test_macro_ratio_loss_and_gradient_match_a_loop_over_macro_actions():
+    torch.manual_seed(0)
+    mask = torch.tensor([[1] * 9, [1] * 5 + [0] * 4, [1] * 2 + [0] * 7, [1] * 7 + [0] * 2]).float()
+    starts = ma.randomized_ngram_starts(mask, generator=torch.Generator().manual_seed(1))
+    old_logp = -torch.rand(4, 9) * mask
+    logp = (old_logp + 0.2 * torch.randn(4, 9)).requires_grad_()
+    adv = ma.macro_advantages(torch.randn(4, 9) * mask, torch.randn(4, 9) * mask, mask, starts)[0]
+    zeros = torch.zeros(4, 9)
+    pg, _, _ = ppo.ppo_losses(logp, old_logp, zeros, zeros, adv, zeros, mask, starts, clip=0.2, ratio="macro")
+    ref = macro_policy_loss_loop(logp, old_logp, adv, mask, starts, 0.2)
+    assert torch.allclose(pg, ref, atol=1e-6)
+    assert torch.allclose(torch.autograd.grad(pg, logp)[0], torch.autograd.grad(ref, logp)[0], atol=1e-6)
 
 
 def test_macro_level_norms_count_each_macro_action_once():
@@ -177,6 +201,19 @@ def test_several_minibatches_epochs_or_accumulation_run_their_own_forwards(tiny_
     assert ppo.fused_update(args, acc, 4, tiny_lm, tiny_lm)
     for changed in [{"mini_batch_size": 2}, {"ppo_epochs": 2}, {"grad_accum": 2}]:
         assert not ppo.fused_update(ppo.PPOArgs(**{**vars(args), **changed}), acc, 4, tiny_lm, tiny_lm)
+
+
+def test_grad_accum_never_steps_across_iterations(tiny_models, tmp_path):
+    """Two minibatches an iteration and --grad_accum 3: each iteration steps once on its own two (their
+    mean), so 3 iterations make 3 AdamW steps per model, never one on two iterations' gradients."""
+    args = ppo.PPOArgs(sft_path=str(tiny_models / "sft"), rm_path=str(tiny_models / "rm"), output_dir=str(tmp_path),
+                       steps=3, rollout_batch_size=8, mini_batch_size=4, grad_accum=3, save_every=3,
+                       max_prompt_len=16, max_response_len=8, n_eval_prompts=4, eval_every=100)
+    ppo.main(args)
+    state = torch.load(tmp_path / "checkpoint" / "trainer_state.pt", weights_only=False)
+    for opt in ("policy_opt", "critic_opt"):
+        steps = {int(s["step"]) for s in state[opt]["state"].values()}
+        assert steps == {3}, (opt, steps)
 
 
 @pytest.mark.launch

@@ -91,8 +91,10 @@ def test_a_configurations_own_flags_win_over_the_tasks_and_segment_arms_point_at
                               models={"count": ("runs/count/sft", "runs/count/rm")})
     parsed = {c.name: HfArgumentParser(ppo.PPOArgs).parse_args_into_dataclasses(
         args=study.ppo_flags(args, c, 3, "out"))[0] for c in (study.COUNT_PPO, *study.HYPOTHESES["segment_count"].configs)}
-    a, b, c, d, e = (parsed[x.name] for x in study.HYPOTHESES["segment_count"].configs)
+    a, b, c, d, e, a_norm = (parsed[x.name] for x in study.HYPOTHESES["segment_count"].configs)
     assert parsed[study.COUNT_PPO.name].reward == "gold" and a.reward == e.reward == "rm"
+    assert a_norm.rm_norm and not any(x.rm_norm for x in (a, b, c, d, e))      # (A') is (A) with --rm_norm only
+    assert {k: v for k, v in vars(a_norm).items() if k != "rm_norm"} == {k: v for k, v in vars(a).items() if k != "rm_norm"}
     assert b.reward == c.reward == d.reward == "segment" and a.rm_path == e.rm_path == "runs/count/rm"
     assert b.rm_path == d.rm_path == os.path.join("runs/count", "rm_segment") and c.rm_path == os.path.join("runs/count", "rm_token")
     assert (d.termination, e.termination, b.termination) == ("segment", "segment", "fixed")

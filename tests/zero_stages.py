@@ -3,7 +3,7 @@ one after the other in this process, each as its command line runs it, each stop
 under ZeRO-2, then under ZeRO-3 (OUT_DIR/zero2, OUT_DIR/zero3):
 
     sft.py (2 steps, then --resume to 3) -> sft.py --lora_r 4 on that model (2 steps) -> reward_model.py
-    (2 steps) -> ppo.py (1 iteration) and ppo.py --lora_r 4 (1 iteration, then --resume to 2)
+    (2 steps) -> ppo.py (1 iteration) and ppo.py --lora_r 4 (1 iteration, then --resume to 2; and 2 at once)
 
 then, last, tests/zero3_generation.py on the ZeRO-3 SFT model (it counts the launch's all-gathers).
 
@@ -57,6 +57,7 @@ def stages(out):
     stage("ppo.py", *PPO[2:], "--steps", "1", "--sft_path", sft, "--rm_path", rm, "--output_dir", ppo + "_full")
     stage("ppo.py", *PPO, "--steps", "1", "--sft_path", sft, "--rm_path", rm, "--output_dir", ppo)
     stage("ppo.py", *PPO, "--steps", "2", "--sft_path", sft, "--rm_path", rm, "--output_dir", ppo, "--resume")
+    stage("ppo.py", *PPO, "--steps", "2", "--sft_path", sft, "--rm_path", rm, "--output_dir", ppo + "_whole")
 
 
 def main(out):
