@@ -1074,6 +1074,8 @@ def _program_child(argv):
     if argv[0] == "--serve":
         return _with_a_large_stack(job["limits"], _serve, code, job, *channels)
     results = []
+    import gc
+    gc.freeze()                           # the collection after each input walks the program's objects only
     _with_a_large_stack(job["limits"], _run_inputs, code, job, stdin, stdout, results)
     room, pieces = 6 * job["limits"]["output_bytes"], []      # within the trusted side's cap on this channel
     for result in results:
