@@ -915,7 +915,7 @@ def _guard(scratch, memory_mb=1024, isolated=False):
     for module in (os, posix):
         for name in ("fork", "forkpty", "vfork", "kill", "abort", "killpg", "system", "popen", "execv", "execve", "execvp",
                      "execvpe", "execl", "execle", "execlp", "execlpe", "spawnv", "spawnve", "spawnvp", "spawnvpe",
-                     "spawnl", "spawnle", "posix_spawn", "posix_spawnp", "chmod", "chown", "lchown", "fchmod", "fchown",
+                     "spawnl", "spawnle", "posix_spawn", "posix_spawnp", "chown", "lchown", "fchown",
                      "setuid", "setgid", "setsid", "setpgrp", "setpgid", "putenv", "unsetenv", "register_at_fork", "symlink", "link"):
             if hasattr(module, name):          # deleted, not set to None: code that asks hasattr()
                 delattr(module, name)           # (random's register_at_fork) carries on without it
@@ -974,7 +974,8 @@ def _guard(scratch, memory_mb=1024, isolated=False):
             return change(*args, **kwargs)
         return call
     for module in (os, posix):
-        for name, paths in (("remove", 1), ("unlink", 1), ("rmdir", 1), ("truncate", 1), ("rename", 2), ("replace", 2)):
+        for name, paths in (("remove", 1), ("unlink", 1), ("rmdir", 1), ("truncate", 1), ("chmod", 1), ("fchmod", 1),
+                            ("rename", 2), ("replace", 2)):
             setattr(module, name, confined(getattr(posix, name), paths))
     builtins.open = io.open = guarded_open
     os.open = guarded_os_open
