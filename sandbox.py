@@ -39,8 +39,9 @@ Isolation of the program's process, where the machine allows it (Linux as root; 
   library (site-packages hidden) and the shared libraries the interpreter maps, /dev/null, /dev/zero,
   /dev/urandom and a private tmpfs /tmp; nothing else of the host;
 - a fresh session keyring; an unprivileged uid of its own (drawn at random from RUN_UIDS: per-user
-  counts of the kernel are not shared between runs) with no_new_privs, the parent-death signal re-armed; a seccomp filter (libseccomp through ctypes) denying keyrings, ptrace, mount, namespaces,
-  bpf, perf_event_open, module / kexec loading, setsid / setpgid, sysinfo and more; new processes (one
+  counts of the kernel are not shared between runs) with no_new_privs, the parent-death signal re-armed;
+  a seccomp filter (libseccomp through ctypes) denying keyrings, ptrace, mount, namespaces, bpf,
+  perf_event_open, module / kexec loading, setsid / setpgid, sysinfo and more; new processes (one
   process per run, so the CPU time limit is the run's budget, threads included); and whatever keeps state
   on an inode every run sees (flock, fcntl locks, leases and notifications, inotify, fanotify, futexes
   without FUTEX_PRIVATE_FLAG, page-cache probes), so concurrent runs cannot talk;
@@ -117,8 +118,9 @@ class Limits:
 
 # Messages between processes. Trusted -> untrusted (the job, the check's calls): marshal, framed by its
 # length (fast, and only ever read by the side that cannot be harmed by it). Untrusted -> trusted (outputs,
-# values): one line of JSON, read with json.loads (linear in its length whatever the bytes, unlike
-# ast.literal_eval, which spends seconds on a megabyte of small literals) and then `decode` (strict).
+# values): one line of JSON, its values counted on its bytes, then read with json.loads (linear in its length
+# whatever the bytes, unlike ast.literal_eval, which spends seconds on a megabyte of small literals), tags
+# decoded as it parses (parse_report; the check's process, which needs real tuples: parse_line and `decode`).
 # The children write it with _json's C string encoder and never import the json package (10 ms each).
 
 def _frame(value):
