@@ -41,7 +41,8 @@ Isolation of the program's process, where the machine allows it (Linux as root; 
 - a fresh session keyring; an unprivileged uid of its own (drawn at random from RUN_UIDS: per-user
   counts of the kernel are not shared between runs) with no_new_privs, the parent-death signal re-armed;
   a seccomp filter (libseccomp through ctypes) denying keyrings, ptrace, mount, namespaces, bpf,
-  perf_event_open, module / kexec loading, setsid / setpgid, sysinfo and more; new processes (one
+  perf_event_open, module / kexec loading, setsid / setpgid, sysinfo, sockets other than unix, inet,
+  inet6 and netlink (vsock is not confined by the network namespace) and more; new processes (one
   process per run, so the CPU time limit is the run's budget, threads included); and whatever keeps state
   on an inode every run sees (flock, fcntl locks, leases and notifications, inotify, fanotify, futexes
   without FUTEX_PRIVATE_FLAG, page-cache probes), so concurrent runs cannot talk;
@@ -483,11 +484,13 @@ def isolation():
         layers += (["an unprivileged uid of its own per run (drawn at random: no per-user count shared between "
                     "runs), no_new_privs and the parent-death signal re-armed"] if drop else [])
         layers += (["seccomp filter: keyrings, ptrace, mount, namespaces, bpf, perf_event_open, module and kexec "
-                    "loading, setsid / setpgid, sysinfo and more denied",
+                    "loading, setsid / setpgid, sysinfo, socket families past unix / inet / inet6 / netlink (vsock "
+                    "reaches a virtual machine's host) and more denied",
                     "one process per run (seccomp: fork, vfork and clone without CLONE_THREAD denied): the CPU time "
                     "limit is the run's budget, threads included",
                     "nothing lockable or watchable shared between concurrent runs (seccomp: flock, fcntl record locks, "
-                    "leases and notifications, inotify, fanotify, shared futexes, page-cache probes denied)"]
+                    "leases and notifications, inotify, fanotify, shared futexes, page-cache probes (mincore, fadvise, "
+                    "readahead, cachestat, page-out, RWF_NOWAIT) denied)"]
                    if seccomp else [])
         layers += ["rlimits: CPU time, address space, file size, open files, no core files" +
                    ("" if kind else ", processes (per uid: not for root)"),
@@ -829,6 +832,11 @@ CLONE_THREAD, FUTEX_PRIVATE_FLAG = 0x00010000, 128
 # fcntl's record locks (POSIX and open-file-description), leases and directory notifications
 FCNTL_SHARED_STATE = (5, 6, 7, 36, 37, 38, 1024, 1025, 1026)
 MADV_COLD, MADV_PAGEOUT = 20, 21                             # evict pages of a file every run maps
+RWF_NOWAIT = 8                                               # preadv2 that fails unless the page is cached
+# socket families past unix, inet, inet6 and netlink: some are not confined by the network namespace (vsock
+# reaches the hypervisor of a virtual machine), none is needed by a test program
+OTHER_SOCKET_FAMILIES = (3, 4, 5, 6, 7, 8, 9, 11, 12, 13, 14, 15)
+FIRST_OTHER_SOCKET_FAMILY = 17
 
 
 def _libseccomp():
@@ -843,7 +851,8 @@ def _seccomp():
     """Deny DENIED_SYSCALLS; clone() with a namespace flag or without CLONE_THREAD (a thread, never a new
     process); clone3 (ENOSYS: libc falls back to clone); fcntl's locks, leases and notifications; futexes
     without FUTEX_PRIVATE_FLAG (keyed by inode and offset on a file's pages: the standard library's pages are
-    every run's); madvise's page-out. True where the filter is loaded (needs libseccomp.so.2 and no_new_privs
+    every run's); madvise's page-out and preadv2's RWF_NOWAIT (page-cache probes); sockets other than unix,
+    inet, inet6 and netlink. True where the filter is loaded (needs libseccomp.so.2 and no_new_privs
     or root)."""
     import ctypes
     lib = _libseccomp()
@@ -875,6 +884,10 @@ def _seccomp():
              (lib.seccomp_syscall_resolve_name(b"futex"), Compare(1, masked_eq, FUTEX_PRIVATE_FLAG, 0))]
     rules += [(lib.seccomp_syscall_resolve_name(b"fcntl"), Compare(1, eq, cmd, 0)) for cmd in FCNTL_SHARED_STATE]
     rules += [(lib.seccomp_syscall_resolve_name(b"madvise"), Compare(2, eq, advice, 0)) for advice in (MADV_COLD, MADV_PAGEOUT)]
+    rules += [(lib.seccomp_syscall_resolve_name(b"preadv2"), Compare(5, masked_eq, RWF_NOWAIT, RWF_NOWAIT))]
+    socket = lib.seccomp_syscall_resolve_name(b"socket")
+    rules += [(socket, Compare(0, eq, family, 0)) for family in OTHER_SOCKET_FAMILIES]
+    rules += [(socket, Compare(0, 5, FIRST_OTHER_SOCKET_FAMILY, 0))]          # SCMP_CMP_GE
     for number, compare in rules:
         if lib.seccomp_rule_add_array(ctx, eperm, number, 1, ctypes.byref(compare)) != 0:
             return False

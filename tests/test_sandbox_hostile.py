@@ -217,6 +217,9 @@ def test_the_trainers_session_keyring_is_out_of_reach():
     ("unshare(CLONE_NEWUSER)", "libc.syscall(272, 0x10000000)"),
     ("ptrace(PTRACE_TRACEME)", "libc.syscall(101, 0, 0, 0, 0)"),
     ("perf_event_open", "libc.syscall(298, ctypes.create_string_buffer(128), 0, -1, -1, 0) * 0"),
+    ("socket(AF_VSOCK): past the network namespace, to a virtual machine's host", "min(0, libc.syscall(41, 40, 1, 0))"),
+    ("preadv2(RWF_NOWAIT): whether a page of os.py is cached (another run may have read it)",
+     "__import__('os').preadv(__import__('os').open(__import__('os').__file__, 0), [bytearray(8)], 0, 8) * 0"),
 ])
 def test_syscalls_a_test_program_never_needs_are_denied(name, call):
     """Each syscall's own return value: 0 (or, for perf_event_open, any return but EPERM) is a pass."""
