@@ -149,13 +149,17 @@ MAX_REPORT_VALUES = 600_000
 def report_values(line):
     """At most how many values a JSON line (bytes) holds: each one after the first in a container follows a ','
     or ':', each container opens with '[' or '{'; those characters inside strings are not counted. Linear in
-    the line, in C; the strings are cut out only when there are few enough of them."""
+    the line, in C; the strings are cut out only when the plain count is over the cap (a megabyte of commas
+    printed by an honest program) and there are few enough of them."""
+    def separators(text):
+        return sum(text.count(c) for c in (b",", b":", b"[", b"{")) + 1
+    if separators(line) <= MAX_REPORT_VALUES:                    # an upper bound already: no need to look closer
+        return separators(line)
     bare = line.replace(b"\\\\", b"").replace(b'\\"', b"")       # escaped backslashes and quotes
     quotes = bare.count(b'"')
     if quotes > 2 * MAX_REPORT_VALUES:
         return quotes // 2
-    outside = b"".join(bare.split(b'"')[::2])
-    return sum(outside.count(c) for c in (b",", b":", b"[", b"{")) + 1
+    return separators(b"".join(bare.split(b'"')[::2]))
 
 
 def _plain_object(pairs):
