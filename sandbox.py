@@ -940,8 +940,7 @@ def _guard(scratch, memory_mb=1024, isolated=False):
                 delattr(module, name)           # (random's register_at_fork) carries on without it
         module._exit = _program_exit
     for module, names in [(signal, ("pthread_kill", "pthread_sigmask")),
-                          (subprocess_, ("Popen", "run", "call", "check_call", "check_output", "getoutput"))] + (
-                         [] if isolated else [(shutil_, ("rmtree", "move"))]):
+                          (subprocess_, ("Popen", "run", "call", "check_call", "check_output", "getoutput"))]:
         for name in names:
             delattr(module, name)
     builtins.exit, builtins.quit = (_sitebuiltins.Quitter(name, "Ctrl-D (i.e. EOF)") for name in ("exit", "quit"))
@@ -987,8 +986,16 @@ def _guard(scratch, memory_mb=1024, isolated=False):
 
     def confined(change, paths):                        # unlink, rename, ...: inside the scratch folder only
         def call(*args, **kwargs):
-            relative = any(kwargs.get(k) is not None for k in ("dir_fd", "src_dir_fd", "dst_dir_fd"))
-            if (relative and not isolated) or not all(allowed(path, True) for path in args[:paths]):
+            folders = [kwargs.get("dir_fd")] if paths == 1 else [kwargs.get("src_dir_fd"), kwargs.get("dst_dir_fd")]
+            full = []
+            for path, folder in zip(args[:paths], folders):
+                if folder is not None and not isinstance(path, int):   # relative to a folder's fd (shutil.rmtree)
+                    try:
+                        path = os.path.join(os.readlink(f"/proc/self/fd/{folder}"), os.fsdecode(path))
+                    except OSError:                     # no /proc: in the mount namespace the kernel decides
+                        path = path if isolated else "/"
+                full.append(path)
+            if not all(allowed(path, True) for path in full):
                 raise PermissionError(f"sandbox: {change.__name__} of {args[:paths]!r} is not allowed")
             return change(*args, **kwargs)
         return call
