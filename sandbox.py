@@ -39,8 +39,10 @@ Isolation of the program's process, where the machine allows it (Linux as root; 
   library (site-packages hidden) and the shared libraries the interpreter maps, /dev/null, /dev/zero,
   /dev/urandom and a private tmpfs /tmp; nothing else of the host;
 - a fresh session keyring; an unprivileged uid of its own (drawn at random from RUN_UIDS: per-user
-  counts of the kernel are not shared between runs) with no_new_privs, the parent-death signal re-armed; a seccomp filter (libseccomp through ctypes) denying keyrings, ptrace, mount, namespaces,
-  bpf, perf_event_open, module / kexec loading, setsid / setpgid, sysinfo and more; new processes (one
+  counts of the kernel are not shared between runs) with no_new_privs, the parent-death signal re-armed;
+  a seccomp filter (libseccomp through ctypes) denying keyrings, ptrace, mount, namespaces, bpf,
+  perf_event_open, module / kexec loading, setsid / setpgid, sysinfo, sockets other than unix, inet,
+  inet6 and netlink (vsock is not confined by the network namespace) and more; new processes (one
   process per run, so the CPU time limit is the run's budget, threads included); and whatever keeps state
   on an inode every run sees (flock, fcntl locks, leases and notifications, inotify, fanotify, futexes
   without FUTEX_PRIVATE_FLAG, page-cache probes), so concurrent runs cannot talk;
@@ -117,8 +119,9 @@ class Limits:
 
 # Messages between processes. Trusted -> untrusted (the job, the check's calls): marshal, framed by its
 # length (fast, and only ever read by the side that cannot be harmed by it). Untrusted -> trusted (outputs,
-# values): one line of JSON, read with json.loads (linear in its length whatever the bytes, unlike
-# ast.literal_eval, which spends seconds on a megabyte of small literals) and then `decode` (strict).
+# values): one line of JSON, its values counted on its bytes, then read with json.loads (linear in its length
+# whatever the bytes, unlike ast.literal_eval, which spends seconds on a megabyte of small literals), tags
+# decoded as it parses (parse_report; the check's process, which needs real tuples: parse_line and `decode`).
 # The children write it with _json's C string encoder and never import the json package (10 ms each).
 
 def _frame(value):
@@ -146,13 +149,17 @@ MAX_REPORT_VALUES = 600_000
 def report_values(line):
     """At most how many values a JSON line (bytes) holds: each one after the first in a container follows a ','
     or ':', each container opens with '[' or '{'; those characters inside strings are not counted. Linear in
-    the line, in C; the strings are cut out only when there are few enough of them."""
+    the line, in C; the strings are cut out only when the plain count is over the cap (a megabyte of commas
+    printed by an honest program) and there are few enough of them."""
+    def separators(text):
+        return sum(text.count(c) for c in (b",", b":", b"[", b"{")) + 1
+    if separators(line) <= MAX_REPORT_VALUES:                    # an upper bound already: no need to look closer
+        return separators(line)
     bare = line.replace(b"\\\\", b"").replace(b'\\"', b"")       # escaped backslashes and quotes
     quotes = bare.count(b'"')
     if quotes > 2 * MAX_REPORT_VALUES:
         return quotes // 2
-    outside = b"".join(bare.split(b'"')[::2])
-    return sum(outside.count(c) for c in (b",", b":", b"[", b"{")) + 1
+    return separators(b"".join(bare.split(b'"')[::2]))
 
 
 def _plain_object(pairs):
@@ -481,11 +488,13 @@ def isolation():
         layers += (["an unprivileged uid of its own per run (drawn at random: no per-user count shared between "
                     "runs), no_new_privs and the parent-death signal re-armed"] if drop else [])
         layers += (["seccomp filter: keyrings, ptrace, mount, namespaces, bpf, perf_event_open, module and kexec "
-                    "loading, setsid / setpgid, sysinfo and more denied",
+                    "loading, setsid / setpgid, sysinfo, socket families past unix / inet / inet6 / netlink (vsock "
+                    "reaches a virtual machine's host) and more denied",
                     "one process per run (seccomp: fork, vfork and clone without CLONE_THREAD denied): the CPU time "
                     "limit is the run's budget, threads included",
                     "nothing lockable or watchable shared between concurrent runs (seccomp: flock, fcntl record locks, "
-                    "leases and notifications, inotify, fanotify, shared futexes, page-cache probes denied)"]
+                    "leases and notifications, inotify, fanotify, shared futexes, page-cache probes (mincore, fadvise, "
+                    "readahead, cachestat, page-out, RWF_NOWAIT) denied)"]
                    if seccomp else [])
         layers += ["rlimits: CPU time, address space, file size, open files, no core files" +
                    ("" if kind else ", processes (per uid: not for root)"),
@@ -827,6 +836,11 @@ CLONE_THREAD, FUTEX_PRIVATE_FLAG = 0x00010000, 128
 # fcntl's record locks (POSIX and open-file-description), leases and directory notifications
 FCNTL_SHARED_STATE = (5, 6, 7, 36, 37, 38, 1024, 1025, 1026)
 MADV_COLD, MADV_PAGEOUT = 20, 21                             # evict pages of a file every run maps
+RWF_NOWAIT = 8                                               # preadv2 that fails unless the page is cached
+# socket families past unix, inet, inet6 and netlink: some are not confined by the network namespace (vsock
+# reaches the hypervisor of a virtual machine), none is needed by a test program
+OTHER_SOCKET_FAMILIES = (3, 4, 5, 6, 7, 8, 9, 11, 12, 13, 14, 15)
+FIRST_OTHER_SOCKET_FAMILY = 17
 
 
 def _libseccomp():
@@ -841,7 +855,8 @@ def _seccomp():
     """Deny DENIED_SYSCALLS; clone() with a namespace flag or without CLONE_THREAD (a thread, never a new
     process); clone3 (ENOSYS: libc falls back to clone); fcntl's locks, leases and notifications; futexes
     without FUTEX_PRIVATE_FLAG (keyed by inode and offset on a file's pages: the standard library's pages are
-    every run's); madvise's page-out. True where the filter is loaded (needs libseccomp.so.2 and no_new_privs
+    every run's); madvise's page-out and preadv2's RWF_NOWAIT (page-cache probes); sockets other than unix,
+    inet, inet6 and netlink. True where the filter is loaded (needs libseccomp.so.2 and no_new_privs
     or root)."""
     import ctypes
     lib = _libseccomp()
@@ -873,6 +888,10 @@ def _seccomp():
              (lib.seccomp_syscall_resolve_name(b"futex"), Compare(1, masked_eq, FUTEX_PRIVATE_FLAG, 0))]
     rules += [(lib.seccomp_syscall_resolve_name(b"fcntl"), Compare(1, eq, cmd, 0)) for cmd in FCNTL_SHARED_STATE]
     rules += [(lib.seccomp_syscall_resolve_name(b"madvise"), Compare(2, eq, advice, 0)) for advice in (MADV_COLD, MADV_PAGEOUT)]
+    rules += [(lib.seccomp_syscall_resolve_name(b"preadv2"), Compare(5, masked_eq, RWF_NOWAIT, RWF_NOWAIT))]
+    socket = lib.seccomp_syscall_resolve_name(b"socket")
+    rules += [(socket, Compare(0, eq, family, 0)) for family in OTHER_SOCKET_FAMILIES]
+    rules += [(socket, Compare(0, 5, FIRST_OTHER_SOCKET_FAMILY, 0))]          # SCMP_CMP_GE
     for number, compare in rules:
         if lib.seccomp_rule_add_array(ctx, eperm, number, 1, ctypes.byref(compare)) != 0:
             return False
@@ -915,14 +934,13 @@ def _guard(scratch, memory_mb=1024, isolated=False):
     for module in (os, posix):
         for name in ("fork", "forkpty", "vfork", "kill", "abort", "killpg", "system", "popen", "execv", "execve", "execvp",
                      "execvpe", "execl", "execle", "execlp", "execlpe", "spawnv", "spawnve", "spawnvp", "spawnvpe",
-                     "spawnl", "spawnle", "posix_spawn", "posix_spawnp", "chmod", "chown", "lchown", "fchmod", "fchown",
+                     "spawnl", "spawnle", "posix_spawn", "posix_spawnp", "chown", "lchown", "fchown",
                      "setuid", "setgid", "setsid", "setpgrp", "setpgid", "putenv", "unsetenv", "register_at_fork", "symlink", "link"):
             if hasattr(module, name):          # deleted, not set to None: code that asks hasattr()
                 delattr(module, name)           # (random's register_at_fork) carries on without it
         module._exit = _program_exit
     for module, names in [(signal, ("pthread_kill", "pthread_sigmask")),
-                          (subprocess_, ("Popen", "run", "call", "check_call", "check_output", "getoutput"))] + (
-                         [] if isolated else [(shutil_, ("rmtree", "move"))]):
+                          (subprocess_, ("Popen", "run", "call", "check_call", "check_output", "getoutput"))]:
         for name in names:
             delattr(module, name)
     builtins.exit, builtins.quit = (_sitebuiltins.Quitter(name, "Ctrl-D (i.e. EOF)") for name in ("exit", "quit"))
@@ -968,13 +986,22 @@ def _guard(scratch, memory_mb=1024, isolated=False):
 
     def confined(change, paths):                        # unlink, rename, ...: inside the scratch folder only
         def call(*args, **kwargs):
-            relative = any(kwargs.get(k) is not None for k in ("dir_fd", "src_dir_fd", "dst_dir_fd"))
-            if (relative and not isolated) or not all(allowed(path, True) for path in args[:paths]):
+            folders = [kwargs.get("dir_fd")] if paths == 1 else [kwargs.get("src_dir_fd"), kwargs.get("dst_dir_fd")]
+            full = []
+            for path, folder in zip(args[:paths], folders):
+                if folder is not None and not isinstance(path, int):   # relative to a folder's fd (shutil.rmtree)
+                    try:
+                        path = os.path.join(os.readlink(f"/proc/self/fd/{folder}"), os.fsdecode(path))
+                    except OSError:                     # no /proc: in the mount namespace the kernel decides
+                        path = path if isolated else "/"
+                full.append(path)
+            if not all(allowed(path, True) for path in full):
                 raise PermissionError(f"sandbox: {change.__name__} of {args[:paths]!r} is not allowed")
             return change(*args, **kwargs)
         return call
     for module in (os, posix):
-        for name, paths in (("remove", 1), ("unlink", 1), ("rmdir", 1), ("truncate", 1), ("rename", 2), ("replace", 2)):
+        for name, paths in (("remove", 1), ("unlink", 1), ("rmdir", 1), ("truncate", 1), ("chmod", 1), ("fchmod", 1),
+                            ("rename", 2), ("replace", 2)):
             setattr(module, name, confined(getattr(posix, name), paths))
     builtins.open = io.open = guarded_open
     os.open = guarded_os_open
@@ -1074,6 +1101,8 @@ def _program_child(argv):
     if argv[0] == "--serve":
         return _with_a_large_stack(job["limits"], _serve, code, job, *channels)
     results = []
+    import gc
+    gc.freeze()                           # the collection after each input walks the program's objects only
     _with_a_large_stack(job["limits"], _run_inputs, code, job, stdin, stdout, results)
     room, pieces = 6 * job["limits"]["output_bytes"], []      # within the trusted side's cap on this channel
     for result in results:

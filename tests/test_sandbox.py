@@ -89,6 +89,8 @@ def test_one_report_costs_the_trusted_side_little_and_honest_megabyte_answers_pa
                                                                    [[i, str(i)] for i in range(50000)])]:
         r = run(f"def f(n):\n    return {body}\n", {"fn_name": "f", "inputs": [[n]], "outputs": [expected]}, PATIENT)
         assert r.outcome == "passed", (body, r)
+    r = run("print(',' * 900000)\n", {"inputs": [""], "outputs": ["," * 900000]}, PATIENT)   # commas in a string
+    assert r.outcome == "passed", r                                                      # are not values
 
 
 def test_expected_outputs_stored_as_lists_of_lines_are_compared_as_lines():

@@ -217,6 +217,9 @@ def test_the_trainers_session_keyring_is_out_of_reach():
     ("unshare(CLONE_NEWUSER)", "libc.syscall(272, 0x10000000)"),
     ("ptrace(PTRACE_TRACEME)", "libc.syscall(101, 0, 0, 0, 0)"),
     ("perf_event_open", "libc.syscall(298, ctypes.create_string_buffer(128), 0, -1, -1, 0) * 0"),
+    ("socket(AF_VSOCK): past the network namespace, to a virtual machine's host", "min(0, libc.syscall(41, 40, 1, 0))"),
+    ("preadv2(RWF_NOWAIT): whether a page of os.py is cached (another run may have read it)",
+     "__import__('os').preadv(__import__('os').open(__import__('os').__file__, 0), [bytearray(8)], 0, 8) * 0"),
 ])
 def test_syscalls_a_test_program_never_needs_are_denied(name, call):
     """Each syscall's own return value: 0 (or, for perf_event_open, any return but EPERM) is a pass."""
@@ -416,12 +419,16 @@ input = lambda: sys.stdin.readline().rstrip("\\r\\n")
     # what CPython does at exit: non-daemon threads joined, atexit functions run, a closed stdout left alone
     ('sys.stdout.close() at the end', 'import sys\nprint(int(input()) + 1)\nsys.stdout.close()\n', "2\n", "3"),
     ('output written by an atexit function, an executor never shut down', 'import atexit, io, sys\nfrom concurrent.futures import ThreadPoolExecutor\nbuffer = io.StringIO()\nsys.stdout = buffer\n@atexit.register\ndef write():\n    sys.__stdout__.write(buffer.getvalue())\npool = ThreadPoolExecutor(2)\nn = int(input())\nprint(pool.submit(lambda: n + 1).result())\n', "2\n", "3"),
-    ('main in a thread, not joined', 'import sys, threading\nsys.setrecursionlimit(10 ** 6)\nthreading.stack_size(1 << 26)\ndef main():\n    print(int(input()) + 1)\nthreading.Thread(target=main).start()\n', "2\n", "3"),
+    ('main in a thread, not joined', 'import sys, threading\nsys.setrecursionlimit(10 ** 6)\nthreading.stack_size(1 << 25)\ndef main():\n    print(int(input()) + 1)\nthreading.Thread(target=main).start()\n', "2\n", "3"),
     ('fileinput.input()', 'import fileinput\nprint(sum(int(line) for line in fileinput.input()) + 1)\n', "2\n", "3"),
+    ("shutil.copy, move and rmtree in a scratch folder", "import os, shutil, tempfile\nd = tempfile.mkdtemp()\nwith open(os.path.join(d, 'a'), 'w') as f:\n    f.write(input())\nshutil.copy(os.path.join(d, 'a'), os.path.join(d, 'b'))\nshutil.move(os.path.join(d, 'b'), os.path.join(d, 'c'))\nprint(int(open(os.path.join(d, 'c')).read()) + 1)\nshutil.rmtree(d)\n", "2\n", "3"),
     ("tempfile and a scratch file in /tmp", "import os, tempfile\nn = int(input())\nwith tempfile.TemporaryDirectory() as d:\n    p = os.path.join(d, 'x.txt')\n    with open(p, 'w') as f:\n        f.write(str(n))\n    a = int(open(p).read())\nwith tempfile.NamedTemporaryFile('w+') as f:\n    f.write('1')\n    f.seek(0)\n    a += int(f.read())\nwith tempfile.TemporaryFile() as f:\n    f.write(b'0')\nwith open('/tmp/scratch.txt', 'w') as f:\n    f.write('0')\na += int(open('/tmp/scratch.txt').read())\nos.remove('/tmp/scratch.txt')\nprint(a)\n", "2\n", "3"),
 ])
 def test_honest_idioms_pass(name, program, given, expected):
-    r = sandbox.run(program, {"inputs": [given, given], "outputs": [expected, expected]}, PATIENT)
+    # a thread of the program reserves its stack and a malloc arena (64 MiB) of the address space, freed a little
+    # after the thread ends: with threads, the default 1 GiB, as in training, not 256 MiB
+    limits = PATIENT if "thread" not in name else sandbox.Limits(timeout=30.0, cpu_seconds=20)
+    r = sandbox.run(program, {"inputs": [given, given], "outputs": [expected, expected]}, limits)
     assert r.outcome == "passed", (name, r)
 
 
