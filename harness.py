@@ -352,7 +352,7 @@ def with_lora(model, r, alpha, target_modules, task_type):
     targets = target_modules if target_modules == "all-linear" else target_modules.split(",")
     with warnings.catch_warnings():     # peft reads transformers' deprecated is_gradient_checkpointing: not ours to fix
         warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
-        return fp32_trained(get_peft_model(model, LoraConfig(r=r, lora_alpha=alpha, lora_dropout=0.0,
+        return trained_dtype(get_peft_model(model, LoraConfig(r=r, lora_alpha=alpha, lora_dropout=0.0,
                                                              target_modules=targets, task_type=task_type)))
 
 
@@ -367,17 +367,22 @@ def twin(model):
 def load_lora(base, adapters):
     """A LoRA checkpoint part (adapters only) put back on its base model, trainable."""
     from peft import PeftModel
-    return fp32_trained(PeftModel.from_pretrained(base, adapters, is_trainable=True))
+    return trained_dtype(PeftModel.from_pretrained(base, adapters, is_trainable=True))
 
 
-def fp32_trained(model):
-    """`model` with every trained parameter in fp32: a bf16 base (--bf16) stays bf16, frozen, while the
-    adapters and a score head copied from it train in fp32. An AdamW step on bf16 weights rounds away
-    any update below 2^-8 of the weight (at lr 1e-6, nearly all of them); bf16 autocast needs fp32 weights
-    to step (mixed precision's master weights)."""
+def trained_dtype(model):
+    """`model` with its trained parameters (adapters, a score head copied from the base) in the dtype they
+    step in. Outside DeepSpeed fp32, whatever the base's (a --bf16 base stays bf16, frozen): bf16 autocast
+    needs fp32 weights to step (mixed precision's master weights), since an AdamW step on bf16 weights rounds
+    away any update below 2^-8 of the weight (at lr 1e-6, nearly all of them). Under DeepSpeed the frozen
+    base's dtype: the engine keeps the fp32 master copy itself, and ZeRO-3 takes the trained parameters of one
+    engine in one dtype (peft's fp32 adapters beside a bf16 score head failed its partitioning)."""
+    dtype = torch.float32
+    if deepspeed_launch():
+        dtype = next((p.dtype for p in model.parameters() if not p.requires_grad), dtype)
     for p in model.parameters():
-        if p.requires_grad and p.dtype != torch.float32:
-            p.data = p.data.float()
+        if p.requires_grad and p.dtype != dtype:
+            p.data = p.data.to(dtype)
     return model
 
 
