@@ -275,17 +275,18 @@ def test_concurrent_runs_cannot_pass_a_signal_through_a_shared_inode(channel):
 
 
 def test_concurrent_runs_share_no_per_user_count():
-    """The kernel counts tasks per user: a sender holds 30 threads for 4 s; a concurrent receiver lowers its own
-    limit on its user's tasks to 20 and starts a thread, which fails if the sender's threads count as its
-    user's (one uid for every run)."""
+    """The kernel counts tasks per user: a sender holds 8 threads for 4 s; a concurrent receiver (2 tasks of its
+    own) lowers its own limit on its user's tasks to 6 and starts a thread, which fails if the sender's threads
+    count as its user's (one uid for every run). A thread reserves a malloc arena of the address space: 1 GiB."""
     need("uid", "cgroup")
     sender = ("import threading, time\nhold = threading.Event()\nthreading.stack_size(1 << 16)\n"
-              "for _ in range(30):\n    threading.Thread(target=hold.wait, args=(4,), daemon=True).start()\n"
+              "for _ in range(8):\n    threading.Thread(target=hold.wait, args=(4,), daemon=True).start()\n"
               "time.sleep(4)\nprint('x')\n")
     receiver = ("import resource, threading, time\ntime.sleep(1.5)\n"
-                "resource.setrlimit(resource.RLIMIT_NPROC, (20, resource.getrlimit(resource.RLIMIT_NPROC)[1]))\n"
+                "resource.setrlimit(resource.RLIMIT_NPROC, (6, resource.getrlimit(resource.RLIMIT_NPROC)[1]))\n"
                 "try:\n    threading.Thread(target=int).start()\n    print('no')\nexcept RuntimeError:\n    print('seen')\n")
-    results = sandbox.run_many([(sender, says("x")), (receiver, says("seen"))], PATIENT, workers=2)
+    limits = sandbox.Limits(timeout=30.0, cpu_seconds=20)
+    results = sandbox.run_many([(sender, says("x")), (receiver, says("seen"))], limits, workers=2)
     assert results[0].outcome == "passed" and results[1].outcome != "passed", results
 
 
