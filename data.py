@@ -78,6 +78,53 @@ def cached_gold_score(texts):
 
 
 # ---------------------------------------------------------------------------------------------
+# Diversity of replies: a judge that reads one reply at a time can be gamed by repeating what it likes
+# ("favorite favorite favorite ..." is very positive to VADER). Host-side text parsing, for evaluation only.
+# ---------------------------------------------------------------------------------------------
+WORD = re.compile(r"[\w']+")
+
+
+def words(text):
+    """The words of a reply: runs of letters, digits, underscores and apostrophes, lower-cased."""
+    return WORD.findall(text.lower())
+
+
+def ngrams(tokens, n):
+    return list(zip(*(tokens[i:] for i in range(n))))
+
+
+def distinct_n(texts, n):
+    """Distinct-n of a set of replies (Li et al. 2016): distinct word n-grams over all the n-grams of all the
+    replies, in [0, 1]; 0.0 when the replies hold no n-gram at all (nothing said is not diversity)."""
+    grams = [g for text in texts for g in ngrams(words(text), n)]
+    return len(set(grams)) / len(grams) if grams else 0.0
+
+
+def repetition_rate(texts):
+    """The share of replies whose most frequent word fills more than half of it (a reply of one word
+    repeats nothing); 0.0 for no replies."""
+    def repeats(ws):
+        return len(ws) > 1 and max(ws.count(w) for w in set(ws)) > len(ws) / 2
+    return sum(repeats(words(t)) for t in texts) / len(texts) if texts else 0.0
+
+
+def diversity(texts):
+    """{distinct_1, distinct_2, repetition} of a set of replies: what a score of the same replies is read beside."""
+    return {"distinct_1": distinct_n(texts, 1), "distinct_2": distinct_n(texts, 2), "repetition": repetition_rate(texts)}
+
+
+def strict_sentiment(texts):
+    """The chitchat gold judge with a price on repetition: d * (g + 1) - 1, with g the VADER score and d the
+    reply's own distinct-2 (distinct word pairs over word pairs; 1 for a reply of fewer than two words). In
+    [-1, 1] like g: equal to g for a reply that repeats no word pair, down to -1 as its pairs repeat, so one
+    positive word said over and over scores near -1, not near 1."""
+    def own_distinct_2(ws):
+        pairs = ngrams(ws, 2)
+        return len(set(pairs)) / len(pairs) if pairs else 1.0
+    return [own_distinct_2(words(t)) * (g + 1) - 1 for t, g in zip(texts, gold_score(texts))]
+
+
+# ---------------------------------------------------------------------------------------------
 # chitchat: the embedded default
 # ---------------------------------------------------------------------------------------------
 # Each turn of a conversation (after the first) is a response; its prompt is the two turns before
@@ -255,6 +302,9 @@ def load_count(seed=SEED, only=None):
 
 # Tasks with a gold judge: (prompts, responses) -> scores, higher is better.
 GOLD_JUDGES = {"chitchat": lambda prompts, texts: gold_score(texts), "count": count_gold}
+# gold_strict, reported beside `gold` (which keeps its meaning): the sentiment judge with a price on repetition.
+# count's judge needs none: it already reads the whole answer against its prompt.
+STRICT_JUDGES = {"chitchat": lambda prompts, texts: strict_sentiment(texts)}
 EMBEDDED_TASKS = ("chitchat", "count", "code")         # built offline: ppo.py trains their SFT / RM if missing
 MAX_RESPONSE_LEN = {"count": 64}                       # response tokens when --max_response_len is 0; else 32
 # sft.py / reward_model.py flags ppo.py uses when it builds a task's missing models and --sft_args /

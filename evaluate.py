@@ -345,12 +345,65 @@ def held_out(policy, reward_model, tokenizer, rows, args, seed, synced_gpus=Fals
     return texts, scores, gold
 
 
+# A policy whose replies keep less than this share of the SFT model's distinct-2 is degenerate: its score
+# comes from saying one thing over and over (a collapsed chitchat policy: 0.03 against the SFT's 0.8-0.9).
+DEGENERATE = 0.5
+
+
+def reply_metrics(task, rows, texts):
+    """What a set of held-out replies is read beside its score: distinct-1, distinct-2, the repetition
+    rate (data.diversity) and, on tasks with one (data.STRICT_JUDGES), the mean gold_strict score."""
+    out = data.diversity(texts)
+    if task in data.STRICT_JUDGES:
+        strict = data.STRICT_JUDGES[task](data.judged_prompts(rows), texts)
+        out["gold_strict"] = sum(strict) / len(strict)
+    return out
+
+
+def sft_replies(sft_model, args, tokenizer, rows, device):
+    """The SFT model's reply_metrics on ppo.py's held-out rows, sampled as the policy's are (same seed and
+    settings): the level a policy's diversity is read against, computed once a run. `sft_model` None (LoRA,
+    whose reference is the policy with its adapters off): loaded from args.sft_path for the call."""
+    from transformers import AutoModelForCausalLM
+    if sft_model is None:
+        with harness.loading_whole():
+            sft_model = AutoModelForCausalLM.from_pretrained(
+                args.sft_path, dtype=torch.bfloat16 if args.bf16 else torch.float32).to(device)
+    texts = sample_responses(sft_model.eval(), tokenizer, [r["prompt"] for r in rows], args.seed, args.max_prompt_len,
+                             args.max_response_len, args.temperature, args.top_k, args.top_p)
+    return reply_metrics(args.task, rows, texts)
+
+
+def degeneracy(policy, sft, task):
+    """None, or the sentence that says a policy's replies are degenerate: `policy` and `sft` are
+    reply_metrics of the same prompts, the policy's distinct-2 below DEGENERATE times the SFT model's."""
+    if policy["distinct_2"] >= DEGENERATE * sft["distinct_2"]:
+        return None
+    gamed = ("the execution reward is" if task in data.CODE_TASKS else
+             "the RM and gold scores are" if task in data.GOLD_JUDGES else "the RM score is")
+    return (f"the policy's replies are degenerate: distinct-2 {policy['distinct_2']:.2f} against the SFT model's "
+            f"{sft['distinct_2']:.2f} (less than half), {policy['repetition']:.0%} of them mostly one repeated word; "
+            f"{gamed} being gamed by repetition, not earned")
+
+
+def diversity_lines(sft, policy):
+    """Table rows (SFT, then the policy) of two reply_metrics dicts."""
+    lines = [f"| distinct-1 / distinct-2 of the replies | {sft['distinct_1']:.2f} / {sft['distinct_2']:.2f} | "
+             f"{policy['distinct_1']:.2f} / {policy['distinct_2']:.2f} |",
+             f"| replies mostly one repeated word | {sft['repetition']:.1%} | {policy['repetition']:.1%} |"]
+    if "gold_strict" in sft:
+        lines += [f"| mean gold_strict score (gold priced by repeated word pairs) | {sft['gold_strict']:.3f} | "
+                  f"{policy['gold_strict']:.3f} |"]
+    return lines
+
+
 def final_report(args, policy, sft_model, reward_model, tokenizer, rows, metrics_path, segmenter=None):
     """ppo.py's closing table: SFT vs the trained policy on the held-out prompts (mean RM score, mean
     gold score, gold win rate; for code tasks mean execution reward and pass@1 of one sample), the
+    diversity of their replies (and gold_strict), in words whether the policy's are degenerate, the
     learning curve, and summary.md in the run folder. `segmenter`: as in `held_out`."""
-    _, s_score, s_second = held_out(sft_model, reward_model, tokenizer, rows, args, args.seed + 1, segmenter=segmenter)
-    _, p_score, p_second = held_out(policy, reward_model, tokenizer, rows, args, args.seed + 1, segmenter=segmenter)
+    s_texts, s_score, s_second = held_out(sft_model, reward_model, tokenizer, rows, args, args.seed + 1, segmenter=segmenter)
+    p_texts, p_score, p_second = held_out(policy, reward_model, tokenizer, rows, args, args.seed + 1, segmenter=segmenter)
     code = args.task in data.CODE_TASKS
     lines = ["", f"| held-out ({len(rows)} prompts) | SFT | policy (n={args.n}, {args.termination}) |", "|---|---|---|",
              f"| {'mean execution reward' if code else 'mean RM score'} | {s_score.mean():.3f} | {p_score.mean():.3f} |"]
@@ -360,6 +413,12 @@ def final_report(args, policy, sft_model, reward_model, tokenizer, rows, metrics
         gold = win_rate(compare(p_second.tolist(), s_second.tolist()))
         lines += [f"| mean gold score | {s_second.mean():.3f} | {p_second.mean():.3f} |",
                   f"| gold win rate vs SFT (ties half) | | {gold['win_rate']:.1%} |"]
+    s_replies, p_replies = reply_metrics(args.task, rows, s_texts), reply_metrics(args.task, rows, p_texts)
+    lines += diversity_lines(s_replies, p_replies)
+    verdict = degeneracy(p_replies, s_replies, args.task)
+    lines += ["", f"WARNING: {verdict}. Do not read the scores above as a better policy; train with a larger "
+                  "--beta (or --kl_target) and compare the gold_strict score." if verdict else
+              f"The policy's replies keep at least {DEGENERATE:.0%} of the SFT model's distinct-2: not degenerate."]
     png = plot_run(metrics_path)
     lines += ["", f"metrics: {metrics_path}", f"learning curve: {png}"]
     print("\n".join(lines))
@@ -367,13 +426,37 @@ def final_report(args, policy, sft_model, reward_model, tokenizer, rows, metrics
         f.write("\n".join(lines) + "\n")
 
 
+SCORES = ("rm", "gold", "segment", "exec")       # what ppo.py trains on, logged as reward/<score>
+
+
+def run_panels(rows):
+    """The panels of one run's learning curve (metrics rows of ppo.py): the score it trained on
+    (reward/<score>), its held-out score (eval/<score>; eval/rm for a segment RM, whose held-out score is
+    e(x, y)), the other held-out scores, and the distinct-2 of the held-out replies. Only metrics the run
+    logged: no panel is empty."""
+    score = next((s for s in SCORES if f"reward/{s}" in rows[0]), "rm")
+    held_out = f"eval/{score}" if score != "segment" else "eval/rm"
+    wanted = [f"reward/{score}", held_out, *(f"eval/{k}" for k in ("rm", "gold", "gold_strict", "pass@1")),
+              "eval/distinct_2"]
+    return [m for m in dict.fromkeys(wanted) if any(m in r for r in rows)]
+
+
 def plot_run(metrics_path):
-    """One run's learning curve: the training and held-out score, and the second held-out score."""
-    rows = [json.loads(line) for line in open(metrics_path)]
-    key, second = ("exec", "pass@1") if "reward/exec" in rows[0] else ("rm", "gold")
-    metrics = [f"reward/{key}", f"eval/{key}"] + ([f"eval/{second}"] if any(f"eval/{second}" in r for r in rows) else [])
+    """One run's learning curve (run_panels), the SFT model's distinct-2 drawn beside the policy's."""
+    with open(metrics_path) as f:
+        rows = [json.loads(line) for line in f]
+    metrics = run_panels(rows)
     png = os.path.join(os.path.dirname(metrics_path), "learning_curve.png")
-    plot_curves({"this run": [rows]}, metrics, png)
+    _, fig = plot_curves({"this run": [rows]}, metrics, None)
+    sft = [r["eval/sft_distinct_2"] for r in rows if "eval/sft_distinct_2" in r]
+    if "eval/distinct_2" in metrics and sft:
+        ax = fig.axes[metrics.index("eval/distinct_2")]
+        ax.axhline(sft[-1], color="gray", linestyle="--", label="SFT model")
+        ax.axhline(DEGENERATE * sft[-1], color="red", linestyle=":", label="degenerate below")
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(png, dpi=100)
+    pyplot().close(fig)
     return png
 
 
@@ -518,6 +601,20 @@ def cmd_winrate(args, ctx):
              f"| {args.policy} vs {args.baseline} | {result['wins']} | {result['ties']} | {result['losses']} | "
              f"{pct(result['win_rate'])} |"] + (["", f"{result['unanswered']} items got no usable answer"]
                                                if result["unanswered"] else [])
+    # the diversity of both sides and of the SFT model (sampled as a baseline is), beside the win rate
+    sft = b if args.baseline == "sft" else ctx.responses("sft", seed=args.seed + 1)
+    replies = {side: reply_metrics(args.task, ctx.rows, texts) for side, texts in (("policy", a), ("baseline", b), ("sft", sft))}
+    result["replies"] = replies
+    lines += ["", "| replies | distinct-1 | distinct-2 | mostly one repeated word |" + (
+              " mean gold_strict |" if "gold_strict" in replies["sft"] else ""), "|---|---|---|---|" + "---|" * (
+              "gold_strict" in replies["sft"])] + [
+        f"| {side} ({name}) | {r['distinct_1']:.3f} | {r['distinct_2']:.3f} | {r['repetition']:.1%} |" + (
+            f" {r['gold_strict']:.3f} |" if "gold_strict" in r else "")
+        for side, name in (("policy", args.policy), ("baseline", args.baseline), ("sft", "SFT model")) for r in [replies[side]]]
+    verdict = degeneracy(replies["policy"], replies["sft"], args.task)
+    result["degenerate"] = verdict is not None
+    lines += ["", f"WARNING: {verdict}: this win rate is not a better policy." if verdict else
+              f"The policy's replies keep at least {DEGENERATE:.0%} of the SFT model's distinct-2: not degenerate."]
     return write(args, "winrate", result, lines)
 
 
@@ -578,7 +675,8 @@ def plot_curves(groups, metrics, png=None):
             summary.setdefault(label, {})[metric] = {"steps": steps, "mean": mean.tolist(), "std": std.tolist()}
         ax.set_title(metric)
         ax.set_xlabel("iteration")
-        ax.legend(fontsize=8)
+        if ax.lines:            # a metric no run logged: an empty panel, but no legend warning
+            ax.legend(fontsize=8)
     if png:
         fig.tight_layout()
         fig.savefig(png, dpi=100)

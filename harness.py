@@ -14,7 +14,8 @@ Checkpoint layout, the same for every stage:
     <output_dir>/checkpoint/
         <part>/             one save_pretrained folder (weights + tokenizer) per trained model:
                             `model` for sft.py and reward_model.py, `policy` and `critic` for ppo.py
-        trainer_state.pt    step, optimizer / schedule states, RNG states, the run's arguments
+        trainer_state.pt    step, optimizer / schedule states, RNG states (every process's), the run's arguments
+    optimizer_shards/   under DeepSpeed ZeRO: each process's part of the optimizer states, <name>.rank<r>.pt
 """
 import contextlib
 import copy
@@ -67,8 +68,20 @@ def make_accelerator(bf16=False, grad_accum=1, micro_batch_size=1, **kwargs):
         os.environ.setdefault("DS_ACCELERATOR", "cpu")   # installed: named, it does not warn that it guessed
     if deepspeed_launch() and "deepspeed_plugins" not in kwargs:
         kwargs["deepspeed_plugins"] = deepspeed_plugin(micro_batch_size)
-    return Accelerator(cpu=not torch.cuda.is_available() and not deepspeed_launch(),
-                       gradient_accumulation_steps=grad_accum, mixed_precision="bf16" if bf16 else "no", **kwargs)
+    accelerator = Accelerator(cpu=not torch.cuda.is_available() and not deepspeed_launch(),
+                              gradient_accumulation_steps=grad_accum, mixed_precision="bf16" if bf16 else "no", **kwargs)
+    refuse_fallback_from_fsdp(accelerator)
+    return accelerator
+
+
+def refuse_fallback_from_fsdp(accelerator):
+    """An FSDP launch that accelerate did not start as FSDP stops here. accelerate (1.15) starts FSDP only
+    on an accelerator (CUDA, XPU, ...): on a CPU a `--config_file configs/fsdp.yaml` launch runs every
+    process as plain DDP over gloo (MULTI_CPU), with nothing said, so a run meant to test FSDP tests DDP."""
+    if os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true" and accelerator.distributed_type.value != "FSDP":
+        sys.exit(f"error: this is an FSDP launch, but accelerate started {accelerator.distributed_type.value} on "
+                 f"{accelerator.device}: it starts FSDP only on GPUs (or another accelerator), never on a CPU. "
+                 "On a CPU, launch DDP (--multi_gpu) or DeepSpeed ZeRO-3 instead (docs/distributed.md).")
 
 
 def make_accelerators(bf16, grad_accum, micro_batch_size, **kwargs):
@@ -350,8 +363,8 @@ def with_lora(model, r, alpha, target_modules, task_type):
     targets = target_modules if target_modules == "all-linear" else target_modules.split(",")
     with warnings.catch_warnings():     # peft reads transformers' deprecated is_gradient_checkpointing: not ours to fix
         warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
-        return get_peft_model(model, LoraConfig(r=r, lora_alpha=alpha, lora_dropout=0.0, target_modules=targets,
-                                                task_type=task_type))
+        return trained_dtype(get_peft_model(model, LoraConfig(r=r, lora_alpha=alpha, lora_dropout=0.0,
+                                                             target_modules=targets, task_type=task_type)))
 
 
 def twin(model):
@@ -365,7 +378,23 @@ def twin(model):
 def load_lora(base, adapters):
     """A LoRA checkpoint part (adapters only) put back on its base model, trainable."""
     from peft import PeftModel
-    return PeftModel.from_pretrained(base, adapters, is_trainable=True)
+    return trained_dtype(PeftModel.from_pretrained(base, adapters, is_trainable=True))
+
+
+def trained_dtype(model):
+    """`model` with its trained parameters (adapters, a score head copied from the base) in the dtype they
+    step in. Outside DeepSpeed fp32, whatever the base's (a --bf16 base stays bf16, frozen): bf16 autocast
+    needs fp32 weights to step (mixed precision's master weights), since an AdamW step on bf16 weights rounds
+    away any update below 2^-8 of the weight (at lr 1e-6, nearly all of them). Under DeepSpeed the frozen
+    base's dtype: the engine keeps the fp32 master copy itself, and ZeRO-3 takes the trained parameters of one
+    engine in one dtype (peft's fp32 adapters beside a bf16 score head failed its partitioning)."""
+    dtype = torch.float32
+    if deepspeed_launch():
+        dtype = next((p.dtype for p in model.parameters() if not p.requires_grad), dtype)
+    for p in model.parameters():
+        if p.requires_grad and p.dtype != dtype:
+            p.data = p.data.to(dtype)
+    return model
 
 
 def is_lora(model):
@@ -467,12 +496,13 @@ class GracefulStop:
 # Checkpoints: one layout, atomic writes, one save / resume pair
 # ---------------------------------------------------------------------------------------------
 
-def atomic_save(path, model=None, tokenizer=None, state=None, parts=None, state_dicts=None, keep=()):
+def atomic_save(path, model=None, tokenizer=None, state=None, parts=None, state_dicts=None, keep=(), moved=None):
     """Write a save_pretrained folder to a temporary sibling, then swap it in with a rename: an
     interruption never leaves a half-written folder where the last good one was.
     `parts` {name: model} go to sub-folders, each with the tokenizer; `state_dicts` {name or "model":
     weights} replaces a model's own weights (the gathered whole weights of a ZeRO-3 / FSDP sharded
-    model); the sub-folders named in `keep` (a checkpoint inside a final model folder) move over."""
+    model); the sub-folders named in `keep` (a checkpoint inside a final model folder) move over, and
+    `moved` {name: folder} folders move in under `name`."""
     path = os.path.abspath(path)
     tmp, old = path + ".tmp", path + ".old"
     shutil.rmtree(tmp, ignore_errors=True)
@@ -488,6 +518,8 @@ def atomic_save(path, model=None, tokenizer=None, state=None, parts=None, state_
         tokenizer.save_pretrained(tmp)
     if state is not None:
         torch.save(state, os.path.join(tmp, "trainer_state.pt"))
+    for name, folder in (moved or {}).items():
+        os.rename(folder, os.path.join(tmp, name))
     for name in keep:
         if os.path.exists(os.path.join(path, name)):
             os.rename(os.path.join(path, name), os.path.join(tmp, name))
@@ -514,27 +546,73 @@ def checkpoint_part(output_dir, part):
 
 
 def save_checkpoint(output_dir, parts, tokenizer, step, args, optimizers=None, schedulers=None,
-                    state_dicts=None, **extra):
-    """The one checkpoint writer (main process only): the parts, and the trainer state of `step`."""
+                    state_dicts=None, shards=None, **extra):
+    """The one checkpoint writer (main process only): the parts, and the trainer state of `step`;
+    `shards`: the folder of `save_optimizer_shards`, moved in."""
     state = {"step": step, "rng": rng_state(), "args": asdict(args), **extra,
              **{k: o.state_dict() for k, o in (optimizers or {}).items()},
              **{k: s.state_dict() for k, s in (schedulers or {}).items()}}
-    atomic_save(checkpoint_dir(output_dir), tokenizer=tokenizer, parts=parts, state=state, state_dicts=state_dicts)
+    atomic_save(checkpoint_dir(output_dir), tokenizer=tokenizer, parts=parts, state=state, state_dicts=state_dicts,
+                moved={SHARDS: shards} if shards else None)
 
 
-def load_checkpoint(output_dir, optimizers=None, schedulers=None, log=print):
+SHARDS = "optimizer_shards"
+
+
+def save_optimizer_shards(accelerator, output_dir, optimizers):
+    """DeepSpeed ZeRO partitions the optimizer states (the AdamW moments of each rank's part of the
+    parameters): every rank writes its own, `<name>.rank<r>.pt`, into a folder beside the checkpoint that
+    `save_checkpoint` then moves into it. A collective. Returns the folder; None where the states are
+    not partitioned (saved whole by `save_checkpoint`) or under FSDP (not saved: resume warns)."""
+    if accelerator.distributed_type.value != "DEEPSPEED":
+        return None
+    folder = checkpoint_dir(output_dir) + ".shards"
+    if accelerator.is_main_process:
+        shutil.rmtree(folder, ignore_errors=True)
+        os.makedirs(folder)
+    accelerator.wait_for_everyone()
+    for name, optimizer in optimizers.items():
+        torch.save(optimizer.state_dict(), os.path.join(folder, f"{name}.rank{accelerator.process_index}.pt"))
+    accelerator.wait_for_everyone()
+    return folder
+
+
+def _optimizer_shard(path, name, rank, world):
+    """This rank's saved ZeRO optimizer state of `name` (its list for DeepSpeed's loader, which picks its
+    own rank's entry), or None unless every one of `world` ranks saved one."""
+    folder = os.path.join(path, SHARDS)
+    saved = [f for f in os.listdir(folder) if f.startswith(f"{name}.rank")] if os.path.isdir(folder) else []
+    if len(saved) != world:
+        return None
+    return [torch.load(os.path.join(folder, f"{name}.rank{rank}.pt"), weights_only=False)] * world
+
+
+def load_checkpoint(output_dir, optimizers=None, schedulers=None, log=print, rank=0, world=1):
     """The one checkpoint reader: restores optimizers, schedules and RNG from `<output_dir>/checkpoint`
-    and returns the trainer state (its "step" is where to continue). A clear error when it is missing."""
+    and returns the trainer state (its "step" is where to continue). A clear error when it is missing.
+    Process `rank` of `world` gets its own RNG state back (`rng_ranks`, saved by `rng_states`)."""
     path = checkpoint_dir(output_dir)
     if not os.path.exists(os.path.join(path, "trainer_state.pt")):
         sys.exit(f"error: no checkpoint to resume at {path!r}. Run without --resume to start afresh.")
     state = torch.load(os.path.join(path, "trainer_state.pt"), weights_only=False)
     for key, obj in {**(optimizers or {}), **(schedulers or {})}.items():
+        shard = None if key in state else _optimizer_shard(path, key, rank, world)
         if key in state:
             obj.load_state_dict(state[key])
+        elif shard is not None:
+            obj.load_state_dict(shard)                  # DeepSpeed ZeRO: this rank's partition
         else:
-            log(f"warning: the checkpoint holds no {key} state (saved under ZeRO/FSDP): it starts afresh")
-    set_rng_state(state["rng"])
+            log(f"warning: the checkpoint holds no {key} state (saved under FSDP, or ZeRO with another "
+                "number of processes): it starts afresh")
+    ranks = state.get("rng_ranks")
+    if ranks is not None and len(ranks) == world:
+        set_rng_state(ranks[rank])
+    else:       # every process restarts from the main process's random numbers, which only it had drawn
+        if world > 1:
+            log(f"warning: the checkpoint holds the RNG states of {len(ranks) if ranks else 'only the main'} "
+                f"process(es), not of these {world}: each starts from the main process's, so the numbers after "
+                "this resume differ from an uninterrupted run's (resume with as many processes as saved it)")
+        set_rng_state(state["rng"])
     return state
 
 
@@ -544,12 +622,28 @@ def require_model_dir(path, what, hint):
 
 
 def rng_state():
-    return {"torch": torch.get_rng_state(), "python": random.getstate()}
+    """This process's random number generators: torch's (CPU, and CUDA's current device: sampling on a GPU
+    draws from it) and Python's."""
+    state = {"torch": torch.get_rng_state(), "python": random.getstate()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
 
 
 def set_rng_state(state):
     torch.set_rng_state(state["torch"])
     random.setstate(state["python"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+
+
+def rng_states(accelerator):
+    """Every process's `rng_state()`, in rank order, on every process (a collective). Each rank draws its
+    own random numbers (its prompts' samples end at different lengths), so a checkpoint keeps them all."""
+    if accelerator.num_processes == 1:
+        return [rng_state()]
+    from accelerate.utils import gather_object
+    return gather_object([rng_state()])
 
 
 def batch_indices(n_rows, batch_size, step, seed, rank=0, world=1):
@@ -596,17 +690,20 @@ class Trainer:
         self.start = 0
         if resume:
             self.start = load_checkpoint(args.output_dir, {"optimizer": self.optimizer},
-                                         {"scheduler": self.scheduler}, accelerator.print)["step"]
+                                         {"scheduler": self.scheduler}, accelerator.print,
+                                         accelerator.process_index, world)["step"]
             accelerator.print(f"[{name}] resumed at step {self.start}")
 
     def save(self, step):
         acc = self.accelerator
         sharded = is_sharded(acc)   # ZeRO / FSDP: whole weights gathered (collective); optimizer state is per rank
         weights = whole_state_dicts({"model": (acc, self.model)}) if sharded else None
+        rng = rng_states(acc)                                   # collective: every rank's own
+        shards = save_optimizer_shards(acc, self.args.output_dir, {"optimizer": self.optimizer}) if sharded else None
         if acc.is_main_process:
             save_checkpoint(self.args.output_dir, {"model": unwrap(acc, self.model)}, self.tokenizer, step,
                             self.args, {} if sharded else {"optimizer": self.optimizer}, {"scheduler": self.scheduler},
-                            weights)
+                            weights, shards, rng_ranks=rng)
         acc.wait_for_everyone()
 
     def fit(self, rows, loss_fn, evaluate):

@@ -29,16 +29,17 @@ class PPOArgs:
     task: str = field(default="chitchat", metadata={"help": "chitchat, count, tldr, tldr_carper, hh, webgpt, code, apps, or a local json/jsonl/parquet file"})
     sft_path: str = field(default="", metadata={"help": "SFT model (policy init and frozen reference); default runs/<task>/sft, built if missing on chitchat, count and code"})
     rm_path: str = field(default="", metadata={"help": "reward model (also the critic's init); default runs/<task>/rm, built if missing on chitchat and count; unused for code tasks"})
-    reward: str = field(default="rm", metadata={"help": "the sequence score: rm (the reward model, the paper) | gold (the task's gold judge as a verifiable reward: chitchat, count) | segment (a segment or token RM's rewards spread over each segment's tokens, Yin et al. 2025; needs the RM's segment_reward.json); code tasks always run the program", "choices": ("rm", "gold", "segment")})
+    reward: str = field(default="rm", metadata={"help": "the sequence score: rm (the reward model, the paper; a segment or token RM scores e(x, y), the mean of its segment rewards) | gold (the task's gold judge as a verifiable reward: chitchat, count) | segment (a segment or token RM's rewards spread over each segment's tokens, Yin et al. 2025; needs the RM's segment_reward.json); code tasks always run the program", "choices": ("rm", "gold", "segment")})
     critic_path: str = field(default="", metadata={"help": "critic init: default the RM (App. B.2; the SFT model for code tasks); any causal LM or RM folder, a fresh value head on an LM"})
     output_dir: str = field(default="", metadata={"help": "default runs/<task>/ppo_n<n>_fixed, or runs/<task>/ppo_<termination> for the other terminations"})
     sft_args: str = field(default="", metadata={"help": "extra sft.py flags used when the default SFT model is built, e.g. '--max_steps 600' (count: '--max_steps 1600 ...' when empty)"})
     rm_args: str = field(default="", metadata={"help": "extra reward_model.py flags used when the default RM is built (count: '--max_steps 1000 ...' when empty)"})
     n: int = field(default=5, metadata={"help": "macro action length for --termination fixed: 1 = vanilla PPO, 0 = the whole response"})
     termination: str = field(default="fixed", metadata={"help": "fixed | randomized | parsing | ppl | entropy (paper §3.2.1) | segment (the segment RM's entropy segments, c_ent from its segment_reward.json, or --c_ent)", "choices": ("fixed", "randomized", "parsing", "ppl", "entropy", "segment")})
-    c_ent: float = field(default=0.0, metadata={"help": "--termination segment with --reward rm or gold: the SFT entropy threshold (nats) of the segments, e.g. a segment RM's c_ent to compare on the same segments; 0 = read the --rm_path's segment_reward.json"})
+    c_ent: float = field(default=0.0, metadata={"help": "--termination segment with --reward rm or gold: the SFT entropy threshold (nats) of the segments, e.g. a segment RM's c_ent to compare on the same segments; 0 = read the --rm_path's segment_reward.json. With --reward segment and a sequence RM (and --seg_norm none): its head read at the end of each of these segments (Yin et al. 2025, Table 1's bandit as segment)"})
+    rm_norm: bool = field(default=False, metadata={"help": "--reward rm: the RM's score standardized, (r - mean) / std, with the mean and std of its score on its calibration pairs (Yin et al. 2025, §2.1): score_norm.json beside the RM, written by reward_model.py (fitted here on the RM split's first 1024 pairs and written there when missing); eval/rm stays the raw score"})
     seg_norm: str = field(default="regression", metadata={"help": "--reward segment: normalizer of the segment rewards: regression (Mean(p), Std(p) on log p, the paper's) | global | last (one mean and std) | none", "choices": ("regression", "global", "last", "none")})
-    seg_interp: str = field(default="even", metadata={"help": "--reward segment: a segment's reward on its tokens: even (divided by its length, the paper's) | repeat (on every token) | end (on its last token)", "choices": ("even", "repeat", "end")})
+    seg_interp: str = field(default="even", metadata={"help": "--reward segment: a segment's reward on its tokens: even (divided by its length, the paper's) | repeat (on every token) | end (on its last token) | bandit (none of them: e(x, y), the mean raw segment reward, as one score at the last token; Yin et al. 2025, Table 1's segment as bandit)", "choices": ("even", "repeat", "end", "bandit")})
     reward_clip: float = field(default=10.0, metadata={"help": "--reward segment: the per-token segment rewards clipped to [-c, c] before the KL penalty is added, as in the released code; 0 = off"})
     critic_warmup: int = field(default=0, metadata={"help": "value-only updates for the first k iterations, the policy not stepped (OpenRLHF's --freezing_actor_steps)"})
     sigma: str = field(default="equal", metadata={"help": "macro value weights: equal | unit | position | first (App. D.1)", "choices": ("equal", "unit", "position", "first")})
@@ -262,13 +263,16 @@ def resolve(args):
     if args.reward == "segment" and args.lora_r:
         sys.exit("error: --reward segment scores held-out responses with the frozen SFT model's segments; "
                  "it has none under --lora_r (the reference is the policy with its adapters off)")
-    if args.c_ent and (args.reward == "segment" or args.termination != "segment"):
-        sys.exit("error: --c_ent sets the segments of --termination segment with --reward rm or gold; "
-                 "under --reward segment the segments are the RM's own (its segment_reward.json)")
+    if args.c_ent and args.reward != "segment" and args.termination != "segment":
+        sys.exit("error: --c_ent sets the segments of --termination segment, or those a sequence RM is read on "
+                 "under --reward segment (bandit as segment)")
+    if args.rm_norm and (code or args.reward != "rm"):
+        sys.exit(f"error: --rm_norm normalizes the reward model's score under --reward rm, not --reward {args.reward}"
+                 + (f" (task {args.task!r} runs its code)" if code else ""))
     if args.seg_norm not in ("regression", "global", "last", "none"):
         sys.exit(f"error: --seg_norm {args.seg_norm!r}: choose regression, global, last or none")
-    if args.seg_interp not in ("even", "repeat", "end"):
-        sys.exit(f"error: --seg_interp {args.seg_interp!r}: choose even, repeat or end")
+    if args.seg_interp not in ("even", "repeat", "end", "bandit"):
+        sys.exit(f"error: --seg_interp {args.seg_interp!r}: choose even, repeat, end or bandit")
     if args.kl_target < 0 or args.kl_horizon < 1:
         sys.exit(f"error: --kl_target {args.kl_target} / --kl_horizon {args.kl_horizon}: a target >= 0 (0 = a fixed "
                  "--beta) and a horizon of at least 1 sample")
@@ -367,15 +371,31 @@ def load_models(args, code, sharded=False):
         policy = harness.load_lora(policy, part("policy", "")) if args.resume else harness.with_lora(policy, *lora, "CAUSAL_LM")
         critic = Critic(harness.load_lora(critic, part("critic", "")) if args.resume else
                         harness.with_lora(critic, *lora, "SEQ_CLS"))      # SEQ_CLS: the score head trains too
-    else:
-        policy = AutoModelForCausalLM.from_pretrained(part("policy", args.sft_path), dtype=dtype)
-        critic = Critic(rm.load_reward_model(part("critic", args.critic_path), args.bf16)[0])
+    else:       # trained weights in fp32 (the master copy); --bf16 autocasts their forwards
+        policy = AutoModelForCausalLM.from_pretrained(part("policy", args.sft_path), dtype=torch.float32)
+        critic = Critic(rm.load_reward_model(part("critic", args.critic_path))[0])
     with harness.loading_whole():
         ref = None if args.lora_r else AutoModelForCausalLM.from_pretrained(args.sft_path, dtype=dtype).eval().requires_grad_(False)
     if args.gradient_checkpointing:
         policy.gradient_checkpointing_enable()
         critic.model.gradient_checkpointing_enable()
     return tokenizer, policy, critic, ref, reward_model
+
+
+def score_normalizer(args, accelerator, reward_model, tokenizer, segmenter):
+    """--rm_norm: (mean, std) of the RM's score on its calibration pairs, from score_norm.json beside it;
+    an RM without one (trained before reward_model.py wrote it) gets it fitted on the first 1024 pairs of the
+    RM split, as reward_model.py does, and written there, once, by the main process."""
+    path = os.path.join(args.rm_path, rm.SCORE_FILE)
+    if accelerator.is_main_process and not os.path.exists(path):
+        rows = data.with_chat_template(data.load_task(args.task, only=("rm",))["rm"][:1024], tokenizer, args.chat_template)
+        rm.write_json(path, rm.fit_score_normalizer(reward_model, tokenizer, rows, args.max_prompt_len,
+                                                    args.max_response_len, segmenter))
+        accelerator.print(f"[ppo] --rm_norm: {path} missing: fitted on {len(rows)} RM-split pairs and written")
+    accelerator.wait_for_everyone()
+    mean, std = rm.read_score_normalizer(args.rm_path)
+    accelerator.print(f"[ppo] --rm_norm: the RM's score as (r - {mean:.4g}) / {std:.4g}")
+    return mean, std
 
 
 def optimizers(args, policy, critic):
@@ -403,12 +423,22 @@ def main(args):
             "do not: the first ratio is not 1 and the KL is off-policy")
     build_default(args, acc, code)
     tokenizer, policy, critic, ref, reward_model = load_models(args, code, harness.is_sharded(acc))
-    segments = rm.load_segment_settings(args) if "segment" in (args.reward, args.termination) else None
+    own = None if code else rm.read_segment_settings(args.rm_path)     # a segment / token RM's own settings
+    segment_rm_as_bandit = args.reward == "rm" and own is not None     # scored with e(x, y), as evaluate.py does
+    if own is not None and args.lora_r:
+        sys.exit(f"error: --lora_r: {args.rm_path} is a {own.get('unit')} RM, scored with e(x, y) on the frozen SFT "
+                 "model's segments; under --lora_r there is none (the reference is the policy with its adapters off)")
+    segments = (rm.load_segment_settings(args) if "segment" in (args.reward, args.termination) or segment_rm_as_bandit
+                else None)
+    if segment_rm_as_bandit:    # its head at EOS never trained (zero gradient there): Yin et al. 2025's segment as bandit
+        log(f"[ppo] --reward rm: {args.rm_path} is a {own['unit']} RM; its score is e(x, y), the mean of its segment "
+            f"rewards on the SFT model's segments (as in its training and in evaluate.py), one reward at the last token")
     trained_on = (segments or {}).get("sft_path")
     if trained_on and os.path.realpath(trained_on) != os.path.realpath(args.sft_path):
         log(f"[ppo] warning: the segment RM's segments come from the SFT model {trained_on}, this run's is "
             f"{args.sft_path}: its entropies, and so its segments, may differ from the RM's training")
-    scorer = rm.segment_scorer(segments if args.reward == "segment" else None, ref, tokenizer.eos_token_id)
+    scorer = rm.segment_scorer(own, ref, tokenizer.eos_token_id)      # the held-out score: the RM's own
+    seg_interp = "bandit" if segment_rm_as_bandit else args.seg_interp
     score_name = "exec" if code else args.reward          # reward/<score_name> in the metrics
     splits = data.load_task(args.task, only=("ppo", "test"))
     problems = data.with_chat_template(data.first_row_per_prompt(splits["ppo"]), tokenizer, args.chat_template)
@@ -424,11 +454,12 @@ def main(args):
     for frozen in (ref, reward_model):
         if frozen is not None:
             frozen.to(acc.device)
+    score_norm = score_normalizer(args, acc, reward_model, tokenizer, scorer) if args.rm_norm else None
     generator = torch.Generator().manual_seed(args.seed)       # minibatch order, randomized n-grams
     start, truncated, beta = 0, 0, args.beta
     if args.resume:
-        # optimizer states are per-rank shards under ZeRO/FSDP: they are saved (and restored) only when whole
-        state = harness.load_checkpoint(args.output_dir, opts, scheds, log)
+        # optimizer states are per-rank shards under ZeRO/FSDP: restored from each rank's file under ZeRO
+        state = harness.load_checkpoint(args.output_dir, opts, scheds, log, rank, world)
         start, truncated, beta = state["step"], state["truncated"], state.get("beta", args.beta)
         generator.set_state(state["generator"])
         log(f"[ppo] resumed at iteration {start}")
@@ -444,13 +475,16 @@ def main(args):
 
     def save(step):
         weights = harness.whole_state_dicts({"policy": (acc, policy), "critic": (critic_acc, critic)}) if sharded else None
+        rng = harness.rng_states(acc)                       # collective: every rank's own random numbers
+        shards = harness.save_optimizer_shards(acc, args.output_dir, opts) if sharded else None    # ZeRO: per rank
         if acc.is_main_process:
             harness.save_checkpoint(args.output_dir, {"policy": harness.unwrap(acc, policy),
                                                       "critic": harness.unwrap(critic_acc, critic).model}, tokenizer,
-                                    step, args, {} if sharded else opts, scheds, weights,
-                                    truncated=truncated, generator=generator.get_state(), beta=beta)
+                                    step, args, {} if sharded else opts, scheds, weights, shards,
+                                    truncated=truncated, generator=generator.get_state(), beta=beta, rng_ranks=rng)
         acc.wait_for_everyone()
 
+    sft_replies = {}        # the SFT model's diversity on the held-out prompts, measured at the first evaluation
     from tqdm.auto import tqdm
     bar = tqdm(range(start, args.steps), desc=run_name(args), disable=not acc.is_local_main_process)
     with harness.GracefulStop(acc, "ppo", "iteration", harness.checkpoint_dir(args.output_dir), start) as stop:
@@ -491,11 +525,13 @@ def main(args):
                 elif score_name == "gold":     # a verifiable reward: the gold judge reads the whole response
                     score = torch.tensor(data.gold(args.task, data.judged_prompts([problems[i] for i in idx]), texts),
                                          device=acc.device)
-                elif score_name == "segment":   # the head at each segment's end; the score is e, their mean
+                elif score_name == "segment" or segment_rm_as_bandit:   # the head at each segment's end; e, their mean
                     values = rm.token_values(reward_model, ids, attention_mask)[:, P:]
-                    dense, score, seg_stats = rm.segment_rewards(values, seg_starts, inside, segments, args.seg_norm, args.seg_interp)
+                    dense, score, seg_stats = rm.segment_rewards(values, seg_starts, inside, segments, args.seg_norm, seg_interp)
                 else:       # the RM's head at the last real token
                     score = rm.last_token(rm.token_values(reward_model, ids, attention_mask), attention_mask)
+                if score_norm is not None:      # Yin et al. 2025, §2.1: the RM's score over its calibration mean and std
+                    score = (score - score_norm[0]) / score_norm[1]
             has_eos = ((r_ids == tokenizer.eos_token_id) & response_mask.bool()).any(-1)
             penalty = args.missing_eos_penalty * (~has_eos).float()
             score = score + penalty
@@ -579,7 +615,7 @@ def main(args):
                                if torch.cuda.is_available() else {})})
             if (step + 1) % args.eval_every == 0 or step + 1 == args.steps:
                 evaluate_now(args, metrics, accelerator=acc, policy=policy, reward_model=reward_model,
-                             tokenizer=tokenizer, eval_rows=eval_rows, segmenter=scorer)
+                             tokenizer=tokenizer, eval_rows=eval_rows, segmenter=scorer, sft=(ref, sft_replies))
             if acc.is_main_process:
                 with open(metrics_path, "a") as f:
                     f.write(json.dumps(metrics) + "\n")
@@ -593,20 +629,32 @@ def main(args):
            tokenizer=tokenizer, eval_rows=eval_rows, beta=beta)
 
 
-def evaluate_now(args, metrics, *, accelerator, policy, reward_model, tokenizer, eval_rows, segmenter=None):
-    """7. Held-out score (and gold score / pass rate) of the current policy into `metrics`; a log line."""
+def evaluate_now(args, metrics, *, accelerator, policy, reward_model, tokenizer, eval_rows, segmenter=None, sft=(None, None)):
+    """7. Held-out score (and gold score / pass rate), gold_strict and the replies' diversity of the current
+    policy into `metrics`, beside the SFT model's diversity; a log line, and a warning when the replies are
+    degenerate. `sft`: (the frozen SFT model or None under LoRA, a dict that keeps its diversity once measured)."""
     acc, sharded, code = accelerator, harness.is_sharded(accelerator), args.task in data.CODE_TASKS
     if acc.is_main_process or sharded:               # sharded weights: every rank takes part
         with harness.generation_model(acc, policy, args.gather_for_generation) as (model, synced):
-            _, scores, second = evaluate.held_out(model.eval(), reward_model, tokenizer, eval_rows, args, args.seed,
-                                                  synced, segmenter)
+            texts, scores, second = evaluate.held_out(model.eval(), reward_model, tokenizer, eval_rows, args, args.seed,
+                                                      synced, segmenter)
     if acc.is_main_process:
         key, second_key = ("exec", "pass@1") if code else ("rm", "gold")
         metrics[f"eval/{key}"] = round(scores.mean().item(), 4)
         if second is not None:
             metrics[f"eval/{second_key}"] = round(second.mean().item(), 4)
+        (ref, sft_replies), replies = sft, evaluate.reply_metrics(args.task, eval_rows, texts)
+        if not sft_replies:     # once a run, from the same prompts and seed; its own RNG (the run's is untouched)
+            sft_replies.update(evaluate.sft_replies(ref, args, tokenizer, eval_rows, acc.device))
+        metrics.update({f"eval/{k}": round(v, 4) for k, v in replies.items()})
+        metrics.update({f"eval/sft_{k}": round(sft_replies[k], 4) for k in ("distinct_1", "distinct_2", "repetition")})
         acc.print(f"[ppo] iteration {metrics['step']}: " + "  ".join(f"{k} {metrics[k]}" for k in (
-            f"reward/{'exec' if code else args.reward}", "kl", f"eval/{key}", f"eval/{second_key}", "macro/mean_len") if k in metrics))
+            f"reward/{'exec' if code else args.reward}", "kl", f"eval/{key}", f"eval/{second_key}", "eval/gold_strict",
+            "eval/distinct_2", "macro/mean_len") if k in metrics))
+        verdict = evaluate.degeneracy(replies, sft_replies, args.task)
+        if verdict:
+            acc.print(f"[ppo] warning: {verdict}. A larger --beta (or a --kl_target) keeps the policy nearer the "
+                      "SFT model; read eval/gold_strict beside eval/gold")
     acc.wait_for_everyone()
 
 
@@ -635,8 +683,8 @@ def finish(args, truncated, *, accelerators, policy, critic, reward_model, token
         with harness.loading_whole():
             policy = AutoModelForCausalLM.from_pretrained(final, dtype=dtype).to(acc.device).eval()
             sft_model = AutoModelForCausalLM.from_pretrained(args.sft_path, dtype=dtype).to(acc.device).eval()
-        scorer = rm.segment_scorer(rm.load_segment_settings(args) if args.reward == "segment" else None, sft_model,
-                                tokenizer.eos_token_id)
+        scorer = rm.segment_scorer(None if args.task in data.CODE_TASKS else rm.read_segment_settings(args.rm_path),
+                                   sft_model, tokenizer.eos_token_id)
         evaluate.final_report(args, policy, sft_model, reward_model, tokenizer, eval_rows, metrics_path, scorer)
     acc.wait_for_everyone()
     if args.report_to != "none":

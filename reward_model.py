@@ -53,10 +53,12 @@ class RMArgs:
     resume: bool = field(default=False, metadata={"help": "continue from <output_dir>/checkpoint"})
     unit: str = field(default="sequence", metadata={"help": "what the head scores (Yin et al. 2025): sequence (the whole response, EOS included: the ordinary RM) | segment (entropy segments, each scored at its last token; a response's score e is their mean) | token (one token per segment). EOS belongs to no segment", "choices": ("sequence", "segment", "token")})
     c_ent: float = field(default=6.0, metadata={"help": "--unit segment: a response token whose SFT next-token entropy (nats, temperature 1) exceeds c_ent starts a segment. 6.0 gives the tiny chitchat SFT model (median entropy 5.5 nats) segments of about 3 tokens; a pretrained model's entropies are far lower: check the logged mean segment length"})
-    n_calibration: int = field(default=1024, metadata={"help": "--unit segment/token: RM-split pairs whose chosen and rejected responses fit the location normalizer"})
+    n_calibration: int = field(default=1024, metadata={"help": "RM-split pairs whose chosen and rejected responses fit the score's mean and std (score_norm.json, every unit) and, --unit segment/token, the location normalizer"})
 
 
 SEGMENT_FILE = "segment_reward.json"     # beside a segment / token RM's weights: its settings and normalizer
+SCORE_FILE = "score_norm.json"           # beside any RM's weights: the mean and std of its score (ppo.py --rm_norm)
+SCORE_NORMALIZER_KIND = "score"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -65,11 +67,18 @@ SEGMENT_FILE = "segment_reward.json"     # beside a segment / token RM's weights
 
 def token_values(model, input_ids, attention_mask):
     """The score head applied to every hidden state: [B, T]. For the RM only the last real token
-    matters; the PPO critic (initialised from the RM) reads a value at every response token."""
-    backbone = getattr(model, model.base_model_prefix)
-    hidden = backbone(input_ids=input_ids, attention_mask=attention_mask,
-                      position_ids=data.position_ids(attention_mask)).last_hidden_state
-    return model.score(hidden).squeeze(-1).float()
+    matters; the PPO critic (initialised from the RM) reads a value at every response token.
+    The model runs its own forward, through whatever wraps it (DDP syncs the gradients only of a forward
+    through the wrapper; accelerate's bf16 autocast is on that forward), and the head's output is read
+    on the way: the [B, T, 1] the model then pools at the last token."""
+    head = (model.module if isinstance(model, torch.nn.parallel.DistributedDataParallel) else model).score
+    read = []
+    hook = head.register_forward_hook(lambda module, inputs, output: read.append(output))
+    try:
+        model(input_ids=input_ids, attention_mask=attention_mask, position_ids=data.position_ids(attention_mask))
+    finally:
+        hook.remove()
+    return read[-1].squeeze(-1).float()
 
 
 def last_token(values, attention_mask):
@@ -334,14 +343,16 @@ def segment_rewards(values, starts, inside, settings, how="regression", interp="
     """Segment rewards (Yin et al. 2025, §2): the RM's head `values` [B, R] read at each segment's
     last token, normalized at its location p = k / K (`settings["normalizer"]`, the RM's), spread over
     its tokens by `interp`. Returns (dense per-token rewards [B, R], e = each response's mean raw segment
-    reward [B], their stats)."""
+    reward [B], their stats). `interp="bandit"` (Table 1, segment as bandit): no dense rewards (None), e is
+    the sequence score, one reward at the last token."""
     ends = ma.segment_ends(starts, inside)
     r_hat = normalize_segment_rewards(values, ma.segment_positions(starts, inside), settings.get("normalizer"), how)
     count = ends.sum(-1).float()
     normalized = r_hat[ends]
     stats = {"segment/count": count.mean(), "segment/mean_len": (inside.sum(-1) / count.clamp(min=1)).mean(),
              "segment/norm_mean": normalized.mean(), "segment/norm_std": normalized.std(correction=0)}
-    return ma.spread_segment_rewards(r_hat, starts, inside, interp), segment_evaluation(values, ends), stats
+    dense = None if interp == "bandit" else ma.spread_segment_rewards(r_hat, starts, inside, interp)
+    return dense, segment_evaluation(values, ends), stats
 
 
 def segment_scorer(settings, sft, eos_token_id):
@@ -353,6 +364,45 @@ def segment_scorer(settings, sft, eos_token_id):
                              eos_token_id=eos_token_id)
 
 
+@torch.no_grad()
+def fit_score_normalizer(model, tokenizer, rows, max_prompt_len, max_response_len, segmenter=None, batch_size=64):
+    """The mean and std (ddof 0, floored at 1e-6) of the RM's score, the head at the last token or with
+    `segmenter` e(x, y), over the chosen and the rejected responses of calibration pairs `rows` (Yin et al.
+    2025, §2.1: the reward normalized by its mean and std): named JSON fields."""
+    prompts = [r["prompt"] for r in rows] * 2
+    scores = score(model, tokenizer, prompts, [r["chosen"] for r in rows] + [r["rejected"] for r in rows],
+                   max_prompt_len, max_response_len, batch_size, segmenter).double()
+    return {"kind": SCORE_NORMALIZER_KIND, "mean": scores.mean().item(),
+            "std": max(scores.std(correction=0).item(), 1e-6), "n_responses": len(scores),
+            "score": "e(x, y), the mean of the segment rewards" if segmenter else "the head at the last token"}
+
+
+def write_json(path, value):
+    """`value` as JSON at `path`, atomically (a temp file renamed)."""
+    with open(path + ".tmp", "w") as f:
+        json.dump(value, f, indent=1)
+    os.replace(path + ".tmp", path)
+
+
+def read_score_normalizer(rm_path):
+    """The mean and std of an RM's score (`SCORE_FILE` beside it) as (mean, std); None when there is no file.
+    A file without a finite mean and a positive std is an error naming the field."""
+    path = os.path.join(rm_path, SCORE_FILE)
+    if not os.path.exists(path):
+        return None
+    norm = json.load(open(path))
+    if not isinstance(norm, dict) or norm.get("kind") != SCORE_NORMALIZER_KIND:
+        sys.exit(f"error: {path}: field 'kind' is {norm.get('kind') if isinstance(norm, dict) else norm!r}, "
+                 f"expected {SCORE_NORMALIZER_KIND!r}")
+    try:
+        mean, std = _field(norm, "mean"), _field(norm, "std")
+    except ValueError as e:
+        sys.exit(f"error: {path}: {str(e).replace('segment normalizer: ', '')}")
+    if std <= 0:
+        sys.exit(f"error: {path}: field 'std' must be positive, got {std}")
+    return mean, std
+
+
 def read_segment_settings(rm_path):
     """The settings a segment / token RM saved beside its weights (`SEGMENT_FILE`); None for a sequence RM."""
     path = os.path.join(rm_path, SEGMENT_FILE)
@@ -361,14 +411,23 @@ def read_segment_settings(rm_path):
 
 def load_segment_settings(args):
     """The segment / token RM's settings (`reward_model.SEGMENT_FILE` beside its weights) that
-    ppo.py's --reward segment and --termination segment read; a clear exit when they are missing or unusable.
-    ppo.py's --c_ent (segments for --termination segment under another reward) needs no file."""
-    if getattr(args, "c_ent", 0) and args.reward != "segment":
-        return {"unit": "segment", "c_ent": args.c_ent}
+    ppo.py's --reward segment and --termination segment read (and --reward rm on such an RM); a clear exit
+    when they are missing or unusable. ppo.py's --c_ent needs no file: segments for --termination segment
+    under another reward, or the segments a sequence RM is read on under --reward segment (Yin et al. 2025,
+    Table 1's bandit as segment: no normalizer, so --seg_norm none)."""
     path = os.path.join(args.rm_path, SEGMENT_FILE)
+    if getattr(args, "c_ent", 0):
+        if os.path.exists(path) and args.reward in ("segment", "rm"):
+            sys.exit(f"error: --c_ent: {args.rm_path} is a segment / token RM ({path}), read on its own segments "
+                     f"under --reward {args.reward}; drop --c_ent")
+        if args.reward == "segment" and args.seg_norm != "none":
+            sys.exit(f"error: --seg_norm {args.seg_norm}: a sequence RM read at segment ends (--reward segment "
+                     f"--c_ent) has no segment normalizer; pass --seg_norm none")
+        return {"unit": "segment", "c_ent": args.c_ent}
     if not os.path.exists(path):
         sys.exit(f"error: --reward segment / --termination segment need a segment or token RM: no {path} "
-                 f"(train one with reward_model.py --unit segment)")
+                 f"(train one with reward_model.py --unit segment; or read a sequence RM at the segment ends of "
+                 f"--c_ent C with --seg_norm none)")
     settings = json.load(open(path))
     unit, c_ent = settings.get("unit"), settings.get("c_ent")
     if unit not in ("segment", "token"):
@@ -397,7 +456,7 @@ def main(args):
     splits = data.load_task(args.task, skip_bad_rows=args.skip_bad_rows, only=("rm", "test"))
     train_rows, eval_rows = splits["rm"], splits["test"][:args.n_eval]
     log(f"[rm] {args.task}: {len(train_rows)} training pairs, {len(eval_rows)} held-out pairs")
-    model, tokenizer = load_reward_model(source, args.bf16)
+    model, tokenizer = load_reward_model(source)     # trained: fp32 master weights, --bf16 autocasts
     train_rows, eval_rows = (data.with_chat_template(r, tokenizer, args.chat_template) for r in (train_rows, eval_rows))
     if args.gradient_checkpointing:
         model.gradient_checkpointing_enable()
@@ -432,14 +491,16 @@ def main(args):
 
     accuracy = trainer.fit(train_rows, lambda rows: bradley_terry(trainer.model, pairs_of(rows))[0], evaluate)
     log(f"[rm] held-out pairwise accuracy {accuracy:.3f}")
+    if accelerator.is_main_process:     # the score's mean and std on the calibration pairs (ppo.py --rm_norm)
+        final = trainer.final.to(accelerator.device).eval()                  # the whole trained RM
+        write_json(os.path.join(args.output_dir, SCORE_FILE), fit_score_normalizer(
+            final, tokenizer, train_rows[:args.n_calibration], args.max_prompt_len, args.max_response_len, segmenter))
     if segmenter and accelerator.is_main_process:
         rows = train_rows[:args.n_calibration]
         batches = (pairs_of(rows[i:i + args.batch_size]) for i in range(0, len(rows), args.batch_size))
         settings = calibrate(trainer.final.to(accelerator.device).eval(), batches, args)   # the whole trained RM
         path = os.path.join(args.output_dir, SEGMENT_FILE)
-        with open(path + ".tmp", "w") as f:
-            json.dump(settings, f, indent=1)
-        os.replace(path + ".tmp", path)
+        write_json(path, settings)
         log(f"[rm] {args.unit} RM: mean segment length {settings['mean_segment_len']:.2f} tokens over "
             f"{settings['normalizer']['n_segments']} calibration segments; settings and normalizer in {path}")
     if args.task in data.GOLD_JUDGES and args.n_gold_prompts and accelerator.is_main_process:

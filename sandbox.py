@@ -8,7 +8,7 @@
 
 `tests` is one of three formats:
 - APPS standard input / output: {"inputs": ["1 2\\n", ...], "outputs": ["3\\n", ...]}; outputs are compared
-  line by line with trailing whitespace ignored;
+  line by line with trailing whitespace ignored (an input or output stored as a list of lines is those lines);
 - APPS call-based: the same with "fn_name" (a function, or a method of `class Solution`) and each input a
   list of arguments;
 - HumanEval: {"test": "def check(candidate): ...", "entry_point": "name", "prompt": "..."}; one test,
@@ -27,27 +27,38 @@ untrusted program never holds an expected output, a test's result or the report 
 
 The trusted side is total: whatever bytes the program writes on whatever channel it can reach, `run`
 returns a verdict, never an exception. Every channel is read while the program runs under a byte cap
-(a channel over its cap is closed and the run fails), and only a report's last line is parsed, once.
+(a channel over its cap is closed and the run fails), and only a report's last line is parsed, once, after
+its values are counted on its bytes (at most MAX_REPORT_VALUES: one report costs this process little).
 
 Isolation of the program's process, where the machine allows it (Linux as root; `--check` lists what holds):
 - a per-run cgroup (v1 memory / pids / freezer, or v2): memory (tmpfs, memfd and page cache included)
   and tasks (threads included) capped for this run alone; everything in it killed and the cgroup
   removed at the end;
 - namespaces: network (no network, not even 127.0.0.1), PID (its processes die with its first), IPC,
-  and mount, with a new root: a read-only tmpfs holding only the standard library (site-packages
-  hidden) and the shared libraries the interpreter maps, /dev/null, /dev/zero, /dev/urandom and a
-  private tmpfs /tmp; nothing else of the host;
-- a fresh session keyring; the unprivileged uid 65534 with no_new_privs, the parent-death signal
-  re-armed; a seccomp filter (libseccomp through ctypes) denying keyrings, ptrace, mount, namespaces,
-  bpf, perf_event_open, module / kexec loading, setsid / setpgid and more;
+  UTS (host name "sandbox") and mount, with a new root: a read-only tmpfs holding only the standard
+  library (site-packages hidden) and the shared libraries the interpreter maps, /dev/null, /dev/zero,
+  /dev/urandom and a private tmpfs /tmp; nothing else of the host;
+- a fresh session keyring; an unprivileged uid of its own (drawn at random from RUN_UIDS: per-user
+  counts of the kernel are not shared between runs) with no_new_privs, the parent-death signal re-armed;
+  a seccomp filter (libseccomp through ctypes) denying keyrings, ptrace, mount, namespaces, bpf,
+  perf_event_open, module / kexec loading, setsid / setpgid, sysinfo, sockets other than unix, inet,
+  inet6 and netlink (vsock is not confined by the network namespace) and more; new processes (one
+  process per run, so the CPU time limit is the run's budget, threads included); and whatever keeps state
+  on an inode every run sees (flock, fcntl locks, leases and notifications, inotify, fanotify, futexes
+  without FUTEX_PRIVATE_FLAG, page-cache probes), so concurrent runs cannot talk;
+- the program's view: the child runs this module's code compiled by the trainer under a neutral name and
+  sent on stdin, its uid and cgroup arrive with the job, and sys.argv, orig_argv, executable and prefix
+  are neutral: no trainer pid, run counter or checkout path;
 - always: limits on CPU time, address space, file size and open files, no core files, a wall-clock
   timeout that kills the whole process group, an environment of only PATH and LANG, captured output
-  capped, and an in-process guard that removes fork/exec/kill/system, subprocess, ctypes and file
-  deletion (an extra layer, not a boundary).
-Where a layer is unavailable the first run warns once and names the active ones. The program runs with
-a real fd 0 under sys.stdin, in a thread with a large stack (deep recursion works). The kernel is still
-shared and the filter is a denylist: for untrusted code at scale, run the trainer in a container or VM
-as well.
+  capped, and an in-process guard that removes fork/exec/kill/system, subprocess and ctypes and keeps
+  writes and deletions in the run's scratch folder (an extra layer, not a boundary).
+Where a layer is unavailable the first run warns once and names the active ones. The program runs as under
+CPython: a real fd 0 under sys.stdin and a file on fd 1 under sys.stdout (fileno(), mode, buffer; whatever
+reaches fd 1 counts, read back after the flushes CPython does at exit), exit() and quit(), os._exit ending
+the input with its output kept, tempfile and /tmp, fileinput on stdin, in a thread with a large stack (deep
+recursion works). The kernel is still shared and the filter is a denylist: for untrusted code at scale,
+run the trainer in a container or VM as well.
 """
 import marshal
 import os
@@ -56,7 +67,7 @@ import signal
 import sys
 
 OUTCOMES = ("passed", "failed", "runtime_error", "compile_error", "timeout")
-NAMESPACES = ["--net", "--mount", "--pid", "--ipc", "--fork", "--kill-child"]
+NAMESPACES = ["--net", "--mount", "--pid", "--ipc", "--uts", "--fork", "--kill-child"]
 
 
 class Result:
@@ -82,8 +93,19 @@ class Result:
         return -0.3 + 1.3 * self.passed / total if total else -0.3
 
 
+# Each run's own uid (when the trainer is root): the kernel keeps per-user counts (tasks, pending signals, message
+# queue bytes, pipe pages) that concurrent runs of one uid would share and could signal through. Drawn at random,
+# far above the uids of people and of rootless containers, so that the uid tells the program nothing.
+RUN_UIDS = range(0x70000000, 0x70000000 + (1 << 24))
+
+
+def run_uid(limits):
+    import random
+    return random.SystemRandom().choice(RUN_UIDS) if limits.uid is None else limits.uid
+
+
 class Limits:
-    def __init__(self, timeout=4.0, cpu_seconds=4, memory_mb=1024, output_bytes=1 << 20, processes=64, uid=65534,
+    def __init__(self, timeout=4.0, cpu_seconds=4, memory_mb=1024, output_bytes=1 << 20, processes=64, uid=None,
                  open_files=256):
         self.timeout = timeout              # wall-clock seconds for the whole program and all its tests
         self.cpu_seconds = cpu_seconds
@@ -91,18 +113,24 @@ class Limits:
         self.output_bytes = output_bytes    # per captured stream, and the largest file the program may write
         self.processes = processes          # tasks (threads included) of the run's cgroup, else RLIMIT_NPROC
         self.open_files = open_files        # RLIMIT_NOFILE
-        self.uid = uid                      # the unprivileged user programs run as (when this process is root)
+        self.uid = uid                      # the unprivileged user programs run as (when this process is root);
+                                            # None: each run a uid of its own, drawn at random from RUN_UIDS
 
 
 # Messages between processes. Trusted -> untrusted (the job, the check's calls): marshal, framed by its
 # length (fast, and only ever read by the side that cannot be harmed by it). Untrusted -> trusted (outputs,
-# values): one line of JSON, read with json.loads (linear in its length whatever the bytes, unlike
-# ast.literal_eval, which spends seconds on a megabyte of small literals) and then `decode` (strict).
+# values): one line of JSON, its values counted on its bytes, then read with json.loads (linear in its length
+# whatever the bytes, unlike ast.literal_eval, which spends seconds on a megabyte of small literals), tags
+# decoded as it parses (parse_report; the check's process, which needs real tuples: parse_line and `decode`).
 # The children write it with _json's C string encoder and never import the json package (10 ms each).
 
-def send(stream, value):
+def _frame(value):
     data = marshal.dumps(value)
-    stream.write(len(data).to_bytes(4, "little") + data)
+    return len(data).to_bytes(4, "little") + data
+
+
+def send(stream, value):
+    stream.write(_frame(value))
     stream.flush()
 
 
@@ -111,6 +139,61 @@ def receive(stream):
     if len(size) < 4:
         return None
     return marshal.loads(stream.read(int.from_bytes(size, "little")))
+
+
+# What one report may cost this process: json.loads builds an object per value, so a report holds at most this
+# many (an honest megabyte of one-digit numbers is 500,000); counted on its bytes before it is parsed.
+MAX_REPORT_VALUES = 600_000
+
+
+def report_values(line):
+    """At most how many values a JSON line (bytes) holds: each one after the first in a container follows a ','
+    or ':', each container opens with '[' or '{'; those characters inside strings are not counted. Linear in
+    the line, in C; the strings are cut out only when the plain count is over the cap (a megabyte of commas
+    printed by an honest program) and there are few enough of them."""
+    def separators(text):
+        return sum(text.count(c) for c in (b",", b":", b"[", b"{")) + 1
+    if separators(line) <= MAX_REPORT_VALUES:                    # an upper bound already: no need to look closer
+        return separators(line)
+    bare = line.replace(b"\\\\", b"").replace(b'\\"', b"")       # escaped backslashes and quotes
+    quotes = bare.count(b'"')
+    if quotes > 2 * MAX_REPORT_VALUES:
+        return quotes // 2
+    return separators(b"".join(bare.split(b'"')[::2]))
+
+
+def _plain_object(pairs):
+    """json.loads' object hook: an encoded tuple, non-finite float or dict becomes that value as it is parsed
+    (no second walk over the value; a tuple stays a list, as the verdict reads tuples); any other object is a
+    dict with string keys (a record)."""
+    if len(pairs) == 1:
+        (tag, value), = pairs
+        if tag == "float" and value in ("nan", "inf", "-inf"):
+            return float(value)
+        if tag == "tuple" and type(value) is list:
+            return value
+        if tag == "dict" and type(value) is list and all(type(kv) is list and len(kv) == 2 for kv in value):
+            try:                                             # keys that were tuples are tuples again
+                return {_key(k): v for k, v in value}
+            except TypeError:
+                raise NotPlain("an unhashable key") from None
+    return dict(pairs)
+
+
+def _key(x):
+    return tuple(map(_key, x)) if type(x) is list else x
+
+
+def parse_report(line):
+    """One untrusted report line (bytes) -> its record with plain values decoded, or None (not JSON, or not
+    plain); ValueError when it holds more than MAX_REPORT_VALUES values (refused before it is parsed)."""
+    import json
+    if report_values(line) > MAX_REPORT_VALUES:
+        raise ValueError(f"a report of more than {MAX_REPORT_VALUES} values")
+    try:                                  # as UTF-8 text, as it was counted (json.loads would guess UTF-16 in bytes)
+        return json.loads(line.decode("utf-8", "replace"), object_pairs_hook=_plain_object)
+    except (ValueError, TypeError, MemoryError, RecursionError):
+        return None
 
 
 def parse_line(line):
@@ -184,14 +267,27 @@ def decode(x):
 
 
 def _same_output(got, expected):
+    """Line by line, trailing whitespace ignored; an expected output stored as a list of lines is those lines."""
     def lines(text):
         return [line.rstrip() for line in str(text).strip().splitlines()]
+    if isinstance(expected, list):
+        expected = "\n".join(line[:-1] if line.endswith("\n") else line for line in map(str, expected))
     return lines(got) == lines(expected)
 
 
 def _same_value(got, expected):
+    """Equal as values, tuples read as lists. The program's value comes from parse_report, tuples already lists:
+    one C-level comparison decides, unless the expected value (trusted) holds tuples."""
+    if got == expected or [got] == expected:
+        return True
     def plain(x):
+        if type(x) is dict:
+            return {k: plain(v) for k, v in x.items()}
         return [plain(v) for v in x] if isinstance(x, (list, tuple)) else x
+    def has_tuple(x):
+        return type(x) is tuple or type(x) in (list, dict) and any(map(has_tuple, x.values() if type(x) is dict else x))
+    if not has_tuple(expected):
+        return False
     got, expected = plain(got), plain(expected)
     return got == expected or [got] == expected
 
@@ -199,13 +295,25 @@ def _same_value(got, expected):
 # ---------------------------------------------------------------- the trusted side
 
 _ISOLATION = None
-# a child's interpreter imports this module (its cached bytecode) rather than running this file as a script,
-# which would compile all of it again in every child (20 ms)
-CHILD = (f"import sys; sys.path.insert(0, {os.path.dirname(os.path.abspath(__file__))!r}); import sandbox; "
-         "del sys.path[0]; sys.exit(sandbox.main(sys.argv[1:]))")
+# A child's interpreter runs this module's code, compiled once by the trainer and sent ahead of the job on stdin
+# (compiling the file in every child costs 20 ms): no path of the checkout in its arguments, modules or frames.
+CHILD = ("import sys, marshal; sandbox = type(sys)('sandbox'); given = sys.stdin.buffer; "
+         "exec(marshal.loads(given.read(int.from_bytes(given.read(4), 'little'))), sandbox.__dict__); "
+         "del given; sys.exit(sandbox.main(sys.argv[1:]))")
+_CHILD_CODE = None
 CGROUP_PARENT = "ma_sandbox"           # each run's cgroup: <hierarchy>/ma_sandbox/<trainer pid>_<n>_<its PID ns>
 CGROUP_ROOT = "/sys/fs/cgroup"
 _RUN_NUMBERS = iter(range(1 << 62))
+
+
+def _child_code():
+    """This module compiled under a neutral file name, framed for the child's stdin (once per trainer)."""
+    global _CHILD_CODE
+    if _CHILD_CODE is None:
+        with open(os.path.abspath(__file__), encoding="utf-8") as f:
+            code = marshal.dumps(compile(f.read(), "sandbox.py", "exec"))
+        _CHILD_CODE = len(code).to_bytes(4, "little") + code
+    return _CHILD_CODE
 
 
 def _write(path, text):
@@ -354,9 +462,10 @@ def isolation():
             group = None
             try:
                 group = _Cgroup(cg_kind, Limits()) if cg_kind else None
-                probe = [unshare, *flags, sys.executable, "-I", "-S", "-c", CHILD, "--probe", "ns",
-                         str(Limits().uid if with_uid else -1), ":".join(group.procs) if group else ""]
-                out = subprocess.run(probe, capture_output=True, timeout=20, cwd="/").stdout.split()
+                probe = [unshare, *flags, sys.executable, "-I", "-S", "-c", CHILD, "--probe", "ns"]
+                setup = {"uid": run_uid(Limits()) if with_uid else -1, "cgroup": group.procs if group else []}
+                given = _child_code() + _frame(setup)
+                out = subprocess.run(probe, input=given, capture_output=True, timeout=20, cwd="/").stdout.split()
             except (OSError, subprocess.TimeoutExpired):
                 out = []
             finally:
@@ -375,17 +484,27 @@ def isolation():
                     "mount namespace with an allowlisted root: the interpreter and its standard library read-only, "
                     "/dev/null, /dev/zero, /dev/urandom and a private tmpfs /tmp; nothing else of the host",
                     "PID namespace: no other process in /proc; its processes die with its first",
-                    "IPC namespace; a fresh session keyring"] if prefix else [])
-        layers += ([f"unprivileged uid {Limits().uid} with no_new_privs and the parent-death signal re-armed"]
-                   if drop else [])
+                    "IPC namespace; UTS namespace with a neutral host name; a fresh session keyring"] if prefix else [])
+        layers += (["an unprivileged uid of its own per run (drawn at random: no per-user count shared between "
+                    "runs), no_new_privs and the parent-death signal re-armed"] if drop else [])
         layers += (["seccomp filter: keyrings, ptrace, mount, namespaces, bpf, perf_event_open, module and kexec "
-                    "loading, setsid / setpgid and more denied"] if seccomp else [])
+                    "loading, setsid / setpgid, sysinfo, socket families past unix / inet / inet6 / netlink (vsock "
+                    "reaches a virtual machine's host) and more denied",
+                    "one process per run (seccomp: fork, vfork and clone without CLONE_THREAD denied): the CPU time "
+                    "limit is the run's budget, threads included",
+                    "nothing lockable or watchable shared between concurrent runs (seccomp: flock, fcntl record locks, "
+                    "leases and notifications, inotify, fanotify, shared futexes, page-cache probes (mincore, fadvise, "
+                    "readahead, cachestat, page-out, RWF_NOWAIT) denied)"]
+                   if seccomp else [])
         layers += ["rlimits: CPU time, address space, file size, open files, no core files" +
                    ("" if kind else ", processes (per uid: not for root)"),
                    "wall-clock timeout; the whole process group is killed",
                    "trusted side reads every channel while the program runs, each capped, and always ends in a verdict",
-                   "environment scrubbed to PATH and LANG; output capped",
-                   "in-process guard: fork/exec/kill/system, subprocess, ctypes, file deletion removed"]
+                   f"one report costs the trusted side at most {MAX_REPORT_VALUES} values, counted before it is parsed",
+                   "the program's view: no trainer pid, run counter or checkout path in its arguments, interpreter "
+                   "paths, modules or frames; environment scrubbed to PATH and LANG; output capped",
+                   "in-process guard: fork/exec/kill/system, subprocess, ctypes removed; writes and deletions only in "
+                   "the run's scratch folder"]
         _ISOLATION = (prefix, drop, kind, seccomp, layers)
         missing = [name for name, held in [("namespaces", prefix), ("an unprivileged uid", drop),
                                           ("per-run cgroups", kind), ("seccomp", seccomp)] if not held]
@@ -406,8 +525,7 @@ def _spawn(role, job, fds, limits):
     try:
         group = _Cgroup(kind, limits) if kind else None
         folder = None if prefix else tempfile.mkdtemp(prefix=f"sandbox_{os.getpid()}_")   # whose it is, for leak checks
-        argv = [sys.executable, "-I", "-S", "-c", CHILD, role, "ns" if prefix else "plain",
-                str(limits.uid if drop else -1), ":".join(group.procs) if group else "", *map(str, fds)]
+        argv = [sys.executable, "-I", "-S", "-c", CHILD, role, "ns" if prefix else "plain", *map(str, fds)]
         # no preexec_fn (unsafe with run_many's threads): the child joins its cgroup and sets its limits first
         proc = subprocess.Popen(prefix + argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                 cwd=folder or "/", pass_fds=fds, env={"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8"},
@@ -416,7 +534,8 @@ def _spawn(role, job, fds, limits):
         _end([(None, group, folder)])
         raise
     try:
-        send(proc.stdin, {**job, "limits": vars(limits)})
+        setup = {"uid": run_uid(limits) if drop else -1, "cgroup": group.procs if group else []}   # not in its argv
+        proc.stdin.write(_child_code() + _frame({**job, "limits": vars(limits), "setup": setup}))
         proc.stdin.close()
     except BrokenPipeError:
         pass
@@ -480,9 +599,10 @@ def _end(started):
 
 
 def _last_record(data):
-    """The last line of a channel as a dict, or None: one parse, whatever came before it."""
+    """The last line of a channel as a dict, its plain values decoded, or None: one parse, whatever came before
+    it, at a bounded cost (parse_report)."""
     line = bytes(data).rstrip(b"\n").rpartition(b"\n")[2]
-    record = parse_line(line.decode(errors="replace")) if line else None
+    record = parse_report(line) if line else None
     return record if isinstance(record, dict) else None
 
 
@@ -577,11 +697,8 @@ def _verdict(record, tests, died):
         if not isinstance(got, dict) or "error" in got or "out" not in got:
             detail = str(got.get("error", "")) if isinstance(got, dict) else "no result"
             return Result("runtime_error", passed, failed, detail if i < len(results) else died)
-        try:
-            value = decode(got["out"])
-            ok = _same_value(value, expected) if "fn_name" in tests else _same_output(value, expected)
-        except NotPlain:
-            ok = False
+        value = got["out"]                                  # decoded as it was parsed (parse_report)
+        ok = _same_value(value, expected) if "fn_name" in tests else _same_output(value, expected)
         passed, failed = passed + ok, failed + (not ok)
     return Result("passed" if failed == 0 else "failed", passed, failed)
 
@@ -638,7 +755,7 @@ def _isolate(uid, cgroup_procs):
     /dev/urandom and a private tmpfs /tmp with the working folder; then (as root on the host) the
     unprivileged uid with no_new_privs and the parent-death signal re-armed."""
     ctypes, libc = _libc()
-    for path in filter(None, cgroup_procs.split(":")):
+    for path in cgroup_procs:
         _write(path, str(os.getpid()))                       # before anything else: all it starts is in it
 
     def mount(source, target, fstype, flags, options=None):
@@ -648,6 +765,9 @@ def _isolate(uid, cgroup_procs):
     rdonly, nosuid, nodev, remount, bind, recursive = 1, 2, 4, 32, 4096, 16384
     if libc.syscall(250, 1, None) < 0:                       # keyctl(KEYCTL_JOIN_SESSION_KEYRING, NULL)
         raise OSError(ctypes.get_errno(), "a fresh session keyring")
+    for call, name in ((libc.sethostname, b"sandbox"), (libc.setdomainname, b"(none)")):   # its own UTS namespace
+        if call(name, len(name)) != 0:
+            raise OSError(ctypes.get_errno(), "a neutral host name")
     stdlib = os.path.dirname(os.path.realpath(os.__file__))
     visible = sorted({stdlib, *_mounted_library_dirs()})
     hidden = [os.path.join(stdlib, name) for name in ("site-packages", "dist-packages")]
@@ -701,8 +821,26 @@ DENIED_SYSCALLS = ("add_key", "request_key", "keyctl", "ptrace", "mount", "umoun
                    "process_vm_writev", "userfaultfd", "open_by_handle_at", "name_to_handle_at", "fsopen", "fsmount",
                    "fspick", "fsconfig", "move_mount", "open_tree", "mount_setattr", "acct", "quotactl", "syslog",
                    "iopl", "ioperm", "personality", "setsid", "setpgid", "lookup_dcookie", "vhangup", "settimeofday",
-                   "clock_settime", "adjtimex", "sethostname", "setdomainname", "io_uring_setup")
+                   "clock_settime", "adjtimex", "sethostname", "setdomainname", "io_uring_setup",
+                   # one process per run: its CPU time limit is the run's (threads count in it, forks would not)
+                   "fork", "vfork",
+                   # state kept on inodes that every run sees (the standard library, /dev/null): concurrent runs
+                   # would talk through locks, watches, shared futexes and the page cache
+                   "flock", "inotify_init", "inotify_init1", "inotify_add_watch", "fanotify_init", "fanotify_mark",
+                   "futex_waitv", "futex_wake", "futex_wait", "futex_requeue", "mincore", "fadvise64", "readahead",
+                   "cachestat", "remap_file_pages",
+                   # the host's memory, load, uptime and process count
+                   "sysinfo")
 NAMESPACE_FLAGS = (0x00020000, 0x02000000, 0x04000000, 0x08000000, 0x10000000, 0x20000000, 0x40000000, 0x00000080)
+CLONE_THREAD, FUTEX_PRIVATE_FLAG = 0x00010000, 128
+# fcntl's record locks (POSIX and open-file-description), leases and directory notifications
+FCNTL_SHARED_STATE = (5, 6, 7, 36, 37, 38, 1024, 1025, 1026)
+MADV_COLD, MADV_PAGEOUT = 20, 21                             # evict pages of a file every run maps
+RWF_NOWAIT = 8                                               # preadv2 that fails unless the page is cached
+# socket families past unix, inet, inet6 and netlink: some are not confined by the network namespace (vsock
+# reaches the hypervisor of a virtual machine), none is needed by a test program
+OTHER_SOCKET_FAMILIES = (3, 4, 5, 6, 7, 8, 9, 11, 12, 13, 14, 15)
+FIRST_OTHER_SOCKET_FAMILY = 17
 
 
 def _libseccomp():
@@ -714,8 +852,12 @@ def _libseccomp():
 
 
 def _seccomp():
-    """Deny DENIED_SYSCALLS, clone() with a namespace flag, and clone3 (ENOSYS: libc falls back to clone);
-    True where the filter is loaded (needs libseccomp.so.2 and no_new_privs or root)."""
+    """Deny DENIED_SYSCALLS; clone() with a namespace flag or without CLONE_THREAD (a thread, never a new
+    process); clone3 (ENOSYS: libc falls back to clone); fcntl's locks, leases and notifications; futexes
+    without FUTEX_PRIVATE_FLAG (keyed by inode and offset on a file's pages: the standard library's pages are
+    every run's); madvise's page-out and preadv2's RWF_NOWAIT (page-cache probes); sockets other than unix,
+    inet, inet6 and netlink. True where the filter is loaded (needs libseccomp.so.2 and no_new_privs
+    or root)."""
     import ctypes
     lib = _libseccomp()
     if lib is None:
@@ -741,6 +883,18 @@ def _seccomp():
             return False
     if clone3 >= 0 and lib.seccomp_rule_add_array(ctx, enosys, clone3, 0, None) != 0:
         return False
+    masked_eq, eq = 7, 4
+    rules = [(clone, Compare(0, masked_eq, CLONE_THREAD, 0)),
+             (lib.seccomp_syscall_resolve_name(b"futex"), Compare(1, masked_eq, FUTEX_PRIVATE_FLAG, 0))]
+    rules += [(lib.seccomp_syscall_resolve_name(b"fcntl"), Compare(1, eq, cmd, 0)) for cmd in FCNTL_SHARED_STATE]
+    rules += [(lib.seccomp_syscall_resolve_name(b"madvise"), Compare(2, eq, advice, 0)) for advice in (MADV_COLD, MADV_PAGEOUT)]
+    rules += [(lib.seccomp_syscall_resolve_name(b"preadv2"), Compare(5, masked_eq, RWF_NOWAIT, RWF_NOWAIT))]
+    socket = lib.seccomp_syscall_resolve_name(b"socket")
+    rules += [(socket, Compare(0, eq, family, 0)) for family in OTHER_SOCKET_FAMILIES]
+    rules += [(socket, Compare(0, 5, FIRST_OTHER_SOCKET_FAMILY, 0))]          # SCMP_CMP_GE
+    for number, compare in rules:
+        if lib.seccomp_rule_add_array(ctx, eperm, number, 1, ctypes.byref(compare)) != 0:
+            return False
     return lib.seccomp_load(ctx) == 0
 
 
@@ -758,52 +912,19 @@ def _set_limits(limits, rlimit_nproc=True, open_already=0):
             pass
 
 
-class _CappedOutput:
-    """stdout for the program: text up to `limit` characters, then an error (a flood of output); bytes
-    written to its `buffer` are decoded as UTF-8."""
-    encoding, errors = "utf-8", "strict"
-
-    def __init__(self, limit):
-        self.parts, self.size, self.limit = [], 0, limit
-        self.buffer = _BytesOutput(self)
-
-    def write(self, text):
-        if type(text) is not str:
-            raise TypeError(f"write() argument must be str, not {type(text).__name__}")
-        self.size += len(text)
-        if self.size > self.limit:
-            raise RuntimeError(f"output limit of {self.limit} characters exceeded")
-        self.parts.append(text)
-        return len(text)
-
-    def writelines(self, lines):
-        for line in lines:
-            self.write(line)
-
-    def flush(self):
-        pass
-
-    def isatty(self):
-        return False
-
-    def getvalue(self):
-        return "".join(self.parts)
+class ProgramExit(BaseException):
+    """os._exit(code) in the program: ends this input as sys.exit(code) would, but no `except SystemExit` or
+    `except Exception` of the program stops it (its output so far is kept: a real _exit would lose it here)."""
 
 
-class _BytesOutput:
-    def __init__(self, text):
-        self.text = text
-
-    def write(self, data):
-        self.text.write(bytes(data).decode("utf-8", "replace"))
-        return len(data)
-
-    def flush(self):
-        pass
+def _program_exit(code):
+    raise ProgramExit(code)
 
 
-def _guard(workdir, memory_mb=1024):
-    """Remove the process, signal and file-system calls generated code never needs (an extra layer)."""
+def _guard(scratch, memory_mb=1024, isolated=False):
+    """Remove the process and signal calls generated code never needs, and confine writes and deletions to
+    the scratch folder (an extra layer: in the mount namespace the kernel refuses every write outside /tmp)."""
+    import _sitebuiltins
     import builtins
     import io
     import posix
@@ -811,18 +932,18 @@ def _guard(workdir, memory_mb=1024):
     import subprocess as subprocess_
     os.environ.clear()                                  # before unsetenv goes
     for module in (os, posix):
-        for name in ("fork", "forkpty", "vfork", "kill", "_exit", "abort", "killpg", "system", "popen", "execv", "execve", "execvp",
+        for name in ("fork", "forkpty", "vfork", "kill", "abort", "killpg", "system", "popen", "execv", "execve", "execvp",
                      "execvpe", "execl", "execle", "execlp", "execlpe", "spawnv", "spawnve", "spawnvp", "spawnvpe",
-                     "spawnl", "spawnle", "posix_spawn", "posix_spawnp", "remove", "unlink", "rmdir", "removedirs",
-                     "rename", "renames", "replace", "truncate", "chmod", "chown", "lchown", "fchmod", "fchown",
+                     "spawnl", "spawnle", "posix_spawn", "posix_spawnp", "chown", "lchown", "fchown",
                      "setuid", "setgid", "setsid", "setpgrp", "setpgid", "putenv", "unsetenv", "register_at_fork", "symlink", "link"):
             if hasattr(module, name):          # deleted, not set to None: code that asks hasattr()
                 delattr(module, name)           # (random's register_at_fork) carries on without it
+        module._exit = _program_exit
     for module, names in [(signal, ("pthread_kill", "pthread_sigmask")),
-                          (subprocess_, ("Popen", "run", "call", "check_call", "check_output", "getoutput")),
-                          (shutil_, ("rmtree", "move"))]:
+                          (subprocess_, ("Popen", "run", "call", "check_call", "check_output", "getoutput"))]:
         for name in names:
             delattr(module, name)
+    builtins.exit, builtins.quit = (_sitebuiltins.Quitter(name, "Ctrl-D (i.e. EOF)") for name in ("exit", "quit"))
     set_limit = sys.setrecursionlimit                   # deep but bounded (the program runs on a large stack,
     cap = min(10 ** 6, 1000 * memory_mb)                # frames take memory): a bomb ends in RecursionError
     sys.setrecursionlimit = lambda n: set_limit(min(n, cap))
@@ -837,45 +958,90 @@ def _guard(workdir, memory_mb=1024):
         full = os.path.realpath(os.fsdecode(path))
         if full.startswith("/proc"):
             return False
-        return not writing or full == workdir or full.startswith(workdir + os.sep)
+        return not writing or full == scratch or full.startswith(scratch + os.sep)
+
+    def standard(path):                                 # /dev/stdout and the like: there is no /proc here
+        if isinstance(path, (str, bytes)):
+            name = os.fsdecode(path)
+            for prefix in ("/dev/fd/", "/proc/self/fd/"):
+                if name.startswith(prefix) and name[len(prefix):].isdigit():
+                    return os.dup(int(name[len(prefix):]))
+            if name in ("/dev/stdin", "/dev/stdout", "/dev/stderr"):
+                return os.dup(("/dev/stdin", "/dev/stdout", "/dev/stderr").index(name))
+        return path
 
     def guarded_open(file, mode="r", *args, **kwargs):
+        file = standard(file)
         if not allowed(file, any(c in mode for c in "wax+")):
             raise PermissionError(f"sandbox: opening {file!r} with mode {mode!r} is not allowed")
         return real_open(file, mode, *args, **kwargs)
 
     def guarded_os_open(path, flags, *args, **kwargs):
+        path = standard(path)
+        if isinstance(path, int):
+            return path
         if not allowed(path, flags & writes):
             raise PermissionError(f"sandbox: opening {path!r} is not allowed")
         return real_os_open(path, flags, *args, **kwargs)
 
+    def confined(change, paths):                        # unlink, rename, ...: inside the scratch folder only
+        def call(*args, **kwargs):
+            folders = [kwargs.get("dir_fd")] if paths == 1 else [kwargs.get("src_dir_fd"), kwargs.get("dst_dir_fd")]
+            full = []
+            for path, folder in zip(args[:paths], folders):
+                if folder is not None and not isinstance(path, int):   # relative to a folder's fd (shutil.rmtree)
+                    try:
+                        path = os.path.join(os.readlink(f"/proc/self/fd/{folder}"), os.fsdecode(path))
+                    except OSError:                     # no /proc: in the mount namespace the kernel decides
+                        path = path if isolated else "/"
+                full.append(path)
+            if not all(allowed(path, True) for path in full):
+                raise PermissionError(f"sandbox: {change.__name__} of {args[:paths]!r} is not allowed")
+            return change(*args, **kwargs)
+        return call
+    for module in (os, posix):
+        for name, paths in (("remove", 1), ("unlink", 1), ("rmdir", 1), ("truncate", 1), ("chmod", 1), ("fchmod", 1),
+                            ("rename", 2), ("replace", 2)):
+            setattr(module, name, confined(getattr(posix, name), paths))
     builtins.open = io.open = guarded_open
     os.open = guarded_os_open
 
 
 def _error(err):
+    if isinstance(err, OSError) and err.errno == 27:             # EFBIG: RLIMIT_FSIZE on the output file
+        return "RuntimeError: output limit exceeded (the output file is full)"
     return f"{type(err).__name__}: {err}"[-500:]
 
 
 def _start(argv):
     """Common start of a child: cgroup, isolation, the job, stdin files, limits, seccomp.
-    argv: role, "ns" | "plain", uid, cgroup.procs paths joined by ":", fds..."""
-    if argv[1] == "ns":
-        _isolate(int(argv[2]), argv[3])
-    else:
-        for path in filter(None, argv[3].split(":")):
-            _write(path, str(os.getpid()))
+    argv: role, "ns" | "plain", fds...; the job's "setup": the uid to run as and the cgroup.procs files to join."""
     job = receive(sys.stdin.buffer)
+    setup = job.pop("setup")
+    if argv[1] == "ns":
+        _isolate(setup["uid"], setup["cgroup"])
+    else:
+        for path in setup["cgroup"]:
+            _write(path, str(os.getpid()))
     stdin = ([_stdin_file(given if isinstance(given, str) else "\n".join(map(str, given))) for given in job["inputs"]]
              if argv[0] == "--run" and not job.get("fn_name") else [])          # before the file size limit
-    _set_limits(job["limits"], rlimit_nproc=not argv[3], open_already=len(stdin))
+    _set_limits(job["limits"], rlimit_nproc=not setup["cgroup"], open_already=len(stdin))
     if sys.platform.startswith("linux"):
         ctypes, libc = _libc()
         if libc.prctl(38, 1, 0, 0, 0) != 0:                  # PR_SET_NO_NEW_PRIVS
             raise OSError(ctypes.get_errno(), "prctl(PR_SET_NO_NEW_PRIVS)")
         if not _seccomp() and _libseccomp() is not None:
             raise OSError("the seccomp filter did not load")
-    return job, [int(fd) for fd in argv[4:]], stdin
+    _neutral_view()
+    return job, [int(fd) for fd in argv[2:]], stdin
+
+
+def _neutral_view():
+    """Nothing of the trainer in what the program can read of its interpreter: the arguments it was started
+    with (a program's own: none), the virtual environment's paths (under the checkout)."""
+    sys.argv, sys.orig_argv = ["<program>"], ["python3", "<program>"]
+    sys.prefix, sys.exec_prefix = sys.base_prefix, sys.base_exec_prefix
+    sys.executable = sys._base_executable = os.path.join(sys.base_exec_prefix, "bin", "python3")
 
 
 def _stdin_file(text):
@@ -891,14 +1057,14 @@ def _stdin_file(text):
 
 
 def _use_stdin(fd, text):
-    """sys.stdin for one input: a text wrapper over a real fd 0 (so .buffer, open(0) and readline work)."""
+    """sys.stdin for one input: a text file over a real fd 0, as CPython's (so .buffer, .mode, fileno(), open(0)
+    and readline work)."""
     import io
     if fd is None:
         return io.StringIO(text)
     os.dup2(fd, 0)
     os.close(fd)
-    return io.TextIOWrapper(io.BufferedReader(io.FileIO(0, "rb", closefd=False)), encoding="utf-8",
-                            errors="surrogateescape", newline="\n")
+    return io.open(0, "r", encoding="utf-8", errors="surrogateescape", newline="\n", closefd=False)
 
 
 def _with_a_large_stack(limits, fn, *args):
@@ -929,11 +1095,15 @@ def _program_child(argv):
         report.flush()
         return
     channels = [os.fdopen(fd, mode) for fd, mode in zip(fds[1:], ("rb", "w"))]
-    _guard(os.path.realpath(os.getcwd()), job["limits"]["memory_mb"])
+    isolated = argv[1] == "ns"
+    stdout = None if argv[0] == "--serve" else _scratch_file("stdout")
+    _guard("/tmp" if isolated else os.path.realpath(os.getcwd()), job["limits"]["memory_mb"], isolated)
     if argv[0] == "--serve":
         return _with_a_large_stack(job["limits"], _serve, code, job, *channels)
     results = []
-    _with_a_large_stack(job["limits"], _run_inputs, code, job, stdin, results)
+    import gc
+    gc.freeze()                           # the collection after each input walks the program's objects only
+    _with_a_large_stack(job["limits"], _run_inputs, code, job, stdin, stdout, results)
     room, pieces = 6 * job["limits"]["output_bytes"], []      # within the trusted side's cap on this channel
     for result in results:
         piece = _json_text(result)
@@ -946,13 +1116,60 @@ def _program_child(argv):
     report.flush()
 
 
-def _run_inputs(code, job, stdin, results):
-    real_stdout, real_stdin = sys.stdout, sys.stdin
+def _scratch_file(name):
+    """An fd of an empty file of this process (a memfd, else an unlinked file in the working folder)."""
+    if hasattr(os, "memfd_create"):
+        return os.memfd_create(name)
+    fd = os.open(f".{name}", os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+    os.unlink(f".{name}")
+    return fd
+
+
+def _use_stdout(fd):
+    """fd 1 on an emptied file for one input, and sys.stdout a text file over fd 1 as CPython's would be
+    (fileno(), mode, buffer), writing through to its buffer: print, sys.stdout.buffer, os.write(1, ...) and
+    os.fdopen(1) all land in the file, in the order written. Its size is capped by RLIMIT_FSIZE."""
+    import io
+    os.ftruncate(fd, 0)
+    os.lseek(fd, 0, os.SEEK_SET)
+    os.dup2(fd, 1)
+    stdout = io.open(1, "w", encoding="utf-8", errors="surrogateescape", closefd=False)
+    stdout.reconfigure(write_through=True)
+    return stdout
+
+
+def _printed(fd, namespace):
+    """What one input's program wrote to fd 1, after the end of a CPython process: its other non-daemon threads
+    joined (a program often runs main in a thread with a larger stack and returns), its atexit functions run,
+    sys.stdout flushed unless closed, its own files flushed as they are freed; read back from the file."""
+    import atexit
+    import gc
+    import threading
+    for hook in reversed(threading._threading_atexits):  # e.g. idle ThreadPoolExecutor workers are told to end
+        hook()
+    for thread in threading.enumerate():
+        if thread is not threading.current_thread() and thread is not threading.main_thread() and not thread.daemon:
+            thread.join()                                # the run's wall-clock limit still holds
+    pool = sys.modules.get("concurrent.futures.thread")
+    if pool is not None:
+        pool._shutdown = False                           # the next input's executors may start again
+    atexit._run_exitfuncs()
+    atexit._clear()
+    for stream in (sys.stdout, sys.__stdout__):
+        if hasattr(stream, "flush") and not getattr(stream, "closed", False):
+            stream.flush()
+    namespace.clear()
+    gc.collect()
+    return os.pread(fd, os.fstat(fd).st_size, 0).decode("utf-8", "surrogateescape")
+
+
+def _run_inputs(code, job, stdin, stdout, results):
+    real = sys.stdout, sys.stdin, sys.__stdout__, sys.__stdin__
     for i, given in enumerate(job["inputs"]):
-        out = _CappedOutput(job["limits"]["output_bytes"])
         namespace = {"__name__": "__main__" if not job["fn_name"] else "program"}
-        sys.stdout = out
         try:
+            sys.stdout = sys.__stdout__ = _use_stdout(stdout)     # __stdout__ keeps it alive when the program
+                                                                   # wraps sys.stdout.buffer in a file of its own
             if job["fn_name"]:
                 exec(code, namespace)
                 fn = namespace.get(job["fn_name"])
@@ -961,24 +1178,25 @@ def _run_inputs(code, job, stdin, results):
                 if fn is None:
                     raise NameError(f"no function {job['fn_name']!r}")
                 value = fn(*given)
-                sys.stdout = real_stdout
+                sys.stdout = real[0]
                 try:
                     results.append({"out": encode(value)})
                 except NotPlain as err:                      # compared as a wrong answer by the parent
                     results.append({"out": {"not_plain": str(err)}})
             else:
-                sys.stdin = _use_stdin(stdin[i], given if isinstance(given, str) else "\n".join(map(str, given)))
+                sys.stdin = sys.__stdin__ = _use_stdin(stdin[i], given if isinstance(given, str) else "\n".join(map(str, given)))
                 try:
                     exec(code, namespace)
-                except SystemExit as stop:
-                    if stop.code not in (None, 0):
+                except (SystemExit, ProgramExit) as stop:
+                    status = stop.code if isinstance(stop, SystemExit) else stop.args[0] if stop.args else None
+                    if status not in (None, 0):
                         raise
-                results.append({"out": out.getvalue()})
+                results.append({"out": _printed(stdout, namespace)})
         except BaseException as err:  # noqa: BLE001 - the program's own failure, whatever it is
-            sys.stdout, sys.stdin = real_stdout, real_stdin
+            sys.stdout, sys.stdin, sys.__stdout__, sys.__stdin__ = real
             results.append({"error": _error(err)})
             break
-        sys.stdout, sys.stdin = real_stdout, real_stdin
+        sys.stdout, sys.stdin, sys.__stdout__, sys.__stdin__ = real
 
 
 def _serve(code, job, calls, replies):
@@ -1052,7 +1270,8 @@ def main(argv):
     if argv[:1] == ["--check-child"]:
         return _check_child(argv)
     if argv[:1] == ["--probe"]:      # isolation(): can a child isolate itself (and import, and filter) here?
-        _isolate(int(argv[2]), argv[3])
+        setup = receive(sys.stdin.buffer)
+        _isolate(setup["uid"], setup["cgroup"])
         import hashlib, math, shutil, subprocess  # noqa: E401,F401 - the standard library is still importable
         _libc()[1].prctl(38, 1, 0, 0, 0)
         print("isolated", "seccomp" if _seccomp() else "")

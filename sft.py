@@ -176,7 +176,8 @@ def main(args):
         model = tiny_gemma(tokenizer, args.hidden_size, args.num_layers,
                            max_len=2 * (args.max_prompt_len + args.max_response_len))
     else:          # with LoRA the checkpoint holds adapters: they go back on the pretrained model
-        tokenizer, model = load_pretrained(args.model if args.lora_r else source, args.bf16)
+        # --bf16 autocasts; the trained weights stay fp32 (the master copy), only LoRA's frozen base is bf16
+        tokenizer, model = load_pretrained(args.model if args.lora_r else source, args.bf16 and args.lora_r > 0)
         add_pad_token(tokenizer, model, log)
         data.check_tokenizer(tokenizer)
         if args.lora_r:

@@ -148,6 +148,14 @@ def segment_arms(task, prefix):
                    ("--termination", "segment", "--c_ent", "{c_ent}", *sft_critic, *seq), task, a.name, gold))
 
 
+def normalized_sequence_arm(task, prefix):
+    """(A) with the sequence RM's score standardized (--rm_norm: its mean and std on the calibration pairs,
+    Yin et al. 2025, §2.1), as (B)'s segment rewards are: (A') and (B) differ only in the reward's density."""
+    a = segment_arms(task, prefix)[0]
+    return dataclasses.replace(a, name=f"{prefix}seq_rm_norm", label="(A') sequence RM, its score normalized, PPO",
+                               flags=(*a.flags, "--rm_norm"))
+
+
 def segment_ablations(task, prefix):
     """(B) with the normalizer and the interpolation changed one at a time."""
     b = segment_arms(task, prefix)[1]
@@ -155,6 +163,23 @@ def segment_ablations(task, prefix):
                                      flags=(*b.flags, f"--{flag}", value))
                  for flag, values in (("seg_norm", ("global", "last", "none")), ("seg_interp", ("repeat", "end")))
                  for value in values))
+
+
+# The segment RM's collapse (one positive word repeated on chitchat) at the study's beta of 0.05, where the summed
+# dense rewards outweigh the KL penalty: a beta scaled to their size, never tried there, swept upwards. The README's quick
+# start (segment RM, MA-PPO on its segments, the critic from the RM, a 5-iteration critic warm-up) at each beta,
+# paired with PPO on the segment RM at the study's beta; scored by gold_strict (sentiment priced by repeated word
+# pairs) beside gold, the replies' distinct-2 beside the SFT model's.
+SEGMENT_BETAS = ("0.05", "0.2", "0.5", "1.0", "2.0")
+
+
+def segment_betas(task, prefix):
+    b = segment_arms(task, prefix)[1]
+    base = dataclasses.replace(b, name=f"{prefix}beta_n1", label="(B) segment RM, PPO, beta 0.05",
+                               metrics=("eval/gold_strict", "eval/gold") if task == "chitchat" else b.metrics)
+    quick = ("--reward", "segment", "--rm_path", "{rm_segment}", "--termination", "segment", "--critic_warmup", "5")
+    return (base, *(Config(f"{prefix}beta_quick_{beta}", f"quick start, beta {beta}", (*quick, "--beta", beta), task,
+                           base.name, base.metrics) for beta in SEGMENT_BETAS))
 
 
 # A real pretrained LM: SmolLM2-135M-Instruct (the offline GGUF of requirements-slow.txt) with its chat template,
@@ -259,11 +284,17 @@ HYPOTHESES = {
             partner="count_n1_critic_sft")), paired=True),
     "segment_count": Hypothesis(
         "Segment-level rewards on count (its sequence RM is weak): do denser rewards, or macro actions on the same "
-        "segments, learn the gold count faster?", segment_arms("count", "segment_count_")),
+        "segments, learn the gold count faster?",
+        (*segment_arms("count", "segment_count_"), normalized_sequence_arm("count", "segment_count_"))),
     "segment": Hypothesis("Segment-level rewards on chitchat: the same five arms", segment_arms("chitchat", "segment_")),
     "segment_ablation": Hypothesis("Segment RM + PPO: the location normalizer and the interpolation",
                                    segment_ablations("chitchat", "segment_")),
     "segment_count_ablation": Hypothesis("The same ablations on count", segment_ablations("count", "segment_count_")),
+    "segment_beta": Hypothesis(
+        "The segment quick start on chitchat at a larger beta: does a KL coefficient scaled to the dense rewards keep "
+        "the replies from collapsing (distinct-2 at least half the SFT model's) while gold_strict rises?",
+        segment_betas("chitchat", "segment_")),
+    "segment_count_beta": Hypothesis("The same beta sweep on count", segment_betas("count", "segment_count_")),
     "real": Hypothesis(
         "A real pretrained LM (SmolLM2-135M-Instruct, LoRA, gold reward): does MA-PPO learn faster than PPO?",
         (real("n1", "PPO (n=1)", ("--n", "1")), real("n5", "MA-PPO (n=5)", ("--n", "5")),
@@ -283,6 +314,7 @@ TIE = 1e-9
 T_975 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262, 10: 2.228}
 TRACED = ("step", "kl", "beta")          # every iteration's, in a record's trace
 KEPT = ("step", "eval/rm", "eval/gold", "eval/exec", "eval/pass@1", "reward/rm", "reward/exec", "kl",
+        "eval/gold_strict", "eval/distinct_1", "eval/distinct_2", "eval/repetition", "eval/sft_distinct_2",
         "adv/l2", "q/l2", "adv/l2_macro", "q/l2_macro", "macro/mean_len", "response/len")
 
 
@@ -944,10 +976,15 @@ def early_table(h, records, result):
     first = next((runs[0]["rows"][0]["step"] for runs in done.values() if runs), None)
     if first is None:
         return []
+    # records since the held-out replies' diversity was logged: the final distinct-2, and the SFT model's
+    diverse = all("eval/distinct_2" in runs[0]["rows"][-1] for runs in done.values() if runs)
     lines = ["", f"The first evaluation (iteration {first}), the final mean macro length and response length (tokens)"
-             + (" and the share of exact counts among the final policies' answers:" if exact else ":"), "",
+             + (" and the share of exact counts among the final policies' answers" if exact else "")
+             + (", the final distinct-2 of the held-out replies (the SFT model's: degenerate below half of it)" if diverse else "")
+             + ":", "",
              f"| configuration | {score} at iteration {first} | KL at iteration {first} | final mean macro length | "
-             "final response length" + (" | final exact counts |" if exact else " |"), "|---" * (6 if exact else 5) + "|"]
+             "final response length" + (" | final exact counts" if exact else "")
+             + (" | final distinct-2 (SFT's)" if diverse else "") + " |", "|---" * (5 + exact + diverse) + "|"]
     for config in h.configs:
         runs = done[config.name]
         if not runs:
@@ -963,6 +1000,10 @@ def early_table(h, records, result):
             golds = [g for r in runs for g in r["final"]["gold"]]
             entry["exact"] = sum(g == 1.0 for g in golds) / len(golds)
             cells.append(f"{entry['exact']:.1%}")
+        if diverse:
+            entry["distinct_2"] = t_interval([r["rows"][-1]["eval/distinct_2"] for r in runs])
+            entry["sft_distinct_2"] = runs[0]["rows"][-1]["eval/sft_distinct_2"]
+            cells.append(f"{fmt(*entry['distinct_2'])} ({entry['sft_distinct_2']:.2f})")
         result[config.name]["early"] = entry
         lines.append(f"| {config.label} | " + " | ".join(cells) + " |")
     return lines

@@ -63,17 +63,28 @@ def main():
         after = run(ROOT, os.path.join(tmp, "after"), sft_path, rm_path, args)
     finally:
         subprocess.run(["git", "worktree", "remove", "--force", ref_dir], cwd=ROOT, capture_output=True)
-    differ = []
-    for b, a in zip(before, after):
-        for key in sorted(set(b) | set(a)):
-            if not key.startswith(TIMINGS) and b.get(key) != a.get(key):
-                differ.append(f"iteration {b['step']}: {key} {b.get(key)} -> {a.get(key)}")
-    if len(before) != len(after):
-        differ.append(f"{len(before)} iterations before, {len(after)} after")
+    differ, new = differences(before, after)
     compared = sum(1 for row in before for k in row if not k.startswith(TIMINGS))
     print("\n".join(differ) or f"same numbers: {compared} values over {len(before)} iterations "
                                  f"({args.rev} vs working tree, flags {args.flags!r})")
+    if new:
+        print(f"new metrics, not in {args.rev} (not compared): {', '.join(new)}")
     sys.exit(1 if differ else 0)
+
+
+def differences(before, after):
+    """(what differs, new keys): every metric of the reference's rows (`before`) that the working tree's
+    rows (`after`) lack or give another value, timings aside, and a differing number of iterations; the
+    keys only `after` logs are new metrics, listed apart: adding a metric changes no number."""
+    differ = []
+    for b, a in zip(before, after):
+        for key in sorted(b):
+            if not key.startswith(TIMINGS) and (key not in a or b[key] != a[key]):
+                differ.append(f"iteration {b['step']}: {key} {b[key]} -> {a.get(key, 'missing')}")
+    if len(before) != len(after):
+        differ.append(f"{len(before)} iterations before, {len(after)} after")
+    new = sorted({k for row in after for k in row} - {k for row in before for k in row})
+    return differ, new
 
 
 if __name__ == "__main__":

@@ -62,3 +62,25 @@ def tiny_models(tmp_path_factory, tokenizer):
     reward = AutoModelForSequenceClassification.from_pretrained(root / "sft", num_labels=1)
     harness.atomic_save(str(root / "rm"), reward, tokenizer)
     return root
+
+
+@pytest.fixture(scope="session")
+def parrot(tiny_models, tokenizer, tmp_path_factory):
+    """The tiny SFT model trained (40 Adam steps, about 2 s) to answer anything with " clever" over and over, a
+    word the chitchat gold judge likes: the collapse of a policy that games it, saved as a policy folder."""
+    import torch
+    from transformers import AutoModelForCausalLM
+    import harness
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_pretrained(tiny_models / "sft")
+    prompts = ["\n\nHuman: how are you\n\nAssistant:", "hi", "\n\nHuman: tell me about the fox\n\nAssistant:", "Then it ran"]
+    batch = tokenizer([p + " clever" * 12 for p in prompts], return_tensors="pt", padding=True)
+    labels = batch.input_ids.masked_fill(batch.attention_mask == 0, -100)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    for _ in range(40):
+        model(**batch, labels=labels).loss.backward()
+        opt.step()
+        opt.zero_grad()
+    path = tmp_path_factory.mktemp("parrot") / "policy"
+    harness.atomic_save(str(path), model.eval(), tokenizer)
+    return path

@@ -25,7 +25,7 @@ def _init_with_world(self, *args, **kwargs):
     _init(self, *args, **kwargs)
     if dist.is_initialized() and self.num_processes != dist.get_world_size():
         self.num_processes, self.process_index = dist.get_world_size(), dist.get_rank()
-        self.local_process_index = dist.get_rank()
+        self.local_process_index = int(os.environ.get("LOCAL_RANK", dist.get_rank()))    # per machine
 
 
 state.PartialState.__init__ = _init_with_world

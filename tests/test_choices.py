@@ -19,7 +19,7 @@ CHOICE_FLAGS = {
     ("ppo.py", "reward"): ("rm", "gold", "segment"),
     ("ppo.py", "termination"): ("fixed", "randomized", "parsing", "ppl", "entropy", "segment"),
     ("ppo.py", "seg_norm"): ("regression", "global", "last", "none"),
-    ("ppo.py", "seg_interp"): ("even", "repeat", "end"),
+    ("ppo.py", "seg_interp"): ("even", "repeat", "end", "bandit"),
     ("ppo.py", "sigma"): ("equal", "unit", "position", "first"),
     ("ppo.py", "reward_agg"): ("sum", "mean", "released"),
     ("ppo.py", "ratio"): ("token", "macro"),

@@ -135,6 +135,31 @@ def test_gold_judge_prefers_positive_replies():
     assert good > 0.5 and bad < -0.5
 
 
+def test_distinct_n_and_the_repetition_rate_by_hand():
+    replies = ["Oh favorite favorite favorite favorite!", "I like it, I like it.", "Yes", ""]
+    assert data.words(replies[1]) == ["i", "like", "it", "i", "like", "it"]
+    # words: oh favorite x4 | i like it i like it | yes: 12, distinct oh favorite i like it yes: 6
+    assert data.distinct_n(replies, 1) == 0.5
+    # pairs: (oh fav) (fav fav) x3 | (i like) (like it) (it i) (i like) (like it): 9, distinct 5
+    assert data.distinct_n(replies, 2) == pytest.approx(5 / 9)
+    assert data.distinct_n(["Yes", "no"], 2) == 0.0 and data.distinct_n([], 1) == 0.0   # no pair said at all
+    # the most frequent word fills more than half: favorite 4 of 5 yes; i 2 of 6 no; one word repeats nothing
+    assert data.repetition_rate(replies) == 0.25 and data.repetition_rate(["no no", "no yes"]) == 0.5
+    assert data.diversity(replies) == {"distinct_1": data.distinct_n(replies, 1), "distinct_2": data.distinct_n(replies, 2),
+                                       "repetition": 0.25}
+
+
+def test_gold_strict_prices_repeated_word_pairs_and_is_gold_on_a_reply_without_any():
+    plain, parrot, short = "That is wonderful, I love it!", "wonderful " * 30, "Wonderful"
+    gold = dict(zip((plain, parrot, short), data.gold_score([plain, parrot, short])))
+    strict = dict(zip((plain, parrot, short), data.STRICT_JUDGES["chitchat"](["p"] * 3, [plain, parrot, short])))
+    assert strict[plain] == pytest.approx(gold[plain]) and strict[short] == pytest.approx(gold[short])
+    assert gold[parrot] > 0.9 and strict[parrot] == pytest.approx((1 / 29) * (gold[parrot] + 1) - 1)   # 1 pair of 29
+    assert strict[parrot] < -0.9
+    assert all(-1.0 <= v <= 1.0 for v in data.strict_sentiment(["awful " * 10, "bad", "ok ok", plain]))
+    assert "count" not in data.STRICT_JUDGES           # count's judge already reads the whole answer
+
+
 def test_split_depends_on_group_and_seed_only():
     rows = [{"group": f"doc{i % 50}", "i": i} for i in range(500)]
     a = data.split_by_group(rows, seed=1234, test_fraction=0.1)

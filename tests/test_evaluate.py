@@ -4,6 +4,7 @@ import http.server
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 import threading
@@ -289,3 +290,92 @@ def test_passk_samples_code_policies_through_the_sandbox(tiny_models, tmp_path, 
     assert table["sft"]["all"]["pass@1"] == pytest.approx(expected) and "pass@3" in out
     with pytest.raises(SystemExit, match="smaller than the largest k"):
         evaluate.main(["passk", "--task", "code", "--sft_path", str(tiny_models / "sft"), "--samples", "2", "--ks", "1,5"])
+
+
+# --- diversity beside every score, and learning curves of the run's own score -------------------------------
+RUNS = os.path.join(ROOT, "tests", "fixtures", "runs")
+
+
+@pytest.mark.parametrize("kind, panels", [
+    ("rm", ["reward/rm", "eval/rm", "eval/gold", "eval/gold_strict", "eval/distinct_2"]),
+    ("gold", ["reward/gold", "eval/gold", "eval/rm", "eval/gold_strict", "eval/distinct_2"]),
+    ("segment", ["reward/segment", "eval/rm", "eval/gold", "eval/gold_strict", "eval/distinct_2"]),
+    ("exec", ["reward/exec", "eval/exec", "eval/pass@1", "eval/distinct_2"]),
+])
+def test_a_learning_curve_plots_the_runs_own_score_and_no_empty_panel(tmp_path, kind, panels):
+    """tests/fixtures/runs/<kind>.jsonl: the metrics.jsonl of real 4-iteration ppo.py runs on tiny models
+    (--steps 4 --eval_every 2; --reward gold; --reward segment --termination segment on a segment RM; --task
+    code). The first panel is the score the run trained on, the second its held-out score (a segment RM's is
+    e(x, y), logged as eval/rm); every panel has data, and matplotlib warns of nothing."""
+    import shutil
+    import warnings
+    shutil.copy(os.path.join(RUNS, f"{kind}.jsonl"), tmp_path / "metrics.jsonl")
+    rows = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
+    assert evaluate.run_panels(rows) == panels
+    assert all(any(p in r for r in rows) for p in panels)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        png = evaluate.plot_run(str(tmp_path / "metrics.jsonl"))
+    assert os.path.getsize(png) > 0
+
+
+def test_a_run_logged_before_the_diversity_metrics_still_plots_its_own_score(tmp_path):
+    """An older run: no eval/gold_strict, no eval/distinct_2, a gold reward; no panel for what it did not log."""
+    rows = [{"step": s, "reward/gold": 0.1 * s, "kl": 0.0, **({"eval/rm": 0.2, "eval/gold": 0.3} if s % 2 == 0 else {})}
+            for s in (1, 2, 3, 4)]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert evaluate.run_panels(rows) == ["reward/gold", "eval/gold", "eval/rm"]
+    import warnings
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        evaluate.plot_run(str(tmp_path / "metrics.jsonl"))
+
+
+@pytest.fixture(scope="module")
+def models(tiny_models, parrot):
+    from transformers import AutoModelForCausalLM
+    import data
+    import ppo
+    import reward_model as rm
+    args, _ = ppo.resolve(ppo.PPOArgs(sft_path=str(tiny_models / "sft"), rm_path=str(tiny_models / "rm"),
+                                      max_prompt_len=16, max_response_len=12))
+    tokenizer = data.load_tokenizer(args.sft_path)
+    rows = data.first_row_per_prompt(data.load_task("chitchat", only=("test",))["test"])[:16]
+    load = (lambda path: AutoModelForCausalLM.from_pretrained(path).eval())
+    return args, tokenizer, rows, load(tiny_models / "sft"), load(parrot), rm.load_reward_model(str(tiny_models / "rm"))[0]
+
+
+def test_the_final_report_says_in_words_that_a_parrots_replies_are_degenerate(models, tmp_path):
+    """A policy that says one word the gold judge likes: a high gold score and a 100% gold win rate, and beside
+    them its diversity, the SFT model's, gold_strict, and a warning that the gold score is being gamed. The SFT
+    model against itself is not degenerate."""
+    import shutil
+    args, tokenizer, rows, sft_model, parrot_model, reward = models
+    shutil.copy(os.path.join(RUNS, "rm.jsonl"), tmp_path / "metrics.jsonl")
+    evaluate.final_report(args, parrot_model, sft_model, reward, tokenizer, rows, str(tmp_path / "metrics.jsonl"))
+    summary = open(tmp_path / "summary.md").read()
+    d2 = re.search(r"\| distinct-1 / distinct-2 of the replies \| [\d.]+ / ([\d.]+) \| [\d.]+ / ([\d.]+) \|", summary)
+    sft_d2, policy_d2 = float(d2.group(1)), float(d2.group(2))
+    assert policy_d2 < 0.5 * sft_d2 and "| mean gold_strict score" in summary
+    assert "the policy's replies are degenerate" in summary and "gold scores are being gamed" in summary
+    assert re.search(r"\| replies mostly one repeated word \| [\d.]+% \| (\d+\.\d)% \|", summary).group(1) != "0.0"
+    evaluate.final_report(args, sft_model, sft_model, reward, tokenizer, rows, str(tmp_path / "metrics.jsonl"))
+    summary = open(tmp_path / "summary.md").read()
+    assert "degenerate:" not in summary and "not degenerate" in summary
+
+
+@pytest.mark.launch
+def test_win_rates_carry_the_diversity_of_policy_baseline_and_sft_model(tiny_models, parrot, tmp_path, capsys):
+    common = ["--sft_path", str(tiny_models / "sft"), "--rm_path", str(tiny_models / "rm"), "--n_prompts", "16",
+              "--max_prompt_len", "16", "--max_response_len", "12", "--output_dir", str(tmp_path)]
+    out = main(capsys, "winrate", "--policy", str(parrot), "--baseline", "sft", "--judge", "gold", *common)
+    result = json.load(open(tmp_path / "winrate.json"))
+    replies = result["replies"]
+    assert replies["sft"] == replies["baseline"] and result["win_rate"] > 0.9 and result["degenerate"]
+    assert replies["policy"]["distinct_2"] < 0.5 * replies["sft"]["distinct_2"] and replies["policy"]["repetition"] > 0.5
+    assert replies["policy"]["gold_strict"] < 0 < replies["policy"]["distinct_2"]
+    assert "the policy's replies are degenerate" in out and "mostly one repeated word" in out
+    main(capsys, "winrate", "--policy", "sft", "--baseline", "chosen", "--judge", "gold", *common)
+    result = json.load(open(tmp_path / "winrate.json"))
+    assert set(result["replies"]) == {"policy", "baseline", "sft"} and not result["degenerate"]
+    assert result["replies"]["baseline"]["distinct_2"] > 0.5          # people's replies

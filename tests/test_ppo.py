@@ -460,3 +460,47 @@ def test_sampling_ignores_a_saved_generation_config_that_would_change_the_distri
         logp, _ = ppo.response_logprobs(penalized, torch.cat([p_ids, r_ids], 1), torch.cat([p_mask, r_mask], 1),
                                         p_ids.shape[1], 0.7)
     assert torch.allclose(logp[r_mask.bool()], gen_logp[r_mask.bool()], atol=1e-4)
+
+
+@pytest.mark.launch
+@pytest.mark.parametrize("flags", [{}, {"lora_r": 4}])
+def test_held_out_rows_carry_the_diversity_of_the_policy_and_of_the_sft_model(tiny_models, tmp_path, flags):
+    """Every evaluation row: distinct-1/2, the repetition rate and gold_strict of the policy's held-out replies,
+    and the SFT model's diversity on the same prompts and seed (measured once: the same in every row). Under a
+    critic warm-up the policy is the SFT model, so the two agree exactly (under LoRA the SFT model is loaded for
+    it, its reference being the policy with its adapters off)."""
+    args = ppo.PPOArgs(sft_path=str(tiny_models / "sft"), rm_path=str(tiny_models / "rm"), output_dir=str(tmp_path),
+                       steps=2, eval_every=1, critic_warmup=2, rollout_batch_size=4, mini_batch_size=4,
+                       max_prompt_len=16, max_response_len=8, n_eval_prompts=8, **flags)
+    ppo.main(args)
+    rows = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
+    assert len(rows) == 2
+    for row in rows:
+        assert -1.0 <= row["eval/gold_strict"] <= 1.0 and 0.0 <= row["eval/repetition"] <= 1.0
+        for key in ("distinct_1", "distinct_2", "repetition"):
+            assert row[f"eval/{key}"] == row[f"eval/sft_{key}"] == rows[0][f"eval/sft_{key}"]
+        assert 0.0 < row["eval/distinct_2"] <= 1.0
+
+
+def test_training_warns_when_the_policys_replies_are_degenerate(tiny_models, parrot, capsys):
+    """ppo.py's held-out evaluation of a policy that says one word over and over: its distinct-2 is below half
+    the SFT model's, and the log says so, what it means and what to do."""
+    from transformers import AutoModelForCausalLM
+    import harness
+    import reward_model as rm
+    args, _ = ppo.resolve(ppo.PPOArgs(sft_path=str(tiny_models / "sft"), rm_path=str(tiny_models / "rm"),
+                                      max_prompt_len=16, max_response_len=12))
+    tokenizer = data.load_tokenizer(args.sft_path)
+    rows = data.first_row_per_prompt(data.load_task("chitchat", only=("test",))["test"])[:16]
+    load = (lambda path: AutoModelForCausalLM.from_pretrained(path).eval())
+    sft_replies, metrics = {}, {"step": 20, "kl": 40.0, "reward/rm": 0.5}
+    for policy in (load(tiny_models / "sft"), load(parrot)):
+        ppo.evaluate_now(args, metrics, accelerator=harness.make_accelerator(), policy=policy,
+                         reward_model=rm.load_reward_model(args.rm_path)[0], tokenizer=tokenizer, eval_rows=rows,
+                         sft=(load(tiny_models / "sft"), sft_replies))
+        printed = capsys.readouterr().out
+        if policy.name_or_path.endswith("sft"):
+            assert "warning" not in printed and metrics["eval/distinct_2"] == metrics["eval/sft_distinct_2"]
+    assert metrics["eval/distinct_2"] < 0.5 * metrics["eval/sft_distinct_2"] and metrics["eval/repetition"] > 0.5
+    assert "[ppo] warning: the policy's replies are degenerate" in printed and "being gamed" in printed
+    assert "--beta" in printed and "eval/gold_strict" in printed

@@ -93,3 +93,18 @@ def test_every_doc_is_reachable_from_the_readme_and_every_local_link_resolves():
     assert not broken, "links to missing files:\n" + "\n".join(broken)
     docs = {p.resolve() for p in (ROOT / "docs").rglob("*.md") if "runs" not in p.relative_to(ROOT).parts}
     assert docs <= seen, f"not reachable from README.md: {sorted(str(p.relative_to(ROOT)) for p in docs - seen)}"
+
+
+def test_same_numbers_compares_the_references_metrics_and_lists_new_ones_apart():
+    """bench/same_numbers.py: a metric the working tree adds is new, not a difference; a changed or missing one
+    of the reference's is; timings are never compared."""
+    import sys
+    sys.path.insert(0, str(ROOT / "bench"))
+    from same_numbers import differences
+    before = [{"step": 1, "kl": 0.5, "time/step": 1.0}, {"step": 2, "kl": 0.25, "eval/rm": 1.0}]
+    after = [{"step": 1, "kl": 0.5, "time/step": 2.0, "eval/distinct_2": 0.9}, {"step": 2, "kl": 0.25, "eval/rm": 1.0}]
+    assert differences(before, after) == ([], ["eval/distinct_2"])
+    after[1] = {"step": 2, "kl": 0.3}
+    assert differences(before, after) == (["iteration 2: eval/rm 1.0 -> missing", "iteration 2: kl 0.25 -> 0.3"],
+                                          ["eval/distinct_2"])
+    assert differences(before, after[:1])[0] == ["2 iterations before, 1 after"]

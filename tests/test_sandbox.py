@@ -56,7 +56,8 @@ def test_apps_and_humaneval_formats(program, tests, outcome, counts, reward):
     ("kill the parent", "import os, signal\nos.kill(os.getppid(), signal.SIGKILL)\n", "runtime_error", ""),
     ("kill the group", "import os, signal\nos.killpg(0, signal.SIGKILL)\n", "runtime_error", ""),
     ("sys.exit in a test", "import sys\ndef inc(x):\n    sys.exit(0)\n", "runtime_error", "SystemExit"),
-    ("os._exit", "import os\nos._exit(0)\n", "runtime_error", ""),
+    ("os._exit with a failure status", "import os\nos._exit(1)\n", "runtime_error", "ProgramExit"),
+    ("a flood on fd 1", "import os\nwhile True:\n    os.write(1, b'x' * 100000)\n", "runtime_error", "output limit"),
     ("recursion bomb", "def f(n):\n    return f(n + 1)\nf(0)\n", "runtime_error", "RecursionError"),
     ("deep recursion bomb", "import sys\nsys.setrecursionlimit(10 ** 8)\ndef f(n):\n    return f(n + 1)\nf(0)\n",
      "runtime_error", "RecursionError"),
@@ -68,6 +69,35 @@ def test_hostile_programs_get_the_right_outcome_and_the_test_process_survives(na
     assert r.outcome == outcome, (name, r)
     assert detail in r.detail
     assert r.reward == {"compile_error": -1.0, "timeout": -0.6, "runtime_error": -0.6}[outcome]
+
+
+def test_one_report_costs_the_trusted_side_little_and_honest_megabyte_answers_pass():
+    """A call-based answer of `[[0]] * 10**6` (4 MB of JSON, two million values) is refused by its count of
+    values before anything is built from it; the cost is measured as the peak memory this process allocates
+    while running and deciding (tracemalloc), not as a time. Answers of about a megabyte still pass."""
+    import tracemalloc
+    call = {"fn_name": "f", "inputs": [[10 ** 6]], "outputs": [[[0]]]}
+    tracemalloc.start()
+    try:
+        r = run("def f(n):\n    return [[0]] * n\n", call, sandbox.Limits(timeout=30.0, cpu_seconds=20))
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert "values" in r.detail and peak < 48 << 20, (r, f"{peak >> 20} MiB")
+    for body, n, expected in [("list(range(n))", 150000, list(range(150000))), ("[0] * n", 500000, [0] * 500000),
+                              ("'x' * n", 10 ** 6, "x" * 10 ** 6), ("[(i, str(i)) for i in range(n)]", 50000,
+                                                                   [[i, str(i)] for i in range(50000)])]:
+        r = run(f"def f(n):\n    return {body}\n", {"fn_name": "f", "inputs": [[n]], "outputs": [expected]}, PATIENT)
+        assert r.outcome == "passed", (body, r)
+    r = run("print(',' * 900000)\n", {"inputs": [""], "outputs": ["," * 900000]}, PATIENT)   # commas in a string
+    assert r.outcome == "passed", r                                                      # are not values
+
+
+def test_expected_outputs_stored_as_lists_of_lines_are_compared_as_lines():
+    """APPS stores some expected outputs as lists of lines (as it does some inputs)."""
+    tests = {"inputs": [["1 2", "3"], "2 2\n4\n"], "outputs": [["3", "6\n"], ["4", "8"]]}
+    assert run("a, b = map(int, input().split())\nprint(a + b)\nprint(2 * int(input()))\n", tests).outcome == "passed"
+    assert run("a, b = map(int, input().split())\nprint(a + b)\nprint(int(input()))\n", tests).outcome == "failed"
 
 
 def test_sys_exit_zero_ends_a_stdin_stdout_program_normally():

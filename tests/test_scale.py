@@ -55,7 +55,7 @@ def assert_same(a, b):
 def test_sft_and_rm_save_whole_weights_that_load_key_for_key_and_resume(zero_runs, stage):
     out, stdout = zero_runs[stage]
     ran_under = [line.split(" under ")[-1] for line in stdout.splitlines() if line.startswith("STAGE ")]
-    assert ran_under == [f"ZeRO-{stage}"] * 7                         # every stage's engines
+    assert ran_under == [f"ZeRO-{stage}"] * 10                        # every stage's engines (variants too)
     assert "resumed at step 2" in stdout and "2 process(es)" in stdout
     for part, auto_class in (("sft", "AutoModelForCausalLM"), ("rm", "AutoModelForSequenceClassification")):
         final, last = (loads_key_for_key(f, auto_class) for f in (out / part, out / part / "checkpoint" / "model"))
@@ -137,3 +137,87 @@ def test_zero3_generation_gathers_the_weights_once_and_samples_the_unsharded_tok
         g = r["all_gathers"]
         assert g["gathered_12"] == g["gathered_4"] > 0, g               # once per generate(), whatever the length
         assert g["sharded_12"] > g["sharded_4"] > 0, g                  # sharded: again for every token
+
+
+@pytest.mark.launch
+@pytest.mark.parametrize("stage", ["2", "3"])
+def test_a_zero_checkpoint_keeps_each_ranks_adamw_state_and_resumes_exactly(zero_runs, stage):
+    """ZeRO partitions the AdamW moments: each rank saves its own part in the checkpoint, and --resume gives
+    it back, so PPO's 1 + 1 iterations end with the weights and numbers of 2 at once (AdamW started afresh
+    at the resume would take another second step). No "holds no ... state" warning."""
+    from stages import comparable
+    out, stdout = zero_runs[stage]
+    assert "holds no" not in stdout and "resumed at iteration 1" in stdout
+    for run, names in (("sft", ["optimizer"]), ("ppo", ["critic_opt", "policy_opt"])):
+        assert sorted(os.listdir(out / run / "checkpoint" / "optimizer_shards")) == [
+            f"{name}.rank{rank}.pt" for name in names for rank in (0, 1)]
+    resumed, whole = out / "ppo", out / "ppo_whole"
+    assert_same(load_file(resumed / "policy" / "model.safetensors"), load_file(whole / "policy" / "model.safetensors"))
+    rows = [[comparable(json.loads(line)) for line in open(run / "metrics.jsonl")] for run in (resumed, whole)]
+    assert rows[0] == rows[1] and len(rows[0]) == 2
+
+
+@pytest.fixture(scope="module")
+def zero2_two_machines(tmp_path_factory):
+    """The ZeRO-2 stages of tests/zero_stages.py on 2 machines x 1 process: one `accelerate launch` per machine
+    (DeepSpeed's standard multi-node launcher, 127.0.0.1 as the main address), both at once; its output folder."""
+    import socket
+    out = tmp_path_factory.mktemp("zero2_machines")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    launch = [a if a != "3" else "2" for a in LAUNCH]          # --zero_stage 2
+    i = launch.index("--num_processes")
+    launch[i:i + 4] = ["--num_processes", "2", "--num_machines", "2"]
+    procs = [subprocess.Popen([*launch[:i], "--deepspeed_multinode_launcher", "standard", "--machine_rank", str(rank),
+                               "--main_process_ip", "127.0.0.1", "--main_process_port", str(port), *launch[i:],
+                               "tests/zero_stages.py", str(out), "2"], cwd=ROOT, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for rank in (0, 1)]
+    for proc in procs:
+        stdout, stderr = proc.communicate(timeout=900)
+        assert proc.returncode == 0, stdout[-3000:] + stderr[-4000:]
+    return out / "zero2"
+
+
+@pytest.mark.launch
+def test_zero2_on_two_machines_trains_what_one_machine_with_two_processes_trains(zero2_two_machines, zero_runs):
+    """2 machines x 1 process under ZeRO-2 (sft.py and its --resume, sft.py --lora_r 4, reward_model.py, ppo.py,
+    ppo.py --lora_r 4 and its --resume): the saved weights and PPO's metrics of 1 machine x 2 processes."""
+    from stages import comparable
+    one = zero_runs["2"][0]
+    for file in ("sft", "sft_lora", "rm", "ppo_full/policy", "ppo/policy", "ppo_full/checkpoint/critic"):
+        assert_same(*(load_file(out / file / "model.safetensors") for out in (one, zero2_two_machines)))
+    assert_same(*(load_file(out / "ppo/checkpoint/critic/adapter_model.safetensors") for out in (one, zero2_two_machines)))
+    for run in ("ppo_full", "ppo"):
+        rows = [[comparable(json.loads(line)) for line in open(base / run / "metrics.jsonl")]
+                for base in (one, zero2_two_machines)]
+        assert rows[0] == rows[1]
+
+
+@pytest.mark.launch
+@pytest.mark.parametrize("stage", ["2", "3"])
+def test_gradient_checkpointing_under_zero_changes_no_number(zero_runs, stage):
+    """ppo.py --gradient_checkpointing under ZeRO-2 / ZeRO-3: the metrics and trained policy of the run without it."""
+    from stages import comparable
+    out = zero_runs[stage][0]
+    plain, checkpointed = ([comparable(json.loads(line)) for line in open(out / run / "metrics.jsonl")]
+                           for run in ("ppo_full", "ppo_full_gc"))
+    assert plain == checkpointed
+    assert_same(load_file(out / "ppo_full" / "policy" / "model.safetensors"),
+                load_file(out / "ppo_full_gc" / "policy" / "model.safetensors"))
+
+
+@pytest.mark.launch
+@pytest.mark.parametrize("stage", ["2", "3"])
+def test_bf16_under_zero_runs_within_tolerance_of_fp32(zero_runs, stage):
+    """ppo.py --bf16 under ZeRO-2 (full weights) and ZeRO-3 (LoRA: its adapters and the critic's score head
+    once failed ZeRO-3's partitioning, an fp32 and a bf16 trained tensor in one engine): finite losses, the
+    final policy loads key for key, the first iteration within BF16_RTOL / BF16_ATOL of fp32's."""
+    from test_gpu_paths_on_cpu import BF16_ATOL, BF16_METRICS, BF16_RTOL
+    out = zero_runs[stage][0]
+    fp32 = "ppo" if stage == "3" else "ppo_full"                          # LoRA under ZeRO-3, as ppo_bf16
+    bf16, fp32 = (json.loads(open(out / run / "metrics.jsonl").readline()) for run in ("ppo_bf16", fp32))
+    assert all(torch.isfinite(torch.tensor(v)) for k, v in bf16.items() if k.startswith("loss/"))
+    for k in BF16_METRICS:
+        assert abs(bf16[k] - fp32[k]) <= BF16_ATOL + BF16_RTOL * abs(fp32[k]), (k, bf16[k], fp32[k])
+    loads_key_for_key(out / "ppo_bf16" / "policy", "AutoModelForCausalLM")

@@ -467,9 +467,9 @@ def segment_rm(tiny_models, tmp_path_factory, tokenizer):
 
 def ppo_args(tiny_models, rm_path, out, **flags):
     import ppo
-    return ppo.PPOArgs(sft_path=str(tiny_models / "sft"), rm_path=str(rm_path), output_dir=str(out), steps=2,
+    return ppo.PPOArgs(sft_path=str(tiny_models / "sft"), rm_path=str(rm_path), output_dir=str(out),
                        rollout_batch_size=4, mini_batch_size=2, max_prompt_len=16, max_response_len=8,
-                       n_eval_prompts=4, **flags)
+                       n_eval_prompts=4, **{"steps": 2, **flags})
 
 
 @pytest.mark.launch
@@ -580,3 +580,126 @@ def test_next_token_entropy_is_finite_where_a_logit_is_minus_infinity():
     starts, _ = rm.segment_starts(torch.tensor([[5, 6, 7]]), torch.ones(1, 3), "segment", 0.5, eos_token_id=2,
                                   entropy=entropy)
     assert starts.tolist() == [[True, True, False]]
+
+
+# --- a segment RM under --reward rm, and Table 1's rows (segment as bandit, bandit as segment) ---------------
+
+def metrics_of(out):
+    return [json.loads(line) for line in open(out / "metrics.jsonl")]
+
+
+@pytest.mark.launch
+def test_reward_rm_on_a_segment_rm_scores_e_as_evaluate_does(tiny_models, segment_rm, tmp_path, capsys):
+    """--reward rm on a segment RM scores with e(x, y), the mean of its segment rewards, never the head at
+    EOS (a position it never trained): the rollouts' score is --reward segment's e of the same rollouts (one
+    seed, the SFT policy), the held-out score is evaluate.py's of the same responses, and the run says so at
+    start. --reward segment --seg_interp bandit (segment as bandit) gives the same per-token rewards."""
+    import evaluate
+    import ppo
+    rows = {}
+
+    def run(name, **flags):
+        ppo.main(ppo_args(tiny_models, segment_rm, tmp_path / name, steps=1, eval_every=1, policy_lr=0.0, **flags))
+        rows[name] = metrics_of(tmp_path / name)[0]
+    run("rm")
+    run("segment", reward="segment")
+    assert rows["rm"]["reward/rm"] == rows["segment"]["reward/segment"]
+    assert "is a segment RM; its score is e(x, y)" in capsys.readouterr().out
+    # held out: evaluate.py's score of the responses ppo.py sampled (the SFT policy, ppo.py's seed)
+    args = ppo.resolve(ppo_args(tiny_models, segment_rm, tmp_path / "rm"))[0]
+    ctx = evaluate.Context(evaluate.EvalArgs(sft_path=args.sft_path, rm_path=args.rm_path, n_prompts=4,
+                                             max_prompt_len=16, max_response_len=8, output_dir=str(tmp_path)))
+    texts = evaluate.sample_responses(ctx.model("sft").eval(), ctx.tokenizer, ctx.prompts, args.seed, 16, 8,
+                                      args.temperature)
+    e = torch.tensor(ctx.rm_scores(texts))
+    last = rm.score(ctx.rm, ctx.tokenizer, ctx.prompts, texts, 16, 8)
+    assert rows["rm"]["eval/rm"] == round(e.mean().item(), 4) != round(last.mean().item(), 4)
+    run("bandit", reward="segment", seg_interp="bandit")           # segment as bandit: the same rewards
+    assert rows["bandit"]["reward/segment"] == rows["rm"]["reward/rm"]
+    assert rows["rm"]["reward/total"] == rows["bandit"]["reward/total"] != rows["segment"]["reward/total"]
+
+
+def test_segment_as_bandit_and_bandit_as_segment_by_hand():
+    """Table 1 of Yin et al. 2025 on the worked example's tensors. Segment as bandit: no dense rewards, e(x, y)
+    (the mean raw segment reward: (0.8 - 0.4) / 2, (1.0 - 2.0 + 0.4) / 3) is one reward at the last real token
+    (EOS included). Bandit as segment: a sequence RM's head read at each segment's end, not normalized
+    (--seg_norm none), spread evenly over the segment's tokens."""
+    import ppo
+    ids = torch.tensor([[5, 6, 7, 8, 9, EOS], [5, 6, 7, EOS, 0, 0]])
+    mask = torch.tensor([[1, 1, 1, 1, 1, 1], [1, 1, 1, 1, 0, 0]])
+    entropy = torch.tensor([[2.0, 0.3, 1.5, 0.2, 0.1, 3.0], [0.5, 1.2, 1.1, 0.4, 9.0, 9.0]])
+    values = torch.tensor([[0.1, 0.8, 0.3, 0.5, -0.4, 9.0], [1.0, -2.0, 0.4, 7.0, 0.0, 0.0]])
+    settings = {"unit": "segment", "c_ent": 1.0}                       # what ppo.py --c_ent 1.0 reads with
+    starts, inside = rm.rollout_segments(settings, ids, mask, EOS, entropy)
+    dense, e, _ = rm.segment_rewards(values, starts, inside, settings, "none", "bandit")
+    assert dense is None and e.tolist() == pytest.approx([0.2, -0.2])
+    rewards = ppo.token_rewards_of(torch.zeros(2, 6), e, mask.float(), ma.fixed_ngram_starts(mask, 1), "sum", dense)
+    assert close(rewards, [[0, 0, 0, 0, 0, 0.2], [0, 0, 0, -0.2, 0, 0]])
+    dense, e, _ = rm.segment_rewards(values, starts, inside, settings, "none", "even")
+    assert close(dense, [[0.4, 0.4, -0.4 / 3, -0.4 / 3, -0.4 / 3, 0], [1.0, -2.0, 0.4, 0, 0, 0]])
+
+
+@pytest.mark.launch
+def test_bandit_as_segment_reads_a_sequence_rm_at_the_ends_of_c_ent_segments(tiny_models, tmp_path):
+    """--reward segment --c_ent C --seg_norm none on a sequence RM (Table 1's bandit as segment): it runs, its
+    segments are the SFT entropy segments at C (a threshold above every entropy: one segment per response),
+    and the held-out score stays the sequence RM's own (the head at the last token, as evaluate.py reads it).
+    A normalizer it does not have, or --c_ent on a segment RM, is refused naming the flag."""
+    import ppo
+    out = tmp_path / "run"
+    ppo.main(ppo_args(tiny_models, tiny_models / "rm", out, reward="segment", c_ent=1e6, seg_norm="none",
+                      seg_interp="end", eval_every=2))
+    rows = metrics_of(out)
+    assert len(rows) == 2 and all(r["segment/count"] == 1.0 for r in rows) and math.isfinite(rows[-1]["eval/rm"])
+    with pytest.raises(SystemExit, match="--seg_norm regression"):
+        ppo.main(ppo_args(tiny_models, tiny_models / "rm", tmp_path / "norm", reward="segment", c_ent=1.0))
+
+
+# --- the plain RM score normalized (ppo.py --rm_norm; Yin et al. 2025, §2.1) ---------------------------------
+
+def test_every_rm_saves_the_mean_and_std_of_its_score_on_the_calibration_pairs(tiny_models, tmp_path):
+    """reward_model.py writes score_norm.json beside any RM: the mean and std (ddof 0) of its score (the head
+    at the last token; a segment RM's e(x, y)) over the chosen and the rejected responses of the calibration
+    pairs, computed here again from the saved RM by rm.score."""
+    import data
+    from transformers import AutoModelForCausalLM
+    rows = data.load_task("chitchat", only=("rm",))["rm"][:6]
+    prompts, texts = [r["prompt"] for r in rows] * 2, [r["chosen"] for r in rows] + [r["rejected"] for r in rows]
+    sft_model = AutoModelForCausalLM.from_pretrained(tiny_models / "sft").eval()
+    for unit in ("sequence", "segment"):
+        out = tmp_path / unit
+        train_small(tiny_models, out, "--unit", unit, "--c_ent", "1.0")
+        model, tokenizer = rm.load_reward_model(str(out))
+        segmenter = rm.segment_scorer(rm.read_segment_settings(str(out)), sft_model, tokenizer.eos_token_id)
+        scores = rm.score(model.eval(), tokenizer, prompts, texts, 24, 12, segmenter=segmenter).double()
+        saved = json.loads((out / rm.SCORE_FILE).read_text())
+        assert saved["kind"] == "score" and saved["n_responses"] == 12
+        assert saved["mean"] == pytest.approx(scores.mean().item(), abs=1e-6)
+        assert saved["std"] == pytest.approx(scores.std(correction=0).item(), abs=1e-6) and saved["std"] > 0
+        assert rm.read_score_normalizer(str(out)) == (saved["mean"], saved["std"])
+        assert (segmenter is None) == (unit == "sequence")
+
+
+@pytest.mark.launch
+def test_rm_norm_standardizes_the_rm_score_and_keeps_eval_raw(tiny_models, tmp_path):
+    """ppo.py --rm_norm: the rollouts' RM score is (r - mean) / std with the RM's score_norm.json (fitted on
+    the RM split's pairs and written beside an RM that has none); the same seed without it logs r. The
+    held-out eval/rm stays the raw score. Off by default; refused outside --reward rm, naming the flag."""
+    import shutil
+    import ppo
+    rm_path = tmp_path / "rm"
+    shutil.copytree(tiny_models / "rm", rm_path)
+    rows = {}
+    for name, flags in (("raw", {}), ("norm", {"rm_norm": True})):
+        ppo.main(ppo_args(tiny_models, rm_path, tmp_path / name, steps=1, eval_every=1, policy_lr=0.0, **flags))
+        rows[name] = metrics_of(tmp_path / name)[0]
+        assert (rm_path / rm.SCORE_FILE).exists() == (name == "norm")
+    mean, std = rm.read_score_normalizer(str(rm_path))
+    assert std != 1.0 and mean != 0.0
+    assert rows["norm"]["reward/rm"] == pytest.approx((rows["raw"]["reward/rm"] - mean) / std, abs=1e-4)
+    assert rows["norm"]["eval/rm"] == rows["raw"]["eval/rm"]
+    with pytest.raises(SystemExit, match="--rm_norm"):
+        ppo.main(ppo_args(tiny_models, rm_path, tmp_path / "gold", reward="gold", rm_norm=True))
+    (rm_path / rm.SCORE_FILE).write_text(json.dumps({"kind": "score", "mean": 0.0, "std": 0.0}))
+    with pytest.raises(SystemExit, match="field 'std'"):
+        ppo.main(ppo_args(tiny_models, rm_path, tmp_path / "broken", rm_norm=True))

@@ -91,8 +91,10 @@ def test_a_configurations_own_flags_win_over_the_tasks_and_segment_arms_point_at
                               models={"count": ("runs/count/sft", "runs/count/rm")})
     parsed = {c.name: HfArgumentParser(ppo.PPOArgs).parse_args_into_dataclasses(
         args=study.ppo_flags(args, c, 3, "out"))[0] for c in (study.COUNT_PPO, *study.HYPOTHESES["segment_count"].configs)}
-    a, b, c, d, e = (parsed[x.name] for x in study.HYPOTHESES["segment_count"].configs)
+    a, b, c, d, e, a_norm = (parsed[x.name] for x in study.HYPOTHESES["segment_count"].configs)
     assert parsed[study.COUNT_PPO.name].reward == "gold" and a.reward == e.reward == "rm"
+    assert a_norm.rm_norm and not any(x.rm_norm for x in (a, b, c, d, e))      # (A') is (A) with --rm_norm only
+    assert {k: v for k, v in vars(a_norm).items() if k != "rm_norm"} == {k: v for k, v in vars(a).items() if k != "rm_norm"}
     assert b.reward == c.reward == d.reward == "segment" and a.rm_path == e.rm_path == "runs/count/rm"
     assert b.rm_path == d.rm_path == os.path.join("runs/count", "rm_segment") and c.rm_path == os.path.join("runs/count", "rm_token")
     assert (d.termination, e.termination, b.termination) == ("segment", "segment", "fixed")
@@ -284,3 +286,38 @@ def test_a_record_says_what_produced_it(tmp_path):
     assert study.committed_seeds(argparse.Namespace(results_dir=str(tmp_path)), "x") == set()
     study.write_record(study.record_path(argparse.Namespace(results_dir=str(tmp_path)), "x", 7), {})
     assert study.committed_seeds(argparse.Namespace(results_dir=str(tmp_path)), "x") == {7}
+
+
+def test_the_segment_beta_sweep_runs_the_readmes_segment_quick_start_at_each_beta():
+    """segment_beta: the README's quick-start command (its ppo.py flags, read from the README) at each beta, on
+    the segment RM beside the SFT model; the table reports gold_strict, gold, KL and the final distinct-2 beside
+    the SFT model's, by hand."""
+    import re
+    import shlex
+    from transformers import HfArgumentParser
+    import ppo
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    readme = open(os.path.join(root, "README.md")).read()
+    quick = shlex.split(re.search(r"accelerate launch ppo\.py (--rm_path runs/chitchat/rm_segment --reward segment[^\n#]*)",
+                                  readme).group(1))
+    h = study.HYPOTHESES["segment_beta"]
+    args = argparse.Namespace(steps=120, eval_every=10, n_eval_prompts=128, ppo_args="", count_args="", code_args="",
+                              models={"chitchat": ("runs/chitchat/sft", "runs/chitchat/rm")})
+    betas = []
+    for config in h.configs[1:]:
+        parsed = HfArgumentParser(ppo.PPOArgs).parse_args_into_dataclasses(args=study.ppo_flags(args, config, 1, "out"))[0]
+        readme_run = HfArgumentParser(ppo.PPOArgs).parse_args_into_dataclasses(
+            args=study.ppo_flags(args, study.Config("x", "x", (*quick, "--beta", config.flag("--beta")), partner="n1"), 1, "out"))[0]
+        assert parsed == readme_run and parsed.rm_path == os.path.join("runs/chitchat", "rm_segment")
+        betas.append(parsed.beta)
+    assert betas == [0.05, 0.2, 0.5, 1.0, 2.0] and h.configs[0].metrics == ("eval/gold_strict", "eval/gold")
+
+    def run(seed, distinct_2):
+        return {"seed": seed, "final": {"gold": [0.5] * 4},
+                "rows": [{"step": s, "eval/gold_strict": 0.1, "eval/gold": 0.5, "kl": 1.0, "macro/mean_len": 1.0,
+                          "response/len": 20.0, "eval/distinct_2": distinct_2, "eval/sft_distinct_2": 0.8}
+                         for s in (10, 20)]}
+    records = {h.configs[0].name: [run(1, 0.03), run(2, 0.05)], h.configs[-1].name: [run(1, 0.7), run(2, 0.7)]}
+    lines, result = study.report(argparse.Namespace(smooth=1, results_dir="nowhere"), "segment_beta", records)
+    assert result[h.configs[0].name]["early"]["distinct_2"][0] == pytest.approx(0.04)
+    assert any(line.startswith("| quick start, beta 2.0 |") and line.endswith("| 0.700 ± 0.000 (0.80) |") for line in lines)

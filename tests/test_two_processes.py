@@ -173,3 +173,50 @@ def test_sigterm_to_a_two_process_launch_checkpoints_and_resumes_to_the_same_num
     assert f"resumed at iteration {done}" in resumed and "ranks in sync: True" in resumed
     # an uninterrupted 2-process run (evaluation aside, same numbers)
     assert [comparable(r) for r in metrics(split)] == [comparable(r) for r in whole[:done + 2]]
+
+
+@pytest.fixture(scope="module")
+def eos_prone(tiny_models, tmp_path_factory):
+    """(a task file, an SFT model) whose responses end at lengths that depend on the prompt, so that the two
+    ranks' sampling draws different counts of random numbers and their RNG states part: prompts of random
+    words (the chitchat prompts all end in "Assistant:", and the tiny model reads little more), and the tiny
+    SFT model with its EOS embedding (tied to the LM head) along the mean of its final hidden states."""
+    import random
+    import data
+    import harness
+    from transformers import AutoModelForCausalLM
+    root = tmp_path_factory.mktemp("eos_prone")
+    words = "the quick brown fox jumped over lazy dog then ran away fast hello world class stack push items".split()
+    rng = random.Random(0)
+    prompts = [" ".join(rng.choice(words) for _ in range(rng.randint(1, 6))) for _ in range(200)]
+    with open(root / "task.jsonl", "w") as f:
+        for i, prompt in enumerate(prompts):
+            f.write(json.dumps({"prompt": f"{prompt} {i}", "chosen": " hello", "rejected": " dog"}) + "\n")
+    tokenizer = data.load_tokenizer(str(tiny_models / "sft"))
+    model = AutoModelForCausalLM.from_pretrained(tiny_models / "sft").eval()
+    batch = data.collate(tokenizer, prompts[:64], prompts[:64], 16, 8)
+    with torch.no_grad():
+        hidden = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
+                       output_hidden_states=True).hidden_states[-1][batch["attention_mask"].bool()].mean(0)
+        model.get_input_embeddings().weight[tokenizer.eos_token_id] = 4.0 * hidden / hidden.dot(hidden)
+    harness.atomic_save(str(root / "sft"), model, tokenizer)
+    return root / "task.jsonl", root / "sft"
+
+
+@pytest.mark.launch
+def test_a_resumed_two_process_run_draws_each_ranks_own_random_numbers(tiny_models, eos_prone, tmp_path):
+    """Each rank samples its own prompts, whose responses end at different lengths, so the ranks' RNG states
+    part. A checkpoint keeps every rank's, and --resume gives each its own back: 2 + 2 iterations resumed
+    log the numbers of 4 uninterrupted ones (with rank 0's state on both ranks, rank 1's samples differ)."""
+    task, sft_path = eos_prone
+    flags = [*ppo_flags(tiny_models), "--task", str(task), "--sft_path", str(sft_path), "--eval_every", "1000"]
+    lines = [["ppo.py", *flags, "--steps", "4", "--output_dir", str(tmp_path / "whole")],
+             ["ppo.py", *flags, "--steps", "2", "--save_every", "2", "--output_dir", str(tmp_path / "split")],
+             ["ppo.py", *flags, "--steps", "4", "--resume", "--output_dir", str(tmp_path / "split")]]
+    proc = subprocess.run([*LAUNCH, "tests/launched_stages.py", str(tmp_path), json.dumps(lines)], cwd=ROOT,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    whole, split = metrics(tmp_path / "whole"), metrics(tmp_path / "split")
+    assert "resumed at iteration 2" in (tmp_path / "2.0.txt").read_text()
+    assert any(0 < r["response/eos_rate"] < 1 for r in whole)                   # lengths differ within a batch
+    assert [comparable(r) for r in split] == [comparable(r) for r in whole]

@@ -3,11 +3,13 @@ one after the other in this process, each as its command line runs it, each stop
 under ZeRO-2, then under ZeRO-3 (OUT_DIR/zero2, OUT_DIR/zero3):
 
     sft.py (2 steps, then --resume to 3) -> sft.py --lora_r 4 on that model (2 steps) -> reward_model.py
-    (2 steps) -> ppo.py (1 iteration) and ppo.py --lora_r 4 (1 iteration, then --resume to 2)
+    (2 steps) -> ppo.py (1 iteration) and ppo.py --lora_r 4 (1 iteration, then --resume to 2; and 2 at once)
 
-then, last, tests/zero3_generation.py on the ZeRO-3 SFT model (it counts the launch's all-gathers).
+each followed by ppo.py with --gradient_checkpointing and with --bf16 (variants()); then, last,
+tests/zero3_generation.py on the ZeRO-3 SFT model (it counts the launch's all-gathers).
 
-    python tests/zero_stages.py OUT_DIR
+    python tests/zero_stages.py OUT_DIR          # all of it
+    python tests/zero_stages.py OUT_DIR 2        # the ZeRO-2 stages alone (test_scale.py's two machines)
 
 One launch instead of fifteen (a DeepSpeed launch costs ~30 s of imports and setup on 2 cores). accelerate's
 process-wide state is reset between stages, as accelerate's own tests do, so that each stage builds its
@@ -57,13 +59,29 @@ def stages(out):
     stage("ppo.py", *PPO[2:], "--steps", "1", "--sft_path", sft, "--rm_path", rm, "--output_dir", ppo + "_full")
     stage("ppo.py", *PPO, "--steps", "1", "--sft_path", sft, "--rm_path", rm, "--output_dir", ppo)
     stage("ppo.py", *PPO, "--steps", "2", "--sft_path", sft, "--rm_path", rm, "--output_dir", ppo, "--resume")
+    stage("ppo.py", *PPO, "--steps", "2", "--sft_path", sft, "--rm_path", rm, "--output_dir", ppo + "_whole")
 
 
-def main(out):
-    for zero in ("2", "3"):
+def variants(out, zero):
+    """ppo.py as in stages(), with --gradient_checkpointing, and with --bf16 (under ZeRO-3 with LoRA: one
+    trained dtype per engine)."""
+    sft, rm, ppo = (os.path.join(out, name) for name in ("sft", "rm", "ppo"))
+    bf16 = ["--bf16", *PPO] if zero == "3" else ["--bf16", *PPO[2:]]
+    for name, extra in (("_full_gc", ["--gradient_checkpointing", *PPO[2:]]), ("_bf16", bf16)):
+        stage("ppo.py", *extra, "--steps", "1", "--sft_path", sft, "--rm_path", rm, "--output_dir", ppo + name)
+
+
+def main(out, only=None):
+    """Every stage under ZeRO-2 and ZeRO-3 with their variants, then the generation check; `only` ("2"): the
+    stages under that ZeRO stage alone (the two-machine launch of test_scale.py)."""
+    for zero in [only] if only else ("2", "3"):
         os.environ["ACCELERATE_DEEPSPEED_ZERO_STAGE"] = zero
         mark(f"ZERO STAGE {zero}")
         stages(os.path.join(out, f"zero{zero}"))
+        if not only:
+            variants(os.path.join(out, f"zero{zero}"), zero)
+    if only:
+        return
     import zero3_generation
     os.environ["ACCELERATE_DEEPSPEED_ZERO3_INIT"] = "false"     # as `--zero3_init_flag false`: the policy loads
     reset()                                                     # whole, then the engine partitions it
@@ -72,4 +90,4 @@ def main(out):
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    main(*sys.argv[1:])
