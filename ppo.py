@@ -256,8 +256,6 @@ def resolve(args):
     args.max_response_len = data.response_len(args.task, args.max_response_len)
     code = args.task in data.CODE_TASKS       # score = running the program; critic from SFT (App. B.2)
     args.critic_path = args.critic_path or (args.sft_path if code else args.rm_path)
-    if args.reward not in ("rm", "gold", "segment"):
-        sys.exit(f"error: --reward {args.reward!r}: choose rm, gold or segment")
     if code and "segment" in (args.reward, args.termination):
         sys.exit(f"error: --reward / --termination segment need a reward model; {args.task!r} runs its code")
     if args.reward == "segment" and args.lora_r:
@@ -269,10 +267,6 @@ def resolve(args):
     if args.rm_norm and (code or args.reward != "rm"):
         sys.exit(f"error: --rm_norm normalizes the reward model's score under --reward rm, not --reward {args.reward}"
                  + (f" (task {args.task!r} runs its code)" if code else ""))
-    if args.seg_norm not in ("regression", "global", "last", "none"):
-        sys.exit(f"error: --seg_norm {args.seg_norm!r}: choose regression, global, last or none")
-    if args.seg_interp not in ("even", "repeat", "end", "bandit"):
-        sys.exit(f"error: --seg_interp {args.seg_interp!r}: choose even, repeat, end or bandit")
     if args.kl_target < 0 or args.kl_horizon < 1:
         sys.exit(f"error: --kl_target {args.kl_target} / --kl_horizon {args.kl_horizon}: a target >= 0 (0 = a fixed "
                  "--beta) and a horizon of at least 1 sample")
