@@ -55,7 +55,8 @@ Isolation of the program's process, where the machine allows it (Linux as root; 
   writes and deletions in the run's scratch folder (an extra layer, not a boundary).
 Where a layer is unavailable the first run warns once and names the active ones. The program runs as under
 CPython: a real fd 0 under sys.stdin and a file on fd 1 under sys.stdout (fileno(), mode, buffer; whatever
-reaches fd 1 counts, read back after the flushes CPython does at exit), exit() and quit(), os._exit ending
+reaches fd 1 counts, read back after the flushes CPython does at exit), stderr on /dev/null (judges ignore it),
+exit() and quit(), os._exit ending
 the input with its output kept, tempfile and /tmp, fileinput on stdin, in a thread with a large stack (deep
 recursion works). The kernel is still shared and the filter is a denylist: for untrusted code at scale,
 run the trainer in a container or VM as well.
@@ -1097,13 +1098,17 @@ def _program_child(argv):
     channels = [os.fdopen(fd, mode) for fd, mode in zip(fds[1:], ("rb", "w"))]
     isolated = argv[1] == "ns"
     stdout = None if argv[0] == "--serve" else _scratch_file("stdout")
+    stderr = _quiet_stderr()
     _guard("/tmp" if isolated else os.path.realpath(os.getcwd()), job["limits"]["memory_mb"], isolated)
     if argv[0] == "--serve":
-        return _with_a_large_stack(job["limits"], _serve, code, job, *channels)
+        _with_a_large_stack(job["limits"], _serve, code, job, *channels)
+        os.dup2(stderr, 2)
+        return
     results = []
     import gc
     gc.freeze()                           # the collection after each input walks the program's objects only
     _with_a_large_stack(job["limits"], _run_inputs, code, job, stdin, stdout, results)
+    os.dup2(stderr, 2)                    # this process's own errors from here on reach the trusted side
     room, pieces = 6 * job["limits"]["output_bytes"], []      # within the trusted side's cap on this channel
     for result in results:
         piece = _json_text(result)
@@ -1123,6 +1128,16 @@ def _scratch_file(name):
     fd = os.open(f".{name}", os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
     os.unlink(f".{name}")
     return fd
+
+
+def _quiet_stderr():
+    """fd 2 (sys.stderr) on /dev/null while the program runs: judges ignore stderr, and a program's debug prints
+    (a megabyte over its tests) would otherwise fill the capped pipe to the trusted side and die of EPIPE. Nothing
+    on stderr decides a verdict, and the trusted side reads none of it. Returns fd 2 as it was, to put back."""
+    saved, null = os.dup(2), os.open(os.devnull, os.O_WRONLY)
+    os.dup2(null, 2)
+    os.close(null)
+    return saved
 
 
 def _use_stdout(fd):

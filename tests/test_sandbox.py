@@ -52,7 +52,7 @@ def test_apps_and_humaneval_formats(program, tests, outcome, counts, reward):
     ("memory bomb", "x = bytearray(8 * 1024 ** 3)\n", "runtime_error", "MemoryError"),
     ("growing list", "x = []\nwhile True:\n    x.append('a' * 10 ** 6)\n", "runtime_error", "MemoryError"),
     ("output flood", "while True:\n    print('x' * 10000)\n", "runtime_error", "output limit"),
-    ("stderr flood", "import sys\nwhile True:\n    sys.stderr.write('x' * 100000)\n", "runtime_error", ""),
+    ("stderr flood", "import sys\nwhile True:\n    sys.stderr.write('x' * 100000)\n", "timeout", "killed"),
     ("kill the parent", "import os, signal\nos.kill(os.getppid(), signal.SIGKILL)\n", "runtime_error", ""),
     ("kill the group", "import os, signal\nos.killpg(0, signal.SIGKILL)\n", "runtime_error", ""),
     ("sys.exit in a test", "import sys\ndef inc(x):\n    sys.exit(0)\n", "runtime_error", "SystemExit"),
