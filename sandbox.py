@@ -56,9 +56,8 @@ Isolation of the program's process, where the machine allows it (Linux as root; 
 Where a layer is unavailable the first run warns once and names the active ones. The program runs as under
 CPython: a real fd 0 under sys.stdin and a file on fd 1 under sys.stdout (fileno(), mode, buffer; whatever
 reaches fd 1 counts, read back after the flushes CPython does at exit), stderr on /dev/null (judges ignore it),
-exit() and quit(), os._exit ending
-the input with its output kept, tempfile and /tmp, fileinput on stdin, in a thread with a large stack (deep
-recursion works). The kernel is still shared and the filter is a denylist: for untrusted code at scale,
+exit() and quit(), os._exit ending the input with its output kept, tempfile and /tmp, fileinput on stdin, in a
+thread with a large stack (deep recursion works). The kernel is still shared and the filter is a denylist: for untrusted code at scale,
 run the trainer in a container or VM as well.
 """
 import marshal
