@@ -42,7 +42,8 @@ Isolation of the program's process, where the machine allows it (Linux as root; 
   counts of the kernel are not shared between runs) with no_new_privs, the parent-death signal re-armed;
   a seccomp filter (libseccomp through ctypes) denying keyrings, ptrace, mount, namespaces, bpf,
   perf_event_open, module / kexec loading, setsid / setpgid, sysinfo, sockets other than unix, inet,
-  inet6 and netlink (vsock is not confined by the network namespace) and more; new processes (one
+  inet6 and netlink (vsock is not confined by the network namespace), netlink's device events (the host's
+  uevents reach every network namespace of its user namespace) and more; new processes (one
   process per run, so the CPU time limit is the run's budget, threads included); and whatever keeps state
   on an inode every run sees (flock, fcntl locks, leases and notifications, inotify, fanotify, futexes
   without FUTEX_PRIVATE_FLAG, page-cache probes), so concurrent runs cannot talk;
@@ -841,6 +842,9 @@ RWF_NOWAIT = 8                                               # preadv2 that fail
 # reaches the hypervisor of a virtual machine), none is needed by a test program
 OTHER_SOCKET_FAMILIES = (3, 4, 5, 6, 7, 8, 9, 11, 12, 13, 14, 15)
 FIRST_OTHER_SOCKET_FAMILY = 17
+# netlink's device events (uevents): the kernel sends the host's to every network namespace owned by the host's user
+# namespace, these included (device changes, their global sequence number); no test program needs them
+AF_NETLINK, NETLINK_KOBJECT_UEVENT = 16, 15
 
 
 def _libseccomp():
@@ -856,8 +860,8 @@ def _seccomp():
     process); clone3 (ENOSYS: libc falls back to clone); fcntl's locks, leases and notifications; futexes
     without FUTEX_PRIVATE_FLAG (keyed by inode and offset on a file's pages: the standard library's pages are
     every run's); madvise's page-out and preadv2's RWF_NOWAIT (page-cache probes); sockets other than unix,
-    inet, inet6 and netlink. True where the filter is loaded (needs libseccomp.so.2 and no_new_privs
-    or root)."""
+    inet, inet6 and netlink, and netlink's device events (the host's). True where the filter is loaded (needs
+    libseccomp.so.2 and no_new_privs or root)."""
     import ctypes
     lib = _libseccomp()
     if lib is None:
@@ -895,6 +899,9 @@ def _seccomp():
     for number, compare in rules:
         if lib.seccomp_rule_add_array(ctx, eperm, number, 1, ctypes.byref(compare)) != 0:
             return False
+    uevents = (Compare * 2)(Compare(0, eq, AF_NETLINK, 0), Compare(2, eq, NETLINK_KOBJECT_UEVENT, 0))
+    if lib.seccomp_rule_add_array(ctx, eperm, socket, 2, uevents) != 0:
+        return False
     return lib.seccomp_load(ctx) == 0
 
 
