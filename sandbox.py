@@ -171,6 +171,8 @@ def _plain_object(pairs):
         (tag, value), = pairs
         if tag == "float" and value in ("nan", "inf", "-inf"):
             return float(value)
+        if tag == "int" and type(value) is str:
+            return int(value, 16)                            # linear; not hex: ValueError, the report is refused
         if tag == "tuple" and type(value) is list:
             return value
         if tag == "dict" and type(value) is list and all(type(kv) is list and len(kv) == 2 for kv in value):
@@ -208,14 +210,22 @@ def parse_line(line):
 
 # ---------------------------------------------------------------- plain values across processes
 
+# An int of more bits (past about 4200 decimal digits) crosses in hex, tagged: CPython refuses int <-> decimal str past
+# 4300 digits (the conversion is quadratic), on the child's side (repr) and on the trusted side (json.loads), while
+# hex is linear and not limited.
+LONG_INT_BITS = 14000
+
+
 class NotPlain(TypeError):
     """A value that is not None, bool, int, float, str, or a list / tuple / dict of them."""
 
 
 def encode(x):
-    """A plain value -> JSON, tuples and non-finite floats tagged; exact types only, so an object with
-    its own `==` (or a subclass of int or str) cannot pass for the value it claims to be."""
+    """A plain value -> JSON, tuples, non-finite floats and ints past LONG_INT_BITS (in hex) tagged; exact types
+    only, so an object with its own `==` (or a subclass of int or str) cannot pass for the value it claims to be."""
     kind = type(x)
+    if kind is int and x.bit_length() > LONG_INT_BITS:
+        return {"int": hex(x)}
     if x is None or kind in (bool, int, str):
         return x
     if kind is float:
@@ -260,6 +270,11 @@ def decode(x):
         (tag, value), = x.items()
         if tag == "float" and value in ("nan", "inf", "-inf"):
             return float(value)
+        if tag == "int" and type(value) is str:
+            try:
+                return int(value, 16)
+            except ValueError:
+                raise NotPlain(f"not an encoded int: {value[:80]}") from None
         if tag == "tuple" and type(value) is list:
             return tuple(decode(v) for v in value)
         if tag == "dict" and type(value) is list and all(type(kv) is list and len(kv) == 2 for kv in value):

@@ -266,6 +266,20 @@ def test_plain_values_round_trip_and_anything_else_is_refused():
     assert sandbox.parse_line("__import__('os').system('true')") is None    # literals only
 
 
+def test_ints_past_the_decimal_digit_limit_are_plain_values():
+    """A call-based answer past CPython's 4300-digit limit on int <-> str (a factorial without its modulus) made the
+    child's report crash: every test of the run lost, a runtime error. It is a value like any other: the right one
+    passes, a wrong one fails that test alone. It travels in hex (linear, not limited), and so costs the trusted side
+    a linear parse."""
+    big = {"fn_name": "f", "inputs": [[6000], [2], [3]], "outputs": [[7 ** 6000], [49], [343]]}
+    r = run("def f(n):\n    return 7 ** n\n", big, PATIENT)
+    assert (r.outcome, r.passed, r.failed) == ("passed", 3, 0), r
+    r = run("import math\ndef f(n):\n    return math.factorial(n) if n > 5 else 7 ** n\n", big, PATIENT)
+    assert (r.outcome, r.passed, r.failed) == ("failed", 2, 1), r
+    assert sandbox.decode(sandbox.parse_line(sandbox._line(sandbox.encode([-(7 ** 6000), (3 ** 9000,)])))) == [
+        -(7 ** 6000), (3 ** 9000,)]
+
+
 @pytest.mark.launch
 def test_check_prints_the_layers_that_hold():
     import subprocess
