@@ -42,7 +42,8 @@ Isolation of the program's process, where the machine allows it (Linux as root; 
   counts of the kernel are not shared between runs) with no_new_privs, the parent-death signal re-armed;
   a seccomp filter (libseccomp through ctypes) denying keyrings, ptrace, mount, namespaces, bpf,
   perf_event_open, module / kexec loading, setsid / setpgid, sysinfo, sockets other than unix, inet,
-  inet6 and netlink (vsock is not confined by the network namespace) and more; new processes (one
+  inet6 and netlink (vsock is not confined by the network namespace), netlink's device events (the host's
+  uevents reach every network namespace of its user namespace) and more; new processes (one
   process per run, so the CPU time limit is the run's budget, threads included); and whatever keeps state
   on an inode every run sees (flock, fcntl locks, leases and notifications, inotify, fanotify, futexes
   without FUTEX_PRIVATE_FLAG, page-cache probes), so concurrent runs cannot talk;
@@ -55,9 +56,9 @@ Isolation of the program's process, where the machine allows it (Linux as root; 
   writes and deletions in the run's scratch folder (an extra layer, not a boundary).
 Where a layer is unavailable the first run warns once and names the active ones. The program runs as under
 CPython: a real fd 0 under sys.stdin and a file on fd 1 under sys.stdout (fileno(), mode, buffer; whatever
-reaches fd 1 counts, read back after the flushes CPython does at exit), exit() and quit(), os._exit ending
-the input with its output kept, tempfile and /tmp, fileinput on stdin, in a thread with a large stack (deep
-recursion works). The kernel is still shared and the filter is a denylist: for untrusted code at scale,
+reaches fd 1 counts, read back after the flushes CPython does at exit), stderr on /dev/null (judges ignore it),
+exit() and quit(), os._exit ending the input with its output kept, tempfile and /tmp, fileinput on stdin, in a
+thread with a large stack (deep recursion works). The kernel is still shared and the filter is a denylist: for untrusted code at scale,
 run the trainer in a container or VM as well.
 """
 import marshal
@@ -170,6 +171,8 @@ def _plain_object(pairs):
         (tag, value), = pairs
         if tag == "float" and value in ("nan", "inf", "-inf"):
             return float(value)
+        if tag == "int" and type(value) is str:
+            return int(value, 16)                            # linear; not hex: ValueError, the report is refused
         if tag == "tuple" and type(value) is list:
             return value
         if tag == "dict" and type(value) is list and all(type(kv) is list and len(kv) == 2 for kv in value):
@@ -207,14 +210,22 @@ def parse_line(line):
 
 # ---------------------------------------------------------------- plain values across processes
 
+# An int of more bits (past about 4200 decimal digits) crosses in hex, tagged: CPython refuses int <-> decimal str past
+# 4300 digits (the conversion is quadratic), on the child's side (repr) and on the trusted side (json.loads), while
+# hex is linear and not limited.
+LONG_INT_BITS = 14000
+
+
 class NotPlain(TypeError):
     """A value that is not None, bool, int, float, str, or a list / tuple / dict of them."""
 
 
 def encode(x):
-    """A plain value -> JSON, tuples and non-finite floats tagged; exact types only, so an object with
-    its own `==` (or a subclass of int or str) cannot pass for the value it claims to be."""
+    """A plain value -> JSON, tuples, non-finite floats and ints past LONG_INT_BITS (in hex) tagged; exact types
+    only, so an object with its own `==` (or a subclass of int or str) cannot pass for the value it claims to be."""
     kind = type(x)
+    if kind is int and x.bit_length() > LONG_INT_BITS:
+        return {"int": hex(x)}
     if x is None or kind in (bool, int, str):
         return x
     if kind is float:
@@ -259,6 +270,11 @@ def decode(x):
         (tag, value), = x.items()
         if tag == "float" and value in ("nan", "inf", "-inf"):
             return float(value)
+        if tag == "int" and type(value) is str:
+            try:
+                return int(value, 16)
+            except ValueError:
+                raise NotPlain(f"not an encoded int: {value[:80]}") from None
         if tag == "tuple" and type(value) is list:
             return tuple(decode(v) for v in value)
         if tag == "dict" and type(value) is list and all(type(kv) is list and len(kv) == 2 for kv in value):
@@ -841,6 +857,9 @@ RWF_NOWAIT = 8                                               # preadv2 that fail
 # reaches the hypervisor of a virtual machine), none is needed by a test program
 OTHER_SOCKET_FAMILIES = (3, 4, 5, 6, 7, 8, 9, 11, 12, 13, 14, 15)
 FIRST_OTHER_SOCKET_FAMILY = 17
+# netlink's device events (uevents): the kernel sends the host's to every network namespace owned by the host's user
+# namespace, these included (device changes, their global sequence number); no test program needs them
+AF_NETLINK, NETLINK_KOBJECT_UEVENT = 16, 15
 
 
 def _libseccomp():
@@ -856,8 +875,8 @@ def _seccomp():
     process); clone3 (ENOSYS: libc falls back to clone); fcntl's locks, leases and notifications; futexes
     without FUTEX_PRIVATE_FLAG (keyed by inode and offset on a file's pages: the standard library's pages are
     every run's); madvise's page-out and preadv2's RWF_NOWAIT (page-cache probes); sockets other than unix,
-    inet, inet6 and netlink. True where the filter is loaded (needs libseccomp.so.2 and no_new_privs
-    or root)."""
+    inet, inet6 and netlink, and netlink's device events (the host's). True where the filter is loaded (needs
+    libseccomp.so.2 and no_new_privs or root)."""
     import ctypes
     lib = _libseccomp()
     if lib is None:
@@ -895,6 +914,9 @@ def _seccomp():
     for number, compare in rules:
         if lib.seccomp_rule_add_array(ctx, eperm, number, 1, ctypes.byref(compare)) != 0:
             return False
+    uevents = (Compare * 2)(Compare(0, eq, AF_NETLINK, 0), Compare(2, eq, NETLINK_KOBJECT_UEVENT, 0))
+    if lib.seccomp_rule_add_array(ctx, eperm, socket, 2, uevents) != 0:
+        return False
     return lib.seccomp_load(ctx) == 0
 
 
@@ -1097,13 +1119,17 @@ def _program_child(argv):
     channels = [os.fdopen(fd, mode) for fd, mode in zip(fds[1:], ("rb", "w"))]
     isolated = argv[1] == "ns"
     stdout = None if argv[0] == "--serve" else _scratch_file("stdout")
+    stderr = _quiet_stderr()
     _guard("/tmp" if isolated else os.path.realpath(os.getcwd()), job["limits"]["memory_mb"], isolated)
     if argv[0] == "--serve":
-        return _with_a_large_stack(job["limits"], _serve, code, job, *channels)
+        _with_a_large_stack(job["limits"], _serve, code, job, *channels)
+        os.dup2(stderr, 2)
+        return
     results = []
     import gc
     gc.freeze()                           # the collection after each input walks the program's objects only
     _with_a_large_stack(job["limits"], _run_inputs, code, job, stdin, stdout, results)
+    os.dup2(stderr, 2)                    # this process's own errors from here on reach the trusted side
     room, pieces = 6 * job["limits"]["output_bytes"], []      # within the trusted side's cap on this channel
     for result in results:
         piece = _json_text(result)
@@ -1123,6 +1149,16 @@ def _scratch_file(name):
     fd = os.open(f".{name}", os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
     os.unlink(f".{name}")
     return fd
+
+
+def _quiet_stderr():
+    """fd 2 (sys.stderr) on /dev/null while the program runs: judges ignore stderr, and a program's debug prints
+    (a megabyte over its tests) would otherwise fill the capped pipe to the trusted side and die of EPIPE. Nothing
+    on stderr decides a verdict, and the trusted side reads none of it. Returns fd 2 as it was, to put back."""
+    saved, null = os.dup(2), os.open(os.devnull, os.O_WRONLY)
+    os.dup2(null, 2)
+    os.close(null)
+    return saved
 
 
 def _use_stdout(fd):

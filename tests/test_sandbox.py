@@ -52,7 +52,7 @@ def test_apps_and_humaneval_formats(program, tests, outcome, counts, reward):
     ("memory bomb", "x = bytearray(8 * 1024 ** 3)\n", "runtime_error", "MemoryError"),
     ("growing list", "x = []\nwhile True:\n    x.append('a' * 10 ** 6)\n", "runtime_error", "MemoryError"),
     ("output flood", "while True:\n    print('x' * 10000)\n", "runtime_error", "output limit"),
-    ("stderr flood", "import sys\nwhile True:\n    sys.stderr.write('x' * 100000)\n", "runtime_error", ""),
+    ("stderr flood", "import sys\nwhile True:\n    sys.stderr.write('x' * 100000)\n", "timeout", "killed"),
     ("kill the parent", "import os, signal\nos.kill(os.getppid(), signal.SIGKILL)\n", "runtime_error", ""),
     ("kill the group", "import os, signal\nos.killpg(0, signal.SIGKILL)\n", "runtime_error", ""),
     ("sys.exit in a test", "import sys\ndef inc(x):\n    sys.exit(0)\n", "runtime_error", "SystemExit"),
@@ -264,6 +264,20 @@ def test_plain_values_round_trip_and_anything_else_is_refused():
         with pytest.raises(sandbox.NotPlain):
             sandbox.decode(bad)
     assert sandbox.parse_line("__import__('os').system('true')") is None    # literals only
+
+
+def test_ints_past_the_decimal_digit_limit_are_plain_values():
+    """A call-based answer past CPython's 4300-digit limit on int <-> str (a factorial without its modulus) made the
+    child's report crash: every test of the run lost, a runtime error. It is a value like any other: the right one
+    passes, a wrong one fails that test alone. It travels in hex (linear, not limited), and so costs the trusted side
+    a linear parse."""
+    big = {"fn_name": "f", "inputs": [[6000], [2], [3]], "outputs": [[7 ** 6000], [49], [343]]}
+    r = run("def f(n):\n    return 7 ** n\n", big, PATIENT)
+    assert (r.outcome, r.passed, r.failed) == ("passed", 3, 0), r
+    r = run("import math\ndef f(n):\n    return math.factorial(n) if n > 5 else 7 ** n\n", big, PATIENT)
+    assert (r.outcome, r.passed, r.failed) == ("failed", 2, 1), r
+    assert sandbox.decode(sandbox.parse_line(sandbox._line(sandbox.encode([-(7 ** 6000), (3 ** 9000,)])))) == [
+        -(7 ** 6000), (3 ** 9000,)]
 
 
 @pytest.mark.launch

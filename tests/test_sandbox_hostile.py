@@ -218,6 +218,8 @@ def test_the_trainers_session_keyring_is_out_of_reach():
     ("ptrace(PTRACE_TRACEME)", "libc.syscall(101, 0, 0, 0, 0)"),
     ("perf_event_open", "libc.syscall(298, ctypes.create_string_buffer(128), 0, -1, -1, 0) * 0"),
     ("socket(AF_VSOCK): past the network namespace, to a virtual machine's host", "min(0, libc.syscall(41, 40, 1, 0))"),
+    # the kernel broadcasts the host's device events to every network namespace of the host's user namespace
+    ("socket(AF_NETLINK, NETLINK_KOBJECT_UEVENT): the host's device events", "min(0, libc.syscall(41, 16, 3, 15))"),
     ("preadv2(RWF_NOWAIT): whether a page of os.py is cached (another run may have read it)",
      "__import__('os').preadv(__import__('os').open(__import__('os').__file__, 0), [bytearray(8)], 0, 8) * 0"),
 ])
@@ -423,6 +425,9 @@ input = lambda: sys.stdin.readline().rstrip("\\r\\n")
     ('main in a thread, not joined', 'import sys, threading\nsys.setrecursionlimit(10 ** 6)\nthreading.stack_size(1 << 25)\ndef main():\n    print(int(input()) + 1)\nthreading.Thread(target=main).start()\n', "2\n", "3"),
     ('fileinput.input()', 'import fileinput\nprint(sum(int(line) for line in fileinput.input()) + 1)\n', "2\n", "3"),
     ("shutil.copy, move and rmtree in a scratch folder", "import os, shutil, tempfile\nd = tempfile.mkdtemp()\nwith open(os.path.join(d, 'a'), 'w') as f:\n    f.write(input())\nshutil.copy(os.path.join(d, 'a'), os.path.join(d, 'b'))\nshutil.move(os.path.join(d, 'b'), os.path.join(d, 'c'))\nprint(int(open(os.path.join(d, 'c')).read()) + 1)\nshutil.rmtree(d)\n", "2\n", "3"),
+    # debug prints on stderr, which judges ignore: 1.2 MB per input (print and os.write(2)), past the 1 MiB cap
+    ("debug output on stderr past the cap", "import os, sys\nfor i in range(1500):\n    print('debug', i, 'x' * 400, file=sys.stderr)\n"
+     "    os.write(2, b'y' * 400 + b'\\n')\nprint(int(input()) + 1)\n", "2\n", "3"),
     ("tempfile and a scratch file in /tmp", "import os, tempfile\nn = int(input())\nwith tempfile.TemporaryDirectory() as d:\n    p = os.path.join(d, 'x.txt')\n    with open(p, 'w') as f:\n        f.write(str(n))\n    a = int(open(p).read())\nwith tempfile.NamedTemporaryFile('w+') as f:\n    f.write('1')\n    f.seek(0)\n    a += int(f.read())\nwith tempfile.TemporaryFile() as f:\n    f.write(b'0')\nwith open('/tmp/scratch.txt', 'w') as f:\n    f.write('0')\na += int(open('/tmp/scratch.txt').read())\nos.remove('/tmp/scratch.txt')\nprint(a)\n", "2\n", "3"),
 ])
 def test_honest_idioms_pass(name, program, given, expected):
