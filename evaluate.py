@@ -386,6 +386,13 @@ def degeneracy(policy, sft, task):
             f"{gamed} being gamed by repetition, not earned")
 
 
+def no_collapse(policy, sft):
+    """The sentence for replies above the degeneracy line: what was measured, and what it does not exclude."""
+    return (f"The policy's distinct-2 ({policy['distinct_2']:.2f}) is at least {DEGENERATE:.0%} of the SFT model's "
+            f"({sft['distinct_2']:.2f}): no collapse by this measure, which does not exclude a drift towards repeated "
+            "words (read gold_strict and the KL beside the scores).")
+
+
 def diversity_lines(sft, policy):
     """Table rows (SFT, then the policy) of two reply_metrics dicts."""
     lines = [f"| distinct-1 / distinct-2 of the replies | {sft['distinct_1']:.2f} / {sft['distinct_2']:.2f} | "
@@ -418,7 +425,7 @@ def final_report(args, policy, sft_model, reward_model, tokenizer, rows, metrics
     verdict = degeneracy(p_replies, s_replies, args.task)
     lines += ["", f"WARNING: {verdict}. Do not read the scores above as a better policy; train with a larger "
                   "--beta (or --kl_target) and compare the gold_strict score." if verdict else
-              f"The policy's replies keep at least {DEGENERATE:.0%} of the SFT model's distinct-2: not degenerate."]
+              no_collapse(p_replies, s_replies)]
     png = plot_run(metrics_path)
     lines += ["", f"metrics: {metrics_path}", f"learning curve: {png}"]
     print("\n".join(lines))
@@ -614,7 +621,7 @@ def cmd_winrate(args, ctx):
     verdict = degeneracy(replies["policy"], replies["sft"], args.task)
     result["degenerate"] = verdict is not None
     lines += ["", f"WARNING: {verdict}: this win rate is not a better policy." if verdict else
-              f"The policy's replies keep at least {DEGENERATE:.0%} of the SFT model's distinct-2: not degenerate."]
+              no_collapse(replies["policy"], replies["sft"])]
     return write(args, "winrate", result, lines)
 
 

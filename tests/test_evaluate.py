@@ -348,7 +348,7 @@ def models(tiny_models, parrot):
 def test_the_final_report_says_in_words_that_a_parrots_replies_are_degenerate(models, tmp_path):
     """A policy that says one word the gold judge likes: a high gold score and a 100% gold win rate, and beside
     them its diversity, the SFT model's, gold_strict, and a warning that the gold score is being gamed. The SFT
-    model against itself is not degenerate."""
+    model against itself does not collapse by this measure."""
     import shutil
     args, tokenizer, rows, sft_model, parrot_model, reward = models
     shutil.copy(os.path.join(RUNS, "rm.jsonl"), tmp_path / "metrics.jsonl")
@@ -361,7 +361,7 @@ def test_the_final_report_says_in_words_that_a_parrots_replies_are_degenerate(mo
     assert re.search(r"\| replies mostly one repeated word \| [\d.]+% \| (\d+\.\d)% \|", summary).group(1) != "0.0"
     evaluate.final_report(args, sft_model, sft_model, reward, tokenizer, rows, str(tmp_path / "metrics.jsonl"))
     summary = open(tmp_path / "summary.md").read()
-    assert "degenerate:" not in summary and "not degenerate" in summary
+    assert "degenerate:" not in summary and "no collapse by this measure" in summary
 
 
 @pytest.mark.launch
