@@ -245,7 +245,8 @@ def loaded(folder, kind):
 def test_fsdp2_on_two_cpu_processes_shards_and_trains_what_ddp_trains(tiny_models, tmp_path):
     """configs/fsdp.yaml through tests/fsdp_cpu.py (accelerate's real FSDP2 preparation, gloo): sft.py 2 steps and
     ppo.py 1 iteration. Every trained model is sharded (each rank holds part of its values), losses are finite,
-    every saved folder (final and checkpoint) loads key for key, and the weights and PPO metrics are those of a
+    every saved folder (final and checkpoint) holds the keys of DDP's (a tied lm_head once: FSDP's gathered state
+    dict held it twice) and loads key for key, and the weights and PPO metrics are those of a
     plain DDP launch of the same command lines within FSDP_RTOL / FSDP_ATOL."""
     def lines(out):
         return [["sft.py", "--model", tiny_models / "sft", *TINY, "--output_dir", out / "sft"],
@@ -282,6 +283,7 @@ def test_fsdp2_on_two_cpu_processes_shards_and_trains_what_ddp_trains(tiny_model
         assert v == pytest.approx(rows[0][0][k], rel=FSDP_RTOL, abs=FSDP_ATOL), (k, rows[0][0][k], v)
     for folder, kind in (("sft", "lm"), ("sft/checkpoint/model", "lm"), ("ppo/policy", "lm"),
                          ("ppo/checkpoint/policy", "lm"), ("ppo/checkpoint/critic", "score")):
+        assert weights(tmp_path / "fsdp" / folder).keys() == weights(tmp_path / "ddp" / folder).keys(), folder
         a, b = loaded(tmp_path / "fsdp" / folder, kind), loaded(tmp_path / "ddp" / folder, kind)
         assert a.keys() == b.keys(), folder
         for k in a:
