@@ -1,6 +1,7 @@
 """What bench/gpu_check.sh runs on GPUs, run on CPU processes first: two machines (one `accelerate launch` per
 machine, 127.0.0.1 as the main address) against one machine with two processes, bf16 autocast, gradient
-checkpointing, and an FSDP launch, which accelerate cannot start on a CPU and which therefore stops.
+checkpointing, and an FSDP launch, which accelerate cannot start on a CPU and which therefore stops; FSDP2
+itself runs on CPU processes through tests/fsdp_cpu.py, against DDP.
 
 Two launches of tests/launched_stages.py run the same stage command lines: one machine x 2 processes, and
 2 machines x 1 process (both "machines" at once, each its own launcher with its --machine_rank). The
