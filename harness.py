@@ -77,11 +77,13 @@ def make_accelerator(bf16=False, grad_accum=1, micro_batch_size=1, **kwargs):
 def refuse_fallback_from_fsdp(accelerator):
     """An FSDP launch that accelerate did not start as FSDP stops here. accelerate (1.15) starts FSDP only
     on an accelerator (CUDA, XPU, ...): on a CPU a `--config_file configs/fsdp.yaml` launch runs every
-    process as plain DDP over gloo (MULTI_CPU), with nothing said, so a run meant to test FSDP tests DDP."""
+    process as plain DDP over gloo (MULTI_CPU), with nothing said, so a run meant to test FSDP tests DDP.
+    tests/fsdp_cpu.py sets accelerate's state to FSDP on a CPU (torch's FSDP2 runs on gloo): that launch passes."""
     if os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true" and accelerator.distributed_type.value != "FSDP":
         sys.exit(f"error: this is an FSDP launch, but accelerate started {accelerator.distributed_type.value} on "
                  f"{accelerator.device}: it starts FSDP only on GPUs (or another accelerator), never on a CPU. "
-                 "On a CPU, launch DDP (--multi_gpu) or DeepSpeed ZeRO-3 instead (docs/distributed.md).")
+                 "On a CPU, launch DDP (--multi_gpu), DeepSpeed ZeRO-3, or FSDP2 through tests/fsdp_cpu.py "
+                 "(docs/distributed.md).")
 
 
 def make_accelerators(bf16, grad_accum, micro_batch_size, **kwargs):
@@ -191,12 +193,20 @@ def start_accumulation(accelerators, group):
 
 def whole_state_dicts(models):
     """{name: (accelerator, model)} -> {name: whole state dict}, gathered from ZeRO-3 / FSDP shards (a
-    collective call: every rank must make it). A wrapper module's "model." prefix is dropped."""
+    collective call: every rank must make it). A wrapper module's "model." prefix is dropped. Under FSDP
+    a tied weight (Gemma's lm_head, the embedding) comes back as its own copy, which save_pretrained
+    cannot recognise as an alias and would write twice: it is left out, as a whole model's save leaves it."""
     out = {}
     for name, (accelerator, model) in models.items():
         sd = accelerator.get_state_dict(model)
-        wrapped = not hasattr(unwrap(accelerator, model), "save_pretrained")
-        out[name] = {k.removeprefix("model."): v for k, v in sd.items()} if sd and wrapped else sd
+        unwrapped = unwrap(accelerator, model)
+        wrapped = not hasattr(unwrapped, "save_pretrained")
+        sd = {k.removeprefix("model."): v for k, v in sd.items()} if sd and wrapped else sd
+        if sd and accelerator.distributed_type.value == "FSDP":
+            for tied, source in (getattr(unwrapped, "all_tied_weights_keys", None) or {}).items():
+                if tied in sd and source in sd and torch.equal(sd[tied], sd[source]):
+                    del sd[tied]
+        out[name] = sd
     return out
 
 

@@ -1,6 +1,7 @@
 """What bench/gpu_check.sh runs on GPUs, run on CPU processes first: two machines (one `accelerate launch` per
 machine, 127.0.0.1 as the main address) against one machine with two processes, bf16 autocast, gradient
-checkpointing, and an FSDP launch, which accelerate cannot start on a CPU and which therefore stops.
+checkpointing, and an FSDP launch, which accelerate cannot start on a CPU and which therefore stops; FSDP2
+itself runs on CPU processes through tests/fsdp_cpu.py, against DDP.
 
 Two launches of tests/launched_stages.py run the same stage command lines: one machine x 2 processes, and
 2 machines x 1 process (both "machines" at once, each its own launcher with its --machine_rank). The
@@ -224,3 +225,67 @@ def test_an_fsdp_launch_on_a_cpu_stops_instead_of_running_ddp(tmp_path):
     assert proc.returncode != 0
     assert "this is an FSDP launch, but accelerate started MULTI_CPU" in proc.stderr, proc.stderr[-3000:]
     assert not (tmp_path / "sft" / "config.json").exists()
+
+
+# FSDP2 (tests/fsdp_cpu.py) against DDP from the same seed: 2 ranks average gradients exactly either way (one
+# sum of two values, halved) and AdamW is elementwise, so the numbers may differ only by reduction order
+FSDP_RTOL, FSDP_ATOL = 1e-5, 1e-6
+
+
+def loaded(folder, kind):
+    """model.state_dict() of a saved folder read back by from_pretrained, which must report nothing missing,
+    unexpected or mismatched."""
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
+    auto = AutoModelForCausalLM if kind == "lm" else AutoModelForSequenceClassification
+    model, info = auto.from_pretrained(folder, output_loading_info=True)
+    assert not any(info.values()), (folder, info)
+    return model.state_dict()
+
+
+@pytest.mark.launch
+def test_fsdp2_on_two_cpu_processes_shards_and_trains_what_ddp_trains(tiny_models, tmp_path):
+    """configs/fsdp.yaml through tests/fsdp_cpu.py (accelerate's real FSDP2 preparation, gloo): sft.py 2 steps and
+    ppo.py 1 iteration. Every trained model is sharded (each rank holds part of its values), losses are finite,
+    every saved folder (final and checkpoint) holds the keys of DDP's (a tied lm_head once: FSDP's gathered state
+    dict held it twice) and loads key for key, and the weights and PPO metrics are those of a
+    plain DDP launch of the same command lines within FSDP_RTOL / FSDP_ATOL."""
+    def lines(out):
+        return [["sft.py", "--model", tiny_models / "sft", *TINY, "--output_dir", out / "sft"],
+                ["ppo.py", *ppo_flags(tiny_models), "--steps", "1", "--output_dir", out / "ppo"]]
+    fsdp = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", "configs/fsdp.yaml",
+            "--num_processes", "2", "--mixed_precision", "no", "--dynamo_backend", "no", "tests/fsdp_cpu.py"]
+    printed = {}
+    for name, launch in (("fsdp", fsdp), ("ddp", list(LAUNCH))):      # one 2-process launch at a time
+        out = tmp_path / name
+        out.mkdir()
+        argv = json.dumps([list(map(str, line)) for line in lines(out)])
+        proc = subprocess.run([*launch, "tests/launched_stages.py", str(out), argv], cwd=ROOT, capture_output=True,
+                              text=True, timeout=300)
+        assert proc.returncode == 0, f"{name}: " + proc.stdout[-3000:] + proc.stderr[-4000:]
+        printed[name] = {stage: [(out / f"{i}.{rank}.txt").read_text() for rank in (0, 1)]
+                         for i, stage in enumerate(("sft", "ppo"))}
+    for stage, n_models in (("sft", 1), ("ppo", 2)):            # ppo.py: the policy and the critic
+        for rank in (0, 1):
+            shards = [line.split(": ")[1].split() for line in printed["fsdp"][stage][rank].splitlines()
+                      if line.startswith(f"[fsdp_cpu] rank {rank}: ")]
+            assert len(shards) == n_models, printed["fsdp"][stage][rank][-2000:]
+            for cls, _, local, _, whole, *_ in shards:
+                assert cls.startswith("FSDP") and 0 < int(local) < int(whole), shards
+        assert "[fsdp_cpu]" not in printed["ddp"][stage][0]
+    losses = [float(line.split("train loss ")[1].split()[0]) for line in printed["fsdp"]["sft"][0].splitlines()
+              if "train loss " in line]
+    assert losses and all(torch.isfinite(torch.tensor(losses))), printed["fsdp"]["sft"][0][-2000:]
+    ppo = {name: metrics(tmp_path / name / "ppo") for name in printed}
+    assert len(ppo["fsdp"]) == 1 and all(torch.isfinite(torch.tensor(v)) for k, v in ppo["fsdp"][0].items()
+                                         if k.startswith("loss/"))
+    rows = [comparable(r) for r in ppo["fsdp"]], [comparable(r) for r in ppo["ddp"]]
+    assert rows[0][0].keys() == rows[1][0].keys()
+    for k, v in rows[1][0].items():
+        assert v == pytest.approx(rows[0][0][k], rel=FSDP_RTOL, abs=FSDP_ATOL), (k, rows[0][0][k], v)
+    for folder, kind in (("sft", "lm"), ("sft/checkpoint/model", "lm"), ("ppo/policy", "lm"),
+                         ("ppo/checkpoint/policy", "lm"), ("ppo/checkpoint/critic", "score")):
+        assert weights(tmp_path / "fsdp" / folder).keys() == weights(tmp_path / "ddp" / folder).keys(), folder
+        a, b = loaded(tmp_path / "fsdp" / folder, kind), loaded(tmp_path / "ddp" / folder, kind)
+        assert a.keys() == b.keys(), folder
+        for k in a:
+            torch.testing.assert_close(a[k], b[k], rtol=FSDP_RTOL, atol=FSDP_ATOL, msg=f"{folder}: {k}")
