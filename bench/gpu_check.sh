@@ -18,8 +18,9 @@
 # run (STEPS=1), under DDP (--multi_gpu), ZeRO-2 and ZeRO-3 (configs/zero*.yaml through tests/deepspeed_cpu.py,
 # DeepSpeed's CPU shim), each with sft.py, sft.py --gradient_checkpointing, sft.py --lora_r 4, reward_model.py,
 # reward_model.py --gradient_checkpointing, ppo.py, ppo.py --gradient_checkpointing and ppo.py --lora_r 4, all
-# with --bf16: 24 runs, the same checks. FSDP is not among them: accelerate starts FSDP only on GPUs, and an
-# FSDP launch on a CPU stops with an error (tests/test_gpu_paths_on_cpu.py checks that it does).
+# with --bf16, and under FSDP2 (configs/fsdp.yaml through tests/fsdp_cpu.py, which gives accelerate the FSDP
+# state it starts only on GPUs): 32 runs, the same checks. CONFIGS="fsdp zero3" (names separated by spaces)
+# runs only those configurations, in either mode.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 CPU=0
@@ -28,7 +29,7 @@ if [ "$CPU" = 1 ]; then
   GPUS=2
   STEPS=${STEPS:-1}
   OUT=${OUT:-runs/gpu_check_cpu}
-  CONFIGS=(ddp zero2 zero3)
+  DEFAULT_CONFIGS="ddp fsdp zero2 zero3"
   JOBS=(sft sft_gc sft_lora rm rm_gc ppo ppo_gc ppo_lora)
   export OMP_NUM_THREADS=1 MA_RLHF_CPU_THREADS=1     # tiny models: a second thread per process gains nothing
 else
@@ -36,9 +37,13 @@ else
   if [ "$GPUS" -lt 1 ]; then echo "gpu_check: no GPU found (nvidia-smi -L lists none); on a CPU: --cpu"; exit 1; fi
   STEPS=${STEPS:-6}
   OUT=${OUT:-runs/gpu_check}
-  CONFIGS=(ddp fsdp zero2 zero3)
+  DEFAULT_CONFIGS="ddp fsdp zero2 zero3"
   JOBS=(sft rm ppo ppo_gc ppo_lora)
 fi
+read -r -a CONFIGS <<< "${CONFIGS:-$DEFAULT_CONFIGS}"
+for config in "${CONFIGS[@]}"; do
+  [ -f "configs/$config.yaml" ] || { echo "gpu_check: CONFIGS: no configs/$config.yaml (choices: $DEFAULT_CONFIGS)"; exit 2; }
+done
 mkdir -p "$OUT"
 if [ "$CPU" = 1 ]; then
   SFT="$OUT/models/sft"; RM="$OUT/models/rm"; GOLD=4
@@ -81,6 +86,9 @@ for config in "${CONFIGS[@]}"; do
     elif [ "$config" = ddp ]; then
       launch=(python -m accelerate.commands.launch --multi_gpu --num_processes 2 --num_machines 1
               --mixed_precision no --dynamo_backend no)
+    elif [ "$config" = fsdp ]; then
+      launch=(python -m accelerate.commands.launch --config_file configs/fsdp.yaml --num_processes 2
+              --mixed_precision no --dynamo_backend no tests/fsdp_cpu.py)
     else
       launch=(python -m accelerate.commands.launch --config_file "configs/$config.yaml" --num_processes 2
               tests/deepspeed_cpu.py)
