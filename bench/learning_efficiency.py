@@ -888,6 +888,12 @@ def matched_kl_table(args, h, records, result):
 FRONTIER_WITH = {"real_kl": "real", "kl": "baseline", "kl_count": "count"}
 
 
+def frontier_method(config):
+    """(the method of `config`'s points in the score-against-KL picture, whether the KL controller held it):
+    "PPO (n=1), KL 0.7" is "PPO (n=1)" under the controller; a variant keeps its whole label."""
+    return config.label.split(", KL ")[0], config.flag("--kl_target") is not None
+
+
 def kl_frontier(args, hypothesis, records):
     """Score against KL at every evaluation of every run of `hypothesis` and of its fixed-beta hypothesis
     (FRONTIER_WITH), one colour per method (n), circles at a fixed beta, triangles under the controller:
@@ -903,8 +909,7 @@ def kl_frontier(args, hypothesis, records):
     fig, ax = plt.subplots(figsize=(6.5, 4.2))
     colours = {}
     for config, record in runs:
-        method = config.label.split(",")[0]
-        controlled = config.flag("--kl_target") is not None
+        method, controlled = frontier_method(config)
         colour = colours.setdefault(method, f"C{len(colours)}")
         points = [(r["kl"], r[metric]) for r in record["rows"] if metric in r]
         ax.scatter(*zip(*points), color=colour, marker="^" if controlled else "o", s=16, alpha=0.6,

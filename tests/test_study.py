@@ -272,6 +272,24 @@ def test_matched_kl_pairs_each_method_with_ppo_at_its_own_target_by_hand(tmp_pat
     assert "NOT matched" in verdicts[1] and "one seed: no interval" in verdicts[1]
 
 
+def test_the_kl_picture_gives_each_method_one_colour_and_marks_the_controller(tmp_path):
+    """real_kl.png: one legend entry per method and beta rule ("PPO (n=1), KL 0.7" is PPO under the controller,
+    the sigma=first variant its own method, never cut to "MA-PPO (n=5"), written only once a real_kl run exists."""
+    configs = {c.name: c for c in (*study.HYPOTHESES["real"].configs, *study.HYPOTHESES["real_kl"].configs)}
+    assert {study.frontier_method(c) for c in configs.values()} == {
+        ("PPO (n=1)", False), ("MA-PPO (n=5)", False), ("MA-PPO (n=5, sigma=first)", False),
+        ("PPO (n=1)", True), ("MA-PPO (n=5)", True)}
+    args = argparse.Namespace(results_dir=str(tmp_path))
+
+    def record(name):
+        study.write_record(study.record_path(args, name, 1), {"rows": [{"kl": 0.5, "eval/gold": 0.4}]})
+    record("real_n1")
+    assert study.kl_frontier(args, "real_kl", {}) is None and not os.path.exists(tmp_path / "real_kl.png")
+    record("real_kl_n1_0.7")
+    assert study.kl_frontier(args, "real_kl", {}) == str(tmp_path / "real_kl.png")
+    assert os.path.getsize(tmp_path / "real_kl.png") > 0
+
+
 def test_a_record_says_what_produced_it(tmp_path):
     """Provenance: the commit that ran, whether tracked files differed from it, versions, threads, jobs and
     the hashes of the model folders (a change to one byte changes the hash)."""
