@@ -880,7 +880,7 @@ def matched_kl_table(args, h, records, result):
                     "holds 0)") if gap[2] > 1 else "one seed: no interval"
             verdicts.append(f"- KL {config.flag('--kl_target')}: final KL {kls[0]:.2f} against PPO's {base_kl:.2f} "
                             f"(ratio {ratio:.2f}: {'matched' if matched else 'NOT matched, more than 20% apart'}); "
-                            f"MA-PPO minus PPO {key} {fmt(*gap[:2])} over {gap[2]} seeds: {sign}.")
+                            f"MA-PPO minus PPO {key} {fmt(*gap[:2])} over {gap[2]} seed{'s' if gap[2] != 1 else ''}: {sign}.")
     return lines + ([""] + verdicts if verdicts else [])
 
 
