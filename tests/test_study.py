@@ -308,7 +308,7 @@ def test_a_record_says_what_produced_it(tmp_path):
 
 def test_the_segment_beta_sweep_runs_the_readmes_segment_quick_start_at_each_beta():
     """segment_beta: the README's quick-start command (its ppo.py flags, read from the README) at each beta, on
-    the segment RM beside the SFT model; the table reports gold_strict, gold, KL and the final distinct-2 beside
+    the segment RM beside the SFT model, each beside the study's beta of 0.05; the table reports gold_strict, gold, KL and the final distinct-2 beside
     the SFT model's, by hand."""
     import re
     import shlex
@@ -322,13 +322,14 @@ def test_the_segment_beta_sweep_runs_the_readmes_segment_quick_start_at_each_bet
     args = argparse.Namespace(steps=120, eval_every=10, n_eval_prompts=128, ppo_args="", count_args="", code_args="",
                               models={"chitchat": ("runs/chitchat/sft", "runs/chitchat/rm")})
     betas = []
-    for config in h.configs[1:]:
+    for config in h.configs:
         parsed = HfArgumentParser(ppo.PPOArgs).parse_args_into_dataclasses(args=study.ppo_flags(args, config, 1, "out"))[0]
         readme_run = HfArgumentParser(ppo.PPOArgs).parse_args_into_dataclasses(
             args=study.ppo_flags(args, study.Config("x", "x", (*quick, "--beta", config.flag("--beta")), partner="n1"), 1, "out"))[0]
         assert parsed == readme_run and parsed.rm_path == os.path.join("runs/chitchat", "rm_segment")
         betas.append(parsed.beta)
-    assert betas == [0.05, 0.2, 0.5, 1.0, 2.0] and h.configs[0].metrics == ("eval/gold_strict", "eval/gold")
+    assert betas == [0.05, 0.5, 1.0, 2.0] and h.configs[0].metrics == ("eval/gold_strict", "eval/gold")
+    assert h.configs[0].partner is None and {c.partner for c in h.configs[1:]} == {h.configs[0].name}
 
     def run(seed, distinct_2):
         return {"seed": seed, "final": {"gold": [0.5] * 4},
