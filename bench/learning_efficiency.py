@@ -571,6 +571,18 @@ def build_flags(args, task):
     return shlex.split(known.sft_args or sft_args), shlex.split(known.rm_args or rm_args)
 
 
+def build_task_models(args, todo):
+    """The SFT model and sequence RM of every embedded task in `todo` that has none yet (the code task: no
+    RM), with the flags ppo.py would build them with, before the SFT record that needs them."""
+    for task in dict.fromkeys(c.task for c, _ in todo if c.model != "smollm2"):
+        sft_path, rm_path = args.models[task]
+        sft_args, rm_args = build_flags(args, task)
+        missing = lambda path: not os.path.exists(os.path.join(ROOT, path, "config.json"))
+        run_stages([*([["sft.py", "--task", task, "--output_dir", sft_path, *sft_args]] if missing(sft_path) else []),
+                    *([["reward_model.py", "--task", task, "--sft_path", sft_path, "--output_dir", rm_path, *rm_args]]
+                      if task != "code" and missing(rm_path) else [])])
+
+
 def build_segment_rms(args, todo):
     """Train the segment / token RMs that the configurations in `todo` score with, once each, from the
     task's SFT model (built first if missing) with the sequence RM's flags, segments at SEGMENT_C_ENT;
@@ -647,6 +659,7 @@ def train_all(args, todo):
     todo = [t for t in todo if not os.path.exists(record_path(args, t[0].name, t[1]))]
     if args.report_only or not todo:
         return
+    build_task_models(args, todo)
     build_segment_rms(args, todo)
     build_real_models(args, todo)
     for config in {c.models_key: c for c, _ in todo}.values():
@@ -655,12 +668,6 @@ def train_all(args, todo):
         for config, seed in todo:
             train(args, config, seed)
         return
-    for key, (sft_path, rm_path) in args.models.items():     # the first run of a task builds its SFT/RM: alone
-        first = next((t for t in todo if t[0].models_key == key), None)
-        needed = [sft_path] + ([] if key == "code" else [rm_path])
-        if first and not all(os.path.exists(os.path.join(ROOT, p, "config.json")) for p in needed):
-            train(args, *first)
-            todo.remove(first)
     threads = max(1, (os.cpu_count() or 1) // args.jobs)
     with concurrent.futures.ProcessPoolExecutor(args.jobs, initializer=_one_job_threads, initargs=(threads,)) as pool:
         for future in concurrent.futures.as_completed([pool.submit(train, args, *t) for t in todo]):

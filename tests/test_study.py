@@ -340,3 +340,23 @@ def test_the_segment_beta_sweep_runs_the_readmes_segment_quick_start_at_each_bet
     lines, result = study.report(argparse.Namespace(smooth=1, results_dir="nowhere"), "segment_beta", records)
     assert result[h.configs[0].name]["early"]["distinct_2"][0] == pytest.approx(0.04)
     assert any(line.startswith("| quick start, beta 2.0 |") and line.endswith("| 0.700 ± 0.000 (0.80) |") for line in lines)
+
+
+def test_the_study_builds_each_tasks_models_before_its_sft_record(tmp_path, monkeypatch):
+    """A fresh clone has no runs/: train_all builds every task's SFT model and sequence RM (none for code) with
+    the flags ppo.py would use, before the SFT record reads them; models already there are not rebuilt."""
+    stages = []
+    monkeypatch.setattr(study, "run_stages", lambda s: stages.extend(s))
+    monkeypatch.setattr(study, "ROOT", str(tmp_path))
+    (tmp_path / "runs/chitchat/sft").mkdir(parents=True)
+    (tmp_path / "runs/chitchat/sft/config.json").write_text("{}")
+    args = argparse.Namespace(ppo_args="", count_args="--reward gold", code_args="", chitchat_args="",
+                              models={t: (f"runs/{t}/sft", f"runs/{t}/rm") for t in ("chitchat", "count", "code")})
+    todo = [(c, 1) for c in (study.PPO, study.COUNT_PPO, study.HYPOTHESES["code"].configs[0])]
+    study.build_task_models(args, todo)
+    assert stages == [
+        ["reward_model.py", "--task", "chitchat", "--sft_path", "runs/chitchat/sft", "--output_dir", "runs/chitchat/rm"],
+        ["sft.py", "--task", "count", "--output_dir", "runs/count/sft", *data.BUILD_ARGS["count"][0].split()],
+        ["reward_model.py", "--task", "count", "--sft_path", "runs/count/sft", "--output_dir", "runs/count/rm",
+         *data.BUILD_ARGS["count"][1].split()],
+        ["sft.py", "--task", "code", "--output_dir", "runs/code/sft"]]
