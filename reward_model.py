@@ -58,6 +58,7 @@ class RMArgs:
 
 SEGMENT_FILE = "segment_reward.json"     # beside a segment / token RM's weights: its settings and normalizer
 SCORE_FILE = "score_norm.json"           # beside any RM's weights: the mean and std of its score (ppo.py --rm_norm)
+EVAL_FILE = "rm_eval.json"               # beside any RM's weights: its held-out accuracy and gold agreement
 SCORE_NORMALIZER_KIND = "score"
 
 
@@ -503,6 +504,7 @@ def main(args):
         write_json(path, settings)
         log(f"[rm] {args.unit} RM: mean segment length {settings['mean_segment_len']:.2f} tokens over "
             f"{settings['normalizer']['n_segments']} calibration segments; settings and normalizer in {path}")
+    figures = {"accuracy": accuracy, "n_eval": len(eval_rows)}
     if args.task in data.GOLD_JUDGES and args.n_gold_prompts and accelerator.is_main_process:
         from transformers import AutoModelForCausalLM
         with harness.loading_whole():
@@ -512,6 +514,9 @@ def main(args):
         agreement, n = gold_agreement(rm_whole, policy, tokenizer, rows[:args.n_gold_prompts], args,
                                       segmenter)
         log(f"[rm] RM-gold agreement on {n} pairs of SFT samples: {agreement:.3f}")
+        figures.update(gold_agreement=agreement, gold_pairs=n)
+    if accelerator.is_main_process:     # the figures above as a file, for the records that cite them
+        write_json(os.path.join(args.output_dir, EVAL_FILE), figures)
     return accuracy
 
 

@@ -58,6 +58,7 @@ sys.path.insert(0, ROOT)
 import data  # noqa: E402
 import evaluate  # noqa: E402
 import harness  # noqa: E402
+import reward_model  # noqa: E402
 
 # The score each task trains on first, then the second score reported beside it.
 METRICS = {"chitchat": ("eval/rm", "eval/gold"), "count": ("eval/gold", "eval/rm"),
@@ -168,17 +169,18 @@ def segment_ablations(task, prefix):
 # The segment RM's collapse (one positive word repeated on chitchat) at the study's beta of 0.05, where the summed
 # dense rewards outweigh the KL penalty: a beta scaled to their size, never tried there, swept upwards. The README's quick
 # start (segment RM, MA-PPO on its segments, the critic from the RM, a 5-iteration critic warm-up) at each beta,
-# each against the same command at the study's beta (the first); scored by gold_strict (sentiment priced by
-# repeated word pairs) beside gold, the replies' distinct-2 beside the SFT model's.
+# paired with PPO on the segment RM at the study's beta; scored by gold_strict (sentiment priced by repeated word
+# pairs) beside gold, the replies' distinct-2 beside the SFT model's.
 SEGMENT_BETAS = ("0.05", "0.5", "1.0", "2.0")
 
 
 def segment_betas(task, prefix):
-    metrics = ("eval/gold_strict", "eval/gold") if task == "chitchat" else segment_arms(task, prefix)[1].metrics
+    b = segment_arms(task, prefix)[1]
+    base = dataclasses.replace(b, name=f"{prefix}beta_n1", label="(B) segment RM, PPO, beta 0.05",
+                               metrics=("eval/gold_strict", "eval/gold") if task == "chitchat" else b.metrics)
     quick = ("--reward", "segment", "--rm_path", "{rm_segment}", "--termination", "segment", "--critic_warmup", "5")
-    names = [f"{prefix}beta_quick_{beta}" for beta in SEGMENT_BETAS]
-    return tuple(Config(name, f"quick start, beta {beta}", (*quick, "--beta", beta), task,
-                        None if name == names[0] else names[0], metrics) for name, beta in zip(names, SEGMENT_BETAS))
+    return (base, *(Config(f"{prefix}beta_quick_{beta}", f"quick start, beta {beta}", (*quick, "--beta", beta), task,
+                           base.name, base.metrics) for beta in SEGMENT_BETAS))
 
 
 # A real pretrained LM: SmolLM2-135M-Instruct (the offline GGUF of requirements-slow.txt) with its chat template,
@@ -484,8 +486,10 @@ def sft_record(args, config):
     if os.path.exists(path) or args.report_only:
         return json.load(open(path)) if os.path.exists(path) else None
     sft_path = args.models[config.models_key][0]
+    rm_eval = os.path.join(ROOT, args.models[config.models_key][1] or "", reward_model.EVAL_FILE)   # the RM's accuracy
     record = {"config": name, "seed": 0, "model": sft_path, "final": final_scores(args, os.path.join(
-              args.runs_dir, name), config, sft_path), **provenance(args, args.models[config.models_key])}
+              args.runs_dir, name), config, sft_path), **provenance(args, args.models[config.models_key]),
+              **({"rm_eval": json.load(open(rm_eval))} if os.path.exists(rm_eval) else {})}
     write_record(path, record)
     return record
 
@@ -819,6 +823,12 @@ def report(args, hypothesis, records):
         lines += ["", f"The SFT model, scored like the final policies (the same {len(sft['final'][base.win_key])} "
                   f"held-out prompts and sampling seed): mean {base.win_key} {sft_mean:.3f} (its record: "
                   f"`runs/{sft['config']}/seed0.json`)."]
+        if "rm_eval" in sft:
+            e = sft["rm_eval"]
+            lines[-1] += (f" Its sequence RM: held-out pairwise accuracy {e['accuracy']:.3f} on {e['n_eval']} pairs"
+                          + (f", agreement with the gold judge {e['gold_agreement']:.3f} on {e['gold_pairs']} pairs of "
+                             "SFT samples" if "gold_agreement" in e else "") + ".")
+            result["sft"]["rm_eval"] = e
     if h.paired:
         lines += paired_table(h, records, result)
     if h.matched_kl:

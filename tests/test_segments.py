@@ -331,6 +331,9 @@ def test_segment_and_token_rms_save_their_settings_and_normalizer(tiny_models, t
     assert settings["normalizer"]["n_segments"] == 12                     # no split: one per response
     assert settings["normalizer"]["buckets"]["p"] == [1.0]
     rm.normalize_segment_rewards(torch.ones(3), torch.ones(3), settings["normalizer"])   # a usable normalizer
+    figures = json.loads((tmp_path / "segment" / rm.EVAL_FILE).read_text())     # the logged figures, as a file
+    assert f"held-out pairwise accuracy {figures['accuracy']:.3f}" in out and figures["n_eval"] == 8
+    assert f"agreement on {figures['gold_pairs']} pairs of SFT samples: {figures['gold_agreement']:.3f}" in out
     train_small(tiny_models, tmp_path / "token", "--unit", "token")
     settings = json.loads((tmp_path / "token" / rm.SEGMENT_FILE).read_text())
     assert settings["unit"] == "token" and settings["c_ent"] is None and settings["mean_segment_len"] == 1.0

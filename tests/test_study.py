@@ -112,7 +112,7 @@ def test_the_real_model_arms_run_the_recipe_on_their_own_models_and_are_scored_i
                               win_prompts=256, seed_eval=7, models={"chitchat": ("runs/chitchat/sft", "runs/chitchat/rm"),
                                                                     "smollm2": ("s/sft", "s/rm")})
     h = study.HYPOTHESES["real"]
-    for config in h.configs:
+    for config in h.configs[1:]:
         parsed = HfArgumentParser(ppo.PPOArgs).parse_args_into_dataclasses(args=study.ppo_flags(args, config, 2, "o"))[0]
         assert (parsed.sft_path, parsed.rm_path, parsed.task, parsed.chat_template) == ("s/sft", "s/rm", "chitchat", True)
         assert (parsed.steps, parsed.eval_every, parsed.n_eval_prompts, parsed.max_prompt_len) == (30, 5, 32, 96)
@@ -308,7 +308,7 @@ def test_a_record_says_what_produced_it(tmp_path):
 
 def test_the_segment_beta_sweep_runs_the_readmes_segment_quick_start_at_each_beta():
     """segment_beta: the README's quick-start command (its ppo.py flags, read from the README) at each beta, on
-    the segment RM beside the SFT model, each beside the study's beta of 0.05; the table reports gold_strict, gold, KL and the final distinct-2 beside
+    the segment RM beside the SFT model; the table reports gold_strict, gold, KL and the final distinct-2 beside
     the SFT model's, by hand."""
     import re
     import shlex
@@ -322,14 +322,13 @@ def test_the_segment_beta_sweep_runs_the_readmes_segment_quick_start_at_each_bet
     args = argparse.Namespace(steps=120, eval_every=10, n_eval_prompts=128, ppo_args="", count_args="", code_args="",
                               models={"chitchat": ("runs/chitchat/sft", "runs/chitchat/rm")})
     betas = []
-    for config in h.configs:
+    for config in h.configs[1:]:
         parsed = HfArgumentParser(ppo.PPOArgs).parse_args_into_dataclasses(args=study.ppo_flags(args, config, 1, "out"))[0]
         readme_run = HfArgumentParser(ppo.PPOArgs).parse_args_into_dataclasses(
             args=study.ppo_flags(args, study.Config("x", "x", (*quick, "--beta", config.flag("--beta")), partner="n1"), 1, "out"))[0]
         assert parsed == readme_run and parsed.rm_path == os.path.join("runs/chitchat", "rm_segment")
         betas.append(parsed.beta)
     assert betas == [0.05, 0.5, 1.0, 2.0] and h.configs[0].metrics == ("eval/gold_strict", "eval/gold")
-    assert h.configs[0].partner is None and {c.partner for c in h.configs[1:]} == {h.configs[0].name}
 
     def run(seed, distinct_2):
         return {"seed": seed, "final": {"gold": [0.5] * 4},
@@ -360,3 +359,18 @@ def test_the_study_builds_each_tasks_models_before_its_sft_record(tmp_path, monk
         ["reward_model.py", "--task", "count", "--sft_path", "runs/count/sft", "--output_dir", "runs/count/rm",
          *data.BUILD_ARGS["count"][1].split()],
         ["sft.py", "--task", "code", "--output_dir", "runs/code/sft"]]
+
+
+def test_the_sft_line_cites_its_rm_figures_from_the_record(tmp_path):
+    """The SFT record carries its RM's rm_eval.json; the report prints those figures, never typed ones."""
+    h = study.HYPOTHESES["count"]
+    rows = [{"step": s, "eval/gold": 0.4, "eval/rm": 1.0, "kl": 1.0, "macro/mean_len": 1.0, "response/len": 20.0}
+            for s in (10, 20)]
+    record = {"config": "count_sft", "seed": 0, "final": {"gold": [0.25, 0.75]},
+              "rm_eval": {"accuracy": 0.5512, "n_eval": 1024, "gold_agreement": 0.6123, "gold_pairs": 256}}
+    args = argparse.Namespace(smooth=1, results_dir=str(tmp_path))
+    study.write_record(study.record_path(args, "count_sft", 0), record)
+    lines, result = study.report(args, "count", {h.configs[0].name: [{"seed": 1, "final": {"gold": [0.5]}, "rows": rows}]})
+    line = next(line for line in lines if line.startswith("The SFT model"))
+    assert "mean gold 0.500" in line and "held-out pairwise accuracy 0.551 on 1024 pairs" in line
+    assert "agreement with the gold judge 0.612 on 256 pairs" in line and result["sft"]["rm_eval"]["accuracy"] == 0.5512
