@@ -659,15 +659,18 @@ def _one_job_threads(threads):
 
 
 def train_all(args, todo):
-    """Run the (config, seed) pairs that have no record yet, `args.jobs` at a time."""
+    """Run the (config, seed) pairs that have no record yet, `args.jobs` at a time; first the SFT record of
+    each task asked for that has none (the SFT line of its tables), also when its runs are all committed."""
+    no_sft = [c for c in {c.models_key: c for c, _ in todo}.values()
+              if not os.path.exists(record_path(args, sft_record_name(c), 0))]
     todo = [t for t in todo if not os.path.exists(record_path(args, t[0].name, t[1]))]
-    if args.report_only or not todo:
+    if args.report_only or not (todo or no_sft):
         return
-    build_task_models(args, todo)
+    build_task_models(args, todo + [(c, 0) for c in no_sft])
     build_segment_rms(args, todo)
-    build_real_models(args, todo)
-    for config in {c.models_key: c for c, _ in todo}.values():
-        sft_record(args, config)                # the SFT line of every table of its task
+    build_real_models(args, todo + [(c, 0) for c in no_sft])
+    for config in no_sft:
+        sft_record(args, config)
     if args.jobs == 1:
         for config, seed in todo:
             train(args, config, seed)

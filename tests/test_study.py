@@ -374,3 +374,24 @@ def test_the_sft_line_cites_its_rm_figures_from_the_record(tmp_path):
     line = next(line for line in lines if line.startswith("The SFT model"))
     assert "mean gold 0.500" in line and "held-out pairwise accuracy 0.551 on 1024 pairs" in line
     assert "agreement with the gold judge 0.612 on 256 pairs" in line and result["sft"]["rm_eval"]["accuracy"] == 0.5512
+
+
+def test_a_task_whose_runs_are_all_committed_still_gets_its_sft_record(tmp_path, monkeypatch):
+    """`learning_efficiency.py code` with every code run committed but no code_sft record: the code SFT model is
+    built and its record made, no run is trained; with the record there, nothing happens."""
+    made, stages = [], []
+    monkeypatch.setattr(study, "run_stages", lambda s: stages.extend(s))
+    monkeypatch.setattr(study, "ROOT", str(tmp_path))
+    monkeypatch.setattr(study, "sft_record", lambda args, config: made.append(study.sft_record_name(config)))
+    monkeypatch.setattr(study, "train", lambda *a: pytest.fail("a committed run was trained again"))
+    args = argparse.Namespace(results_dir=str(tmp_path), report_only=False, jobs=1, ppo_args="", code_args="",
+                              models={"code": ("runs/code/sft", "runs/code/rm")})
+    todo = [(c, 1) for c in study.HYPOTHESES["code"].configs]
+    for config, seed in todo:
+        study.write_record(study.record_path(args, config.name, seed), {})
+    study.train_all(args, todo)
+    assert made == ["code_sft"] and stages == [["sft.py", "--task", "code", "--output_dir", "runs/code/sft"]]
+    study.write_record(study.record_path(args, "code_sft", 0), {})
+    made.clear()
+    study.train_all(args, todo)
+    assert made == []
