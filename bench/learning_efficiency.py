@@ -451,8 +451,11 @@ def final_scores(args, run_dir, config, policy=None):
 
 
 def folder_hash(path):
-    """sha256 over a model folder's file names and bytes (sorted): which SFT / RM a record was trained from."""
+    """sha256 over a model folder's file names and bytes (sorted): which SFT / RM a record was trained from;
+    None when there is no such folder (the code task has no RM)."""
     import hashlib
+    if not os.path.isdir(os.path.join(ROOT, path)):
+        return None
     digest = hashlib.sha256()
     for root, dirs, files in sorted(os.walk(os.path.join(ROOT, path))):
         dirs.sort()

@@ -301,6 +301,7 @@ def test_a_record_says_what_produced_it(tmp_path):
     assert p["sft_hash"] == before and p["rm_hash"] is None and p["torch"].startswith("2.")
     (tmp_path / "sft" / "config.json").write_text("{ }")
     assert study.folder_hash(str(tmp_path / "sft")) != before
+    assert study.folder_hash(str(tmp_path / "no_rm")) is None             # the code task has no RM
     assert study.committed_seeds(argparse.Namespace(results_dir=str(tmp_path)), "x") == set()
     study.write_record(study.record_path(argparse.Namespace(results_dir=str(tmp_path)), "x", 7), {})
     assert study.committed_seeds(argparse.Namespace(results_dir=str(tmp_path)), "x") == {7}
