@@ -143,6 +143,10 @@ def generation_model(accelerator, model, gather=True):
         with unwrap_model_for_generation(model):
             yield unwrapped, False
     elif hasattr(model, "unshard"):    # FSDP2 (configs/fsdp.yaml): unshard every FSDP module, keep it so
+        # FSDP2 takes the first module to run forward as its root. A LoRA policy's generate() (peft's) calls
+        # the model inside the root PeftModel, so before any training forward the first would be the tied
+        # embedding / lm_head group ("FSDP requires a single root module"): the root is initialised first.
+        model._get_fsdp_state()._lazy_init()
         parts = [m for m in model.modules() if hasattr(m, "unshard") and hasattr(m, "reshard")]
         model.set_reshard_after_forward(False)
         for m in parts:

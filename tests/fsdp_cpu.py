@@ -25,6 +25,8 @@ def _init_as_fsdp(self, *args, fsdp_plugin=None, **kwargs):
     # MULTI_CPU on a fresh state; FSDP already after a reset of AcceleratorState alone (tests/launched_stages.py)
     if fsdp_plugin is not None and self.distributed_type in (DistributedType.MULTI_CPU, DistributedType.FSDP):
         self.distributed_type, self.fsdp_plugin = DistributedType.FSDP, fsdp_plugin
+        if self._mixed_precision != "no":     # as accelerate's FSDP branch does: --bf16 is FSDP's param_dtype
+            fsdp_plugin.set_mixed_precision(self._mixed_precision)
         # every later AcceleratorState() copies PartialState's fields over its own: FSDP there too
         state.PartialState._shared_state["distributed_type"] = DistributedType.FSDP
 
