@@ -5,7 +5,8 @@ itself runs on CPU processes through tests/fsdp_cpu.py, against DDP.
 
 Two launches of tests/launched_stages.py run the same stage command lines: one machine x 2 processes, and
 2 machines x 1 process (both "machines" at once, each its own launcher with its --machine_rank). The
-one-machine launch also runs the bf16 and gradient-checkpointing variants."""
+one-machine launch also runs the bf16 and gradient-checkpointing variants and PPO with LoRA; a third launch
+runs its SFT and PPO command lines under FSDP2, compared with it."""
 import json
 import os
 import pathlib
@@ -58,6 +59,7 @@ def command_lines(tiny_models, out, machines):
     else:
         runs["ppo"] = ["ppo.py", *ppo, "--steps", "3"]
         runs["ppo_gc"] = ["ppo.py", *ppo, "--steps", "3", "--gradient_checkpointing"]
+        runs["ppo_lora"] = ["ppo.py", *ppo, "--steps", "1", "--lora_r", "4"]
         runs["ppo_bf16"] = ["ppo.py", *ppo, "--steps", "1", "--bf16"]
         runs["sft_bf16"] = ["sft.py", "--model", str(tiny_models / "sft"), *TINY, "--bf16"]
         runs["rm_bf16"] = ["reward_model.py", "--sft_path", str(tiny_models / "sft"), "--n_gold_prompts", "4", *TINY,
@@ -242,50 +244,63 @@ def loaded(folder, kind):
     return model.state_dict()
 
 
+@pytest.fixture(scope="module")
+def fsdp_launch(tiny_models, tmp_path_factory):
+    """{name: (output folder, [what rank 0 printed, rank 1])}: sft.py, ppo.py and ppo.py --lora_r 4 under
+    configs/fsdp.yaml through tests/fsdp_cpu.py, the command lines of the one-machine DDP launch above."""
+    out = tmp_path_factory.mktemp("fsdp")
+    lines = {name: argv for name, argv in command_lines(tiny_models, out, 1).items()
+             if name in ("sft", "ppo", "ppo_lora")}
+    launch = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", "configs/fsdp.yaml",
+              "--num_processes", "2", "--mixed_precision", "no", "--dynamo_backend", "no", "tests/fsdp_cpu.py"]
+    proc = subprocess.run([*launch, "tests/launched_stages.py", str(out), json.dumps(list(lines.values()))], cwd=ROOT,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-4000:]
+    return {name: (pathlib.Path(argv[-1]), [(out / f"{i}.{rank}.txt").read_text() for rank in (0, 1)])
+            for i, (name, argv) in enumerate(lines.items())}
+
+
 @pytest.mark.launch
-def test_fsdp2_on_two_cpu_processes_shards_and_trains_what_ddp_trains(tiny_models, tmp_path):
-    """configs/fsdp.yaml through tests/fsdp_cpu.py (accelerate's real FSDP2 preparation, gloo): sft.py 2 steps and
-    ppo.py 1 iteration. Every trained model is sharded (each rank holds part of its values), losses are finite,
-    every saved folder (final and checkpoint) holds the keys of DDP's (a tied lm_head once: FSDP's gathered state
-    dict held it twice) and loads key for key, and the weights and PPO metrics are those of a
-    plain DDP launch of the same command lines within FSDP_RTOL / FSDP_ATOL."""
-    def lines(out):
-        return [["sft.py", "--model", tiny_models / "sft", *TINY, "--output_dir", out / "sft"],
-                ["ppo.py", *ppo_flags(tiny_models), "--steps", "1", "--output_dir", out / "ppo"]]
-    fsdp = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", "configs/fsdp.yaml",
-            "--num_processes", "2", "--mixed_precision", "no", "--dynamo_backend", "no", "tests/fsdp_cpu.py"]
-    printed = {}
-    for name, launch in (("fsdp", fsdp), ("ddp", list(LAUNCH))):      # one 2-process launch at a time
-        out = tmp_path / name
-        out.mkdir()
-        argv = json.dumps([list(map(str, line)) for line in lines(out)])
-        proc = subprocess.run([*launch, "tests/launched_stages.py", str(out), argv], cwd=ROOT, capture_output=True,
-                              text=True, timeout=300)
-        assert proc.returncode == 0, f"{name}: " + proc.stdout[-3000:] + proc.stderr[-4000:]
-        printed[name] = {stage: [(out / f"{i}.{rank}.txt").read_text() for rank in (0, 1)]
-                         for i, stage in enumerate(("sft", "ppo"))}
-    for stage, n_models in (("sft", 1), ("ppo", 2)):            # ppo.py: the policy and the critic
+def test_fsdp2_on_two_cpu_processes_shards_and_trains_what_ddp_trains(fsdp_launch, launches):
+    """configs/fsdp.yaml through tests/fsdp_cpu.py (accelerate's real FSDP2 preparation, gloo): sft.py 2 steps,
+    ppo.py 3 iterations and ppo.py --lora_r 4 1 iteration. Every trained model is sharded (each rank holds part of
+    its values), losses are finite, every saved folder (final and checkpoint) holds the keys of DDP's (a tied
+    lm_head once: FSDP's gathered state dict held it twice) and loads key for key, and the weights (LoRA: the
+    merged policy and the adapters) and PPO metrics are those of the one-machine DDP launch of the same command
+    lines within FSDP_RTOL / FSDP_ATOL. PPO with LoRA failed at its first generate() ("FSDP requires a single
+    root module": peft's generate() enters below the root FSDP module)."""
+    fsdp, ddp = fsdp_launch, launches[1]
+    for stage, n_models in (("sft", 1), ("ppo", 2), ("ppo_lora", 2)):            # ppo.py: the policy and the critic
         for rank in (0, 1):
-            shards = [line.split(": ")[1].split() for line in printed["fsdp"][stage][rank].splitlines()
+            shards = [line.split(": ")[1].split() for line in fsdp[stage][1][rank].splitlines()
                       if line.startswith(f"[fsdp_cpu] rank {rank}: ")]
-            assert len(shards) == n_models, printed["fsdp"][stage][rank][-2000:]
+            assert len(shards) == n_models, fsdp[stage][1][rank][-2000:]
             for cls, _, local, _, whole, *_ in shards:
                 assert cls.startswith("FSDP") and 0 < int(local) < int(whole), shards
-        assert "[fsdp_cpu]" not in printed["ddp"][stage][0]
-    losses = [float(line.split("train loss ")[1].split()[0]) for line in printed["fsdp"]["sft"][0].splitlines()
+        assert "[fsdp_cpu]" not in ddp[stage][1][0]
+    losses = [float(line.split("train loss ")[1].split()[0]) for line in fsdp["sft"][1][0].splitlines()
               if "train loss " in line]
-    assert losses and all(torch.isfinite(torch.tensor(losses))), printed["fsdp"]["sft"][0][-2000:]
-    ppo = {name: metrics(tmp_path / name / "ppo") for name in printed}
-    assert len(ppo["fsdp"]) == 1 and all(torch.isfinite(torch.tensor(v)) for k, v in ppo["fsdp"][0].items()
-                                         if k.startswith("loss/"))
-    rows = [comparable(r) for r in ppo["fsdp"]], [comparable(r) for r in ppo["ddp"]]
-    assert rows[0][0].keys() == rows[1][0].keys()
-    for k, v in rows[1][0].items():
-        assert v == pytest.approx(rows[0][0][k], rel=FSDP_RTOL, abs=FSDP_ATOL), (k, rows[0][0][k], v)
-    for folder, kind in (("sft", "lm"), ("sft/checkpoint/model", "lm"), ("ppo/policy", "lm"),
-                         ("ppo/checkpoint/policy", "lm"), ("ppo/checkpoint/critic", "score")):
-        assert weights(tmp_path / "fsdp" / folder).keys() == weights(tmp_path / "ddp" / folder).keys(), folder
-        a, b = loaded(tmp_path / "fsdp" / folder, kind), loaded(tmp_path / "ddp" / folder, kind)
-        assert a.keys() == b.keys(), folder
+    assert losses and all(torch.isfinite(torch.tensor(losses))), fsdp["sft"][1][0][-2000:]
+    for stage, iterations in (("ppo", 3), ("ppo_lora", 1)):
+        rows = [comparable(r) for r in metrics(fsdp[stage][0])], [comparable(r) for r in metrics(ddp[stage][0])]
+        assert len(rows[0]) == len(rows[1]) == iterations
+        assert all(torch.isfinite(torch.tensor(v)) for r in rows[0] for k, v in r.items() if k.startswith("loss/"))
+        for a, b in zip(*rows):
+            assert a.keys() == b.keys()
+            for k, v in b.items():
+                assert v == pytest.approx(a[k], rel=FSDP_RTOL, abs=FSDP_ATOL), (stage, k, a[k], v)
+    for stage, folder, kind in (("sft", "", "lm"), ("sft", "checkpoint/model", "lm"), ("ppo", "policy", "lm"),
+                                ("ppo", "checkpoint/policy", "lm"), ("ppo", "checkpoint/critic", "score"),
+                                ("ppo_lora", "policy", "lm")):
+        a, b = fsdp[stage][0] / folder, ddp[stage][0] / folder
+        assert weights(a).keys() == weights(b).keys(), (stage, folder)
+        a, b = loaded(a, kind), loaded(b, kind)
+        assert a.keys() == b.keys(), (stage, folder)
         for k in a:
-            torch.testing.assert_close(a[k], b[k], rtol=FSDP_RTOL, atol=FSDP_ATOL, msg=f"{folder}: {k}")
+            torch.testing.assert_close(a[k], b[k], rtol=FSDP_RTOL, atol=FSDP_ATOL, msg=f"{stage}/{folder}: {k}")
+    for part in ("policy", "critic"):               # the LoRA checkpoint: adapters (and the critic's score head)
+        a, b = (load_file(run[0] / "checkpoint" / part / "adapter_model.safetensors") for run in (fsdp["ppo_lora"],
+                                                                                                   ddp["ppo_lora"]))
+        assert a.keys() == b.keys() and a, part
+        for k in a:
+            torch.testing.assert_close(a[k], b[k], rtol=FSDP_RTOL, atol=FSDP_ATOL, msg=f"ppo_lora/{part}: {k}")
