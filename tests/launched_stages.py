@@ -1,15 +1,22 @@
-"""Run by test_two_processes.py under one 2-process `accelerate launch` (gloo, CPU): stage command lines one
-after the other in this process, each as `accelerate launch <stage>.py ...` runs it; accelerate's
-process-wide state is reset between them (as in tests/zero_stages.py), the process group is kept. What
-stage i printed on rank r goes to LOG_DIR/<i>.<r>.txt.
+"""Run by the tests (and by bench/gpu_check.sh --cpu) under one 2-process `accelerate launch` (gloo, CPU): stage
+command lines one after the other in this process, each as `accelerate launch <stage>.py ...` runs it;
+accelerate's process-wide state is reset between them (as in tests/zero_stages.py), the process group is kept.
+What stage i printed on rank r goes to LOG_DIR/<i>.<r>.txt.
 
     python tests/launched_stages.py LOG_DIR '[["sft.py", "--max_steps", "60", ...], ["ppo.py", ...], ...]'
+    python tests/launched_stages.py --keep_going LOG_DIR '[...]'
 
-One launch instead of one per command line (a launch costs ~15 s of imports and setup on 2 cores).
+One launch instead of one per command line (a launch costs ~15 s of imports and setup on 2 cores). The first
+stage that fails ends the launch; with --keep_going each stage's outcome is written to LOG_DIR/<i>.<r>.json
+({"rc": its exit status, 1 for an exception, "seconds": its wall time}; the traceback at the end of its .txt) and
+the next stage runs. A stage that fails on one rank only may leave the other waiting in a collective: whoever
+runs the launch bounds it in time (bench/gpu_check.sh does) and counts a stage with no .json as failed.
 """
 import json
 import os
 import sys
+import time
+import traceback
 
 from accelerate.state import AcceleratorState, GradientState
 
@@ -17,14 +24,31 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 from stages import run_stage  # noqa: E402
 
 
-def main(log_dir, command_lines):
+def main(log_dir, command_lines, keep_going=False):
+    rank = os.environ.get("RANK", "0")
     for i, argv in enumerate(command_lines):
         AcceleratorState._reset_state()
         GradientState._reset_state()
-        out = run_stage(*argv)
-        with open(os.path.join(log_dir, f"{i}.{os.environ['RANK']}.txt"), "w") as f:
-            f.write(out)
+        if not keep_going:
+            out = run_stage(*argv)
+            with open(os.path.join(log_dir, f"{i}.{rank}.txt"), "w") as f:
+                f.write(out)
+            continue
+        start, rc = time.time(), 0
+        with open(os.path.join(log_dir, f"{i}.{rank}.txt"), "w") as f:
+            try:
+                run_stage(*argv, printed=f)
+            except SystemExit as stop:          # a stage's own refusal: sys.exit(message or code)
+                rc = stop.code if isinstance(stop.code, int) else 1
+                f.write(f"\nSystemExit: {stop.code}\n")
+            except Exception:  # noqa: BLE001   (recorded, and the next stage runs)
+                rc = 1
+                f.write("\n" + traceback.format_exc())
+        with open(os.path.join(log_dir, f"{i}.{rank}.json"), "w") as f:
+            json.dump({"rc": rc, "seconds": round(time.time() - start, 2)}, f)
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], json.loads(sys.argv[2]))
+    keep_going = sys.argv[1] == "--keep_going"
+    log_dir, command_lines = sys.argv[1 + keep_going:]
+    main(log_dir, json.loads(command_lines), keep_going)

@@ -13,16 +13,17 @@ LAUNCH = (sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--
           "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no")
 
 
-def run_stage(script, *argv):
-    """`python script *argv` in this process; returns what it printed (stdout and stderr)."""
+def run_stage(script, *argv, printed=None):
+    """`python script *argv` in this process; returns what it printed (stdout and stderr). `printed`: a stream
+    to print to instead (a file keeps what a stage printed before it raised)."""
     from transformers import HfArgumentParser
     name = script.removesuffix(".py")
     module = importlib.import_module(name)
     args = HfArgumentParser(getattr(module, ARGS[name])).parse_args_into_dataclasses(list(map(str, argv)))[0]
-    printed = io.StringIO()
-    with contextlib.redirect_stdout(printed), contextlib.redirect_stderr(printed):
+    stream = printed or io.StringIO()
+    with contextlib.redirect_stdout(stream), contextlib.redirect_stderr(stream):
         module.main(args)
-    return printed.getvalue()
+    return None if printed else stream.getvalue()
 
 
 def comparable(row):
