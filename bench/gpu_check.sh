@@ -14,13 +14,18 @@
 # prints one line per run with seconds per step or iteration (median, PPO) or in all (SFT, RM) and peak
 # GPU memory, and exits 1, naming every run that broke, if any did: a broken run is a failure, never a skip.
 #
-# --cpu: two gloo processes, a 1-layer model (SFT and RM built first, 2 steps each), one step or iteration a
-# run (STEPS=1), under DDP (--multi_gpu), ZeRO-2 and ZeRO-3 (configs/zero*.yaml through tests/deepspeed_cpu.py,
-# DeepSpeed's CPU shim), each with sft.py, sft.py --gradient_checkpointing, sft.py --lora_r 4, reward_model.py,
-# reward_model.py --gradient_checkpointing, ppo.py, ppo.py --gradient_checkpointing and ppo.py --lora_r 4, all
-# with --bf16, and under FSDP2 (configs/fsdp.yaml through tests/fsdp_cpu.py, which gives accelerate the FSDP
-# state it starts only on GPUs): 32 runs, the same checks. CONFIGS="fsdp zero3" (names separated by spaces)
-# runs only those configurations, in either mode.
+# --cpu: two gloo processes, a 1-layer model (SFT and RM built first, 2 steps each, in one process), one step or
+# iteration a run (STEPS=1), under DDP (--multi_gpu), ZeRO-2 and ZeRO-3 (configs/zero*.yaml through
+# tests/deepspeed_cpu.py, DeepSpeed's CPU shim) and FSDP2 (configs/fsdp.yaml through tests/fsdp_cpu.py, which
+# gives accelerate the FSDP state it starts only on GPUs), each with sft.py, sft.py --gradient_checkpointing,
+# sft.py --lora_r 4, reward_model.py, reward_model.py --gradient_checkpointing, ppo.py, ppo.py
+# --gradient_checkpointing and ppo.py --lora_r 4, all with --bf16: 32 runs, the same checks. A launch costs more
+# than a tiny run, so each configuration is one launch whose processes run its 8 stages one after the other
+# (tests/launched_stages.py --keep_going: accelerate's state reset between stages, as the tests do; a stage that
+# fails is recorded and the next one runs; a launch still running after LAUNCH_TIMEOUT seconds, 480 by default,
+# is stopped and its unfinished runs fail). The seconds column is then a stage's own time (the launch's start
+# excluded; the first stage pays the stage modules' imports). About 3.5 minutes on 2 busy cores.
+# CONFIGS="fsdp zero3" (names separated by spaces) runs only those configurations, in either mode.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 CPU=0
@@ -121,7 +126,11 @@ for run, status, wall, config, job in zip(*[iter(runs)] * 5):
         rc = max((r["rc"] for r in ranks), default=None) if len(ranks) == 2 else None
         wall = f"{max((r['seconds'] for r in ranks), default=float('nan')):.0f}"
         if rc is None:
-            problems.append(f"no result on {2 - len(ranks)} rank(s): the launch stopped or timed out")
+            launch_log = os.path.join(os.path.dirname(status), "launch.log")
+            problems.append(f"no result on {2 - len(ranks)} rank(s): the launch stopped or timed out ({launch_log})")
+            if not ranks:                   # never ran: nothing more to check
+                print(f"| {config} | {job} | {os.environ['GPUS']} | nan | nan | FAILED: {problems[0]} |", flush=True)
+                continue
     if rc:
         problems.append(f"exit {rc}")
     log = open(run + ".log").read() if os.path.exists(run + ".log") else ""
