@@ -216,6 +216,22 @@ def test_bf16_in_one_process_steps_fp32_master_weights(one_process, tiny_models)
     assert all(torch.isfinite(torch.tensor(v)) for v in metrics(one_process["ppo_bf16"][0])[0].values())
 
 
+def test_keep_going_records_a_stage_that_stops_and_runs_the_next(tiny_models, tmp_path):
+    """bench/gpu_check.sh --cpu runs a configuration's stages in one launch of tests/launched_stages.py
+    --keep_going: a stage that stops (here argparse's exit 2 on a bad choice) is recorded with its exit status and
+    what it printed, and the next stage still runs, recorded as passed."""
+    import launched_stages
+    lines = [["ppo.py", "--kl_estimator", "k2", "--output_dir", str(tmp_path / "ppo")],
+             ["sft.py", "--model", str(tiny_models / "sft"), *TINY[:-2], "--max_steps", "1", "--output_dir",
+              str(tmp_path / "sft")]]
+    launched_stages.main(str(tmp_path), lines, keep_going=True)
+    status = [json.loads((tmp_path / f"{i}.0.json").read_text()) for i in (0, 1)]
+    assert [s["rc"] for s in status] == [2, 0] and all(s["seconds"] >= 0 for s in status)
+    printed = (tmp_path / "0.0.txt").read_text()
+    assert "--kl_estimator" in printed and "SystemExit: 2" in printed
+    assert (tmp_path / "sft" / "model.safetensors").exists() and not (tmp_path / "ppo").exists()
+
+
 @pytest.mark.launch
 def test_an_fsdp_launch_on_a_cpu_stops_instead_of_running_ddp(tmp_path):
     """accelerate starts FSDP only on an accelerator: configs/fsdp.yaml on a CPU ran plain DDP with nothing
