@@ -159,8 +159,9 @@ def test_a_zero_checkpoint_keeps_each_ranks_adamw_state_and_resumes_exactly(zero
 
 @pytest.fixture(scope="module")
 def zero2_two_machines(tmp_path_factory):
-    """The ZeRO-2 stages of tests/zero_stages.py on 2 machines x 1 process: one `accelerate launch` per machine
-    (DeepSpeed's standard multi-node launcher, 127.0.0.1 as the main address), both at once; its output folder."""
+    """Five of the ZeRO-2 stages of tests/zero_stages.py on 2 machines x 1 process: one `accelerate launch` per
+    machine (DeepSpeed's standard multi-node launcher, 127.0.0.1 as the main address), both at once; its output
+    folder."""
     import socket
     out = tmp_path_factory.mktemp("zero2_machines")
     with socket.socket() as s:
@@ -181,17 +182,18 @@ def zero2_two_machines(tmp_path_factory):
 
 @pytest.mark.launch
 def test_zero2_on_two_machines_trains_what_one_machine_with_two_processes_trains(zero2_two_machines, zero_runs):
-    """2 machines x 1 process under ZeRO-2 (sft.py and its --resume, sft.py --lora_r 4, reward_model.py, ppo.py,
-    ppo.py --lora_r 4 and its --resume): the saved weights and PPO's metrics of 1 machine x 2 processes."""
+    """2 machines x 1 process under ZeRO-2 (sft.py and its --resume, reward_model.py, ppo.py --lora_r 4 and its
+    --resume): the saved weights (final and checkpoint) and PPO's metrics of 1 machine x 2 processes, one
+    metrics line per iteration. (Full-weight PPO on two machines: the DDP test in test_gpu_paths_on_cpu.py.)"""
     from stages import comparable
-    one = zero_runs["2"][0]
-    for file in ("sft", "sft_lora", "rm", "ppo_full/policy", "ppo/policy", "ppo_full/checkpoint/critic"):
-        assert_same(*(load_file(out / file / "model.safetensors") for out in (one, zero2_two_machines)))
-    assert_same(*(load_file(out / "ppo/checkpoint/critic/adapter_model.safetensors") for out in (one, zero2_two_machines)))
-    for run in ("ppo_full", "ppo"):
-        rows = [[comparable(json.loads(line)) for line in open(base / run / "metrics.jsonl")]
-                for base in (one, zero2_two_machines)]
-        assert rows[0] == rows[1]
+    one, two = zero_runs["2"][0], zero2_two_machines
+    for file in ("sft/model.safetensors", "sft/checkpoint/model/model.safetensors", "rm/model.safetensors",
+                 "ppo/policy/model.safetensors", "ppo/checkpoint/policy/adapter_model.safetensors",
+                 "ppo/checkpoint/critic/adapter_model.safetensors"):
+        assert_same(*(load_file(out / file) for out in (one, two)))
+    rows = [[comparable(json.loads(line)) for line in open(base / "ppo" / "metrics.jsonl")] for base in (one, two)]
+    assert rows[0] == rows[1] and [r["step"] for r in rows[1]] == [1, 2]
+    assert not [p for p in (two / "ppo").iterdir() if p.name.endswith((".tmp", ".old"))]
 
 
 @pytest.mark.launch

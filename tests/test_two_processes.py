@@ -5,7 +5,8 @@ to the launcher, which passes it on to its workers, as SLURM / Kubernetes do bef
 
 A launch costs ~15 s of imports and setup on 2 cores: the two interrupted runs are launches of their own (a
 signal ends the process); the rest is one launch of tests/launched_stages.py: the two resumed runs first,
-then the uninterrupted runs they are compared with, and a PPO run with LoRA."""
+then the uninterrupted runs they are compared with, a PPO run with LoRA, and the runs that check each rank's
+own random numbers across a resume."""
 import json
 import os
 import pathlib
@@ -85,10 +86,39 @@ def ppo_interrupted(tiny_models, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def launched(tiny_models, tmp_path_factory, sft_interrupted, ppo_interrupted):
+def eos_prone(tiny_models, tmp_path_factory):
+    """(a task file, an SFT model) whose responses end at lengths that depend on the prompt, so that the two
+    ranks' sampling draws different counts of random numbers and their RNG states part: prompts of random
+    words (the chitchat prompts all end in "Assistant:", and the tiny model reads little more), and the tiny
+    SFT model with its EOS embedding (tied to the LM head) along the mean of its final hidden states."""
+    import random
+    import data
+    import harness
+    from transformers import AutoModelForCausalLM
+    root = tmp_path_factory.mktemp("eos_prone")
+    words = "the quick brown fox jumped over lazy dog then ran away fast hello world class stack push items".split()
+    rng = random.Random(0)
+    prompts = [" ".join(rng.choice(words) for _ in range(rng.randint(1, 6))) for _ in range(200)]
+    with open(root / "task.jsonl", "w") as f:
+        for i, prompt in enumerate(prompts):
+            f.write(json.dumps({"prompt": f"{prompt} {i}", "chosen": " hello", "rejected": " dog"}) + "\n")
+    tokenizer = data.load_tokenizer(str(tiny_models / "sft"))
+    model = AutoModelForCausalLM.from_pretrained(tiny_models / "sft").eval()
+    batch = data.collate(tokenizer, prompts[:64], prompts[:64], 16, 8)
+    with torch.no_grad():
+        hidden = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
+                       output_hidden_states=True).hidden_states[-1][batch["attention_mask"].bool()].mean(0)
+        model.get_input_embeddings().weight[tokenizer.eos_token_id] = 4.0 * hidden / hidden.dot(hidden)
+    harness.atomic_save(str(root / "sft"), model, tokenizer)
+    return root / "task.jsonl", root / "sft"
+
+
+@pytest.fixture(scope="module")
+def launched(tiny_models, tmp_path_factory, sft_interrupted, ppo_interrupted, eos_prone):
     """One 2-process launch of tests/launched_stages.py: {name: (output_dir, [what rank 0 printed, rank 1])}
     for the resumed runs (where the interrupted ones left a checkpoint), an uninterrupted SFT run of 60 steps
-    (held-out loss at 30 and 60), an uninterrupted PPO run of 6 iterations and a PPO run with --lora_r 4."""
+    (held-out loss at 30 and 60), an uninterrupted PPO run of 6 iterations, a PPO run with --lora_r 4, and the
+    per-rank RNG runs on the eos_prone task: 4 iterations at once, and 2 then --resume to 4."""
     tmp = tmp_path_factory.mktemp("launched")
     runs = {}
     if sft_interrupted[-1] is not None:
@@ -102,6 +132,11 @@ def launched(tiny_models, tmp_path_factory, sft_interrupted, ppo_interrupted):
     runs["ppo"] = (tmp / "ppo", ["ppo.py", *ppo_flags(tiny_models), "--eval_every", "2", "--steps", "6"])
     runs["ppo_lora"] = (tmp / "ppo_lora", ["ppo.py", *ppo_flags(tiny_models), "--eval_every", "2", "--steps", "3",
                                            "--lora_r", "4"])
+    task, sft_path = eos_prone
+    rng = [*ppo_flags(tiny_models), "--task", str(task), "--sft_path", str(sft_path), "--eval_every", "1000"]
+    runs["rng_whole"] = (tmp / "rng_whole", ["ppo.py", *rng, "--steps", "4"])
+    runs["rng_split"] = (tmp / "rng_split", ["ppo.py", *rng, "--steps", "2", "--save_every", "2"])
+    runs["rng_resumed"] = (tmp / "rng_split", ["ppo.py", *rng, "--steps", "4", "--resume"])
     lines = [[*argv, "--output_dir", str(out)] for out, argv in runs.values()]
     proc = subprocess.run([*LAUNCH, "tests/launched_stages.py", str(tmp), json.dumps(lines)], cwd=ROOT,
                           capture_output=True, text=True, timeout=600)
@@ -175,48 +210,12 @@ def test_sigterm_to_a_two_process_launch_checkpoints_and_resumes_to_the_same_num
     assert [comparable(r) for r in metrics(split)] == [comparable(r) for r in whole[:done + 2]]
 
 
-@pytest.fixture(scope="module")
-def eos_prone(tiny_models, tmp_path_factory):
-    """(a task file, an SFT model) whose responses end at lengths that depend on the prompt, so that the two
-    ranks' sampling draws different counts of random numbers and their RNG states part: prompts of random
-    words (the chitchat prompts all end in "Assistant:", and the tiny model reads little more), and the tiny
-    SFT model with its EOS embedding (tied to the LM head) along the mean of its final hidden states."""
-    import random
-    import data
-    import harness
-    from transformers import AutoModelForCausalLM
-    root = tmp_path_factory.mktemp("eos_prone")
-    words = "the quick brown fox jumped over lazy dog then ran away fast hello world class stack push items".split()
-    rng = random.Random(0)
-    prompts = [" ".join(rng.choice(words) for _ in range(rng.randint(1, 6))) for _ in range(200)]
-    with open(root / "task.jsonl", "w") as f:
-        for i, prompt in enumerate(prompts):
-            f.write(json.dumps({"prompt": f"{prompt} {i}", "chosen": " hello", "rejected": " dog"}) + "\n")
-    tokenizer = data.load_tokenizer(str(tiny_models / "sft"))
-    model = AutoModelForCausalLM.from_pretrained(tiny_models / "sft").eval()
-    batch = data.collate(tokenizer, prompts[:64], prompts[:64], 16, 8)
-    with torch.no_grad():
-        hidden = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
-                       output_hidden_states=True).hidden_states[-1][batch["attention_mask"].bool()].mean(0)
-        model.get_input_embeddings().weight[tokenizer.eos_token_id] = 4.0 * hidden / hidden.dot(hidden)
-    harness.atomic_save(str(root / "sft"), model, tokenizer)
-    return root / "task.jsonl", root / "sft"
-
-
 @pytest.mark.launch
-def test_a_resumed_two_process_run_draws_each_ranks_own_random_numbers(tiny_models, eos_prone, tmp_path):
+def test_a_resumed_two_process_run_draws_each_ranks_own_random_numbers(launched):
     """Each rank samples its own prompts, whose responses end at different lengths, so the ranks' RNG states
     part. A checkpoint keeps every rank's, and --resume gives each its own back: 2 + 2 iterations resumed
     log the numbers of 4 uninterrupted ones (with rank 0's state on both ranks, rank 1's samples differ)."""
-    task, sft_path = eos_prone
-    flags = [*ppo_flags(tiny_models), "--task", str(task), "--sft_path", str(sft_path), "--eval_every", "1000"]
-    lines = [["ppo.py", *flags, "--steps", "4", "--output_dir", str(tmp_path / "whole")],
-             ["ppo.py", *flags, "--steps", "2", "--save_every", "2", "--output_dir", str(tmp_path / "split")],
-             ["ppo.py", *flags, "--steps", "4", "--resume", "--output_dir", str(tmp_path / "split")]]
-    proc = subprocess.run([*LAUNCH, "tests/launched_stages.py", str(tmp_path), json.dumps(lines)], cwd=ROOT,
-                          capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    whole, split = metrics(tmp_path / "whole"), metrics(tmp_path / "split")
-    assert "resumed at iteration 2" in (tmp_path / "2.0.txt").read_text()
+    whole, split = metrics(launched["rng_whole"][0]), metrics(launched["rng_resumed"][0])
+    assert "resumed at iteration 2" in launched["rng_resumed"][1][0]
     assert any(0 < r["response/eos_rate"] < 1 for r in whole)                   # lengths differ within a batch
     assert [comparable(r) for r in split] == [comparable(r) for r in whole]

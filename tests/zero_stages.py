@@ -9,7 +9,7 @@ each followed by ppo.py with --gradient_checkpointing and with --bf16 (variants(
 tests/zero3_generation.py on the ZeRO-3 SFT model (it counts the launch's all-gathers).
 
     python tests/zero_stages.py OUT_DIR          # all of it
-    python tests/zero_stages.py OUT_DIR 2        # the ZeRO-2 stages alone (test_scale.py's two machines)
+    python tests/zero_stages.py OUT_DIR 2        # test_scale.py's two machines: ZeRO-2, five of the stages
 
 One launch instead of fifteen (a DeepSpeed launch costs ~30 s of imports and setup on 2 cores). accelerate's
 process-wide state is reset between stages, as accelerate's own tests do, so that each stage builds its
@@ -49,17 +49,22 @@ def stage(script, *argv):
     mark(f"STAGE {script} {' '.join(a for a in argv if a.startswith('--resume'))} under ZeRO-{zero}\n{out}")
 
 
-def stages(out):
+def stages(out, all_of_them=True):
+    """The stages above; not `all_of_them` (the two-machine launch): sft.py and its --resume, reward_model.py,
+    ppo.py --lora_r 4 and its --resume, without the LoRA SFT, full-weight PPO and uninterrupted PPO runs."""
     sft, rm, ppo = (os.path.join(out, name) for name in ("sft", "rm", "ppo"))
     stage("sft.py", *TINY, "--max_steps", "2", "--output_dir", sft)
     stage("sft.py", *TINY, "--max_steps", "3", "--output_dir", sft, "--resume")
-    stage("sft.py", *TINY[6:], "--model", sft, "--lora_r", "4", "--max_steps", "2", "--output_dir", sft + "_lora")
+    if all_of_them:
+        stage("sft.py", *TINY[6:], "--model", sft, "--lora_r", "4", "--max_steps", "2", "--output_dir", sft + "_lora")
     stage("reward_model.py", *TINY[6:], "--max_steps", "2", "--sft_path", sft,
           "--output_dir", rm, "--n_gold_prompts", "4")
-    stage("ppo.py", *PPO[2:], "--steps", "1", "--sft_path", sft, "--rm_path", rm, "--output_dir", ppo + "_full")
+    if all_of_them:
+        stage("ppo.py", *PPO[2:], "--steps", "1", "--sft_path", sft, "--rm_path", rm, "--output_dir", ppo + "_full")
     stage("ppo.py", *PPO, "--steps", "1", "--sft_path", sft, "--rm_path", rm, "--output_dir", ppo)
     stage("ppo.py", *PPO, "--steps", "2", "--sft_path", sft, "--rm_path", rm, "--output_dir", ppo, "--resume")
-    stage("ppo.py", *PPO, "--steps", "2", "--sft_path", sft, "--rm_path", rm, "--output_dir", ppo + "_whole")
+    if all_of_them:
+        stage("ppo.py", *PPO, "--steps", "2", "--sft_path", sft, "--rm_path", rm, "--output_dir", ppo + "_whole")
 
 
 def variants(out, zero):
@@ -73,11 +78,11 @@ def variants(out, zero):
 
 def main(out, only=None):
     """Every stage under ZeRO-2 and ZeRO-3 with their variants, then the generation check; `only` ("2"): the
-    stages under that ZeRO stage alone (the two-machine launch of test_scale.py)."""
+    two-machine launch of test_scale.py, stages(all_of_them=False) under that ZeRO stage alone."""
     for zero in [only] if only else ("2", "3"):
         os.environ["ACCELERATE_DEEPSPEED_ZERO_STAGE"] = zero
         mark(f"ZERO STAGE {zero}")
-        stages(os.path.join(out, f"zero{zero}"))
+        stages(os.path.join(out, f"zero{zero}"), all_of_them=not only)
         if not only:
             variants(os.path.join(out, f"zero{zero}"), zero)
     if only:
