@@ -76,7 +76,8 @@ def launches(tiny_models, tmp_path_factory):
         out = tmp_path_factory.mktemp(f"machines{machines}")
         runs[machines] = (out, command_lines(tiny_models, out, machines))
         script = ["tests/launched_stages.py", str(out), json.dumps(list(runs[machines][1].values()))]
-        launchers = [[*LAUNCH, *script]] if machines == 1 else [[*two_machines(r, port), *script] for r in (0, 1)]
+        launchers = ([[*LAUNCH, "--main_process_port", str(free_port()), *script]] if machines == 1 else
+                     [[*two_machines(r, port), *script] for r in (0, 1)])
         procs[machines] = [subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
                            for cmd in launchers]
     for machines, ps in procs.items():

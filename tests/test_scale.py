@@ -18,14 +18,45 @@ LAUNCH = (sys.executable, "-m", "accelerate.commands.launch", "--use_deepspeed",
           "--mixed_precision", "no", "--dynamo_backend", "no", "tests/deepspeed_cpu.py")
 
 
+def free_port():
+    """A port for a launch's rendezvous: launches that run at once must not share accelerate's default one."""
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def two_machines_launch(out):
+    """The two `accelerate launch` commands (machine ranks 0 and 1, one process each) of tests/zero_stages.py's
+    ZeRO-2 two-machine stages: DeepSpeed's standard multi-node launcher, 127.0.0.1 as the main address."""
+    port = free_port()
+    launch = [a if a != "3" else "2" for a in LAUNCH]          # --zero_stage 2
+    i = launch.index("--num_processes")
+    launch[i:i + 4] = ["--num_processes", "2", "--num_machines", "2"]
+    return [[*launch[:i], "--deepspeed_multinode_launcher", "standard", "--machine_rank", str(rank),
+             "--main_process_ip", "127.0.0.1", "--main_process_port", str(port), *launch[i:],
+             "tests/zero_stages.py", str(out), "2"] for rank in (0, 1)]
+
+
 @pytest.fixture(scope="module")
-def zero_launch(tmp_path_factory):
+def zero_launches(tmp_path_factory):
+    """This file's DeepSpeed launches, all at once (each leaves the 2 cores idle at times, e.g. while rank 0
+    alone saves and reports): tests/zero_stages.py on 1 machine x 2 processes, and five of its ZeRO-2 stages on
+    2 machines x 1 process. {"one": (output folder, stdout), "two": output folder of the two machines}."""
+    one, two = tmp_path_factory.mktemp("zero"), tmp_path_factory.mktemp("zero2_machines")
+    procs = [subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for cmd in [[*LAUNCH[:-1], "--main_process_port", str(free_port()), LAUNCH[-1], "tests/zero_stages.py",
+                          str(one)], *two_machines_launch(two)]]
+    printed = [proc.communicate(timeout=900) for proc in procs]
+    for proc, (stdout, stderr) in zip(procs, printed):
+        assert proc.returncode == 0, stdout[-3000:] + stderr[-4000:]
+    return {"one": (one, printed[0][0]), "two": two / "zero2"}
+
+
+@pytest.fixture(scope="module")
+def zero_launch(zero_launches):
     """(output folder, stdout) of tests/zero_stages.py: ZeRO-2, then ZeRO-3, then ZeRO-3 generation."""
-    out = tmp_path_factory.mktemp("zero")
-    proc = subprocess.run([*LAUNCH, "tests/zero_stages.py", str(out)], cwd=ROOT, capture_output=True, text=True,
-                          timeout=900)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-4000:]
-    return out, proc.stdout
+    return zero_launches["one"]
 
 
 @pytest.fixture(scope="module")
@@ -158,26 +189,10 @@ def test_a_zero_checkpoint_keeps_each_ranks_adamw_state_and_resumes_exactly(zero
 
 
 @pytest.fixture(scope="module")
-def zero2_two_machines(tmp_path_factory):
-    """Five of the ZeRO-2 stages of tests/zero_stages.py on 2 machines x 1 process: one `accelerate launch` per
-    machine (DeepSpeed's standard multi-node launcher, 127.0.0.1 as the main address), both at once; its output
-    folder."""
-    import socket
-    out = tmp_path_factory.mktemp("zero2_machines")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    launch = [a if a != "3" else "2" for a in LAUNCH]          # --zero_stage 2
-    i = launch.index("--num_processes")
-    launch[i:i + 4] = ["--num_processes", "2", "--num_machines", "2"]
-    procs = [subprocess.Popen([*launch[:i], "--deepspeed_multinode_launcher", "standard", "--machine_rank", str(rank),
-                               "--main_process_ip", "127.0.0.1", "--main_process_port", str(port), *launch[i:],
-                               "tests/zero_stages.py", str(out), "2"], cwd=ROOT, stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True) for rank in (0, 1)]
-    for proc in procs:
-        stdout, stderr = proc.communicate(timeout=900)
-        assert proc.returncode == 0, stdout[-3000:] + stderr[-4000:]
-    return out / "zero2"
+def zero2_two_machines(zero_launches):
+    """The output folder of five of the ZeRO-2 stages of tests/zero_stages.py on 2 machines x 1 process, one
+    `accelerate launch` per machine, both at once."""
+    return zero_launches["two"]
 
 
 @pytest.mark.launch
