@@ -134,8 +134,22 @@ def generation_model(accelerator, model, gather=True):
     unwrapped = unwrap(accelerator, model)
     kind = accelerator.distributed_type.value
     zero3 = kind == "DEEPSPEED" and accelerator.state.deepspeed_plugin.zero_stage == 3
+    if kind == "FSDP" and hasattr(model, "unshard"):
+        # FSDP2 takes the first module to run forward as its root. A LoRA policy's generate() (peft's) calls
+        # the model inside the root PeftModel, so before any training forward the first would be the tied
+        # embedding / lm_head group ("FSDP requires a single root module"): the root is initialised first.
+        model._get_fsdp_state()._lazy_init()
     if not is_sharded(accelerator) or (kind == "DEEPSPEED" and not zero3):
         yield unwrapped, False
+    elif not gather and hasattr(model, "unshard"):
+        # FSDP2, sharded: each layer gathers itself in its forward, but the root's own parameters (with LoRA those
+        # outside every layer, e.g. the final norm) are gathered by the root's forward, which peft's generate()
+        # skips ("mixed torch.Tensor and DTensor"): they are gathered here, for the whole generate()
+        model.unshard()
+        try:
+            yield unwrapped, True
+        finally:
+            model.reshard()
     elif not gather:
         yield unwrapped, True
     elif zero3:   # DeepSpeed's own recipe: one GatheredParameters, ZeRO-3's per-module hooks off meanwhile
@@ -143,10 +157,6 @@ def generation_model(accelerator, model, gather=True):
         with unwrap_model_for_generation(model):
             yield unwrapped, False
     elif hasattr(model, "unshard"):    # FSDP2 (configs/fsdp.yaml): unshard every FSDP module, keep it so
-        # FSDP2 takes the first module to run forward as its root. A LoRA policy's generate() (peft's) calls
-        # the model inside the root PeftModel, so before any training forward the first would be the tied
-        # embedding / lm_head group ("FSDP requires a single root module"): the root is initialised first.
-        model._get_fsdp_state()._lazy_init()
         parts = [m for m in model.modules() if hasattr(m, "unshard") and hasattr(m, "reshard")]
         model.set_reshard_after_forward(False)
         for m in parts:

@@ -12,6 +12,7 @@ stage that fails ends the launch; with --keep_going each stage's outcome is writ
 the next stage runs. A stage that fails on one rank only may leave the other waiting in a collective: whoever
 runs the launch bounds it in time (bench/gpu_check.sh does) and counts a stage with no .json as failed.
 """
+import contextlib
 import json
 import os
 import sys
@@ -35,7 +36,8 @@ def main(log_dir, command_lines, keep_going=False):
                 f.write(out)
             continue
         start, rc = time.time(), 0
-        with open(os.path.join(log_dir, f"{i}.{rank}.txt"), "w") as f:
+        with open(os.path.join(log_dir, f"{i}.{rank}.txt"), "w") as f, \
+                contextlib.redirect_stdout(f), contextlib.redirect_stderr(f):     # argparse's errors too
             try:
                 run_stage(*argv, printed=f)
             except SystemExit as stop:          # a stage's own refusal: sys.exit(message or code)

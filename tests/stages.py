@@ -19,9 +19,10 @@ def run_stage(script, *argv, printed=None):
     from transformers import HfArgumentParser
     name = script.removesuffix(".py")
     module = importlib.import_module(name)
+    args = HfArgumentParser(getattr(module, ARGS[name])).parse_args_into_dataclasses(list(map(str, argv)))[0]
     stream = printed or io.StringIO()
     with contextlib.redirect_stdout(stream), contextlib.redirect_stderr(stream):
-        module.main(HfArgumentParser(getattr(module, ARGS[name])).parse_args_into_dataclasses(list(map(str, argv)))[0])
+        module.main(args)
     return None if printed else stream.getvalue()
 
 

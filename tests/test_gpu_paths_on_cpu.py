@@ -264,10 +264,13 @@ def loaded(folder, kind):
 @pytest.fixture(scope="module")
 def fsdp_launch(tiny_models, tmp_path_factory):
     """{name: (output folder, [what rank 0 printed, rank 1])}: sft.py, ppo.py and ppo.py --lora_r 4 under
-    configs/fsdp.yaml through tests/fsdp_cpu.py, the command lines of the one-machine DDP launch above."""
+    configs/fsdp.yaml through tests/fsdp_cpu.py, the command lines of the one-machine DDP launch above; and
+    ppo.py --lora_r 4 --gather_for_generation false (sharded generation)."""
     out = tmp_path_factory.mktemp("fsdp")
     lines = {name: argv for name, argv in command_lines(tiny_models, out, 1).items()
              if name in ("sft", "ppo", "ppo_lora")}
+    lines["ppo_lora_sharded"] = [*lines["ppo_lora"][:-2], "--gather_for_generation", "false", "--output_dir",
+                                 str(out / "ppo_lora_sharded")]
     launch = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", "configs/fsdp.yaml",
               "--num_processes", "2", "--mixed_precision", "no", "--dynamo_backend", "no", "tests/fsdp_cpu.py"]
     proc = subprocess.run([*launch, "tests/launched_stages.py", str(out), json.dumps(list(lines.values()))], cwd=ROOT,
@@ -280,14 +283,15 @@ def fsdp_launch(tiny_models, tmp_path_factory):
 @pytest.mark.launch
 def test_fsdp2_on_two_cpu_processes_shards_and_trains_what_ddp_trains(fsdp_launch, launches):
     """configs/fsdp.yaml through tests/fsdp_cpu.py (accelerate's real FSDP2 preparation, gloo): sft.py 2 steps,
-    ppo.py 3 iterations and ppo.py --lora_r 4 1 iteration. Every trained model is sharded (each rank holds part of
-    its values), losses are finite, every saved folder (final and checkpoint) holds the keys of DDP's (a tied
-    lm_head once: FSDP's gathered state dict held it twice) and loads key for key, and the weights (LoRA: the
-    merged policy and the adapters) and PPO metrics are those of the one-machine DDP launch of the same command
-    lines within FSDP_RTOL / FSDP_ATOL. PPO with LoRA failed at its first generate() ("FSDP requires a single
-    root module": peft's generate() enters below the root FSDP module)."""
-    fsdp, ddp = fsdp_launch, launches[1]
-    for stage, n_models in (("sft", 1), ("ppo", 2), ("ppo_lora", 2)):            # ppo.py: the policy and the critic
+    ppo.py 3 iterations and ppo.py --lora_r 4 1 iteration, its generation gathered and sharded. Every trained
+    model is sharded (each rank holds part of its values), losses are finite, every saved folder (final and
+    checkpoint) holds the keys of DDP's (a tied lm_head once: FSDP's gathered state dict held it twice) and loads
+    key for key, and the weights (LoRA: the merged policy and the adapters) and PPO metrics are those of the
+    one-machine DDP launch of the same command lines within FSDP_RTOL / FSDP_ATOL. PPO with LoRA failed at its
+    first generate(), peft's, which enters below the root FSDP module ("FSDP requires a single root module";
+    sharded: "mixed torch.Tensor and DTensor")."""
+    fsdp, ddp = fsdp_launch, {**launches[1], "ppo_lora_sharded": launches[1]["ppo_lora"]}
+    for stage, n_models in (("sft", 1), ("ppo", 2), ("ppo_lora", 2), ("ppo_lora_sharded", 2)):  # policy, critic
         for rank in (0, 1):
             shards = [line.split(": ")[1].split() for line in fsdp[stage][1][rank].splitlines()
                       if line.startswith(f"[fsdp_cpu] rank {rank}: ")]
@@ -298,7 +302,7 @@ def test_fsdp2_on_two_cpu_processes_shards_and_trains_what_ddp_trains(fsdp_launc
     losses = [float(line.split("train loss ")[1].split()[0]) for line in fsdp["sft"][1][0].splitlines()
               if "train loss " in line]
     assert losses and all(torch.isfinite(torch.tensor(losses))), fsdp["sft"][1][0][-2000:]
-    for stage, iterations in (("ppo", 3), ("ppo_lora", 1)):
+    for stage, iterations in (("ppo", 3), ("ppo_lora", 1), ("ppo_lora_sharded", 1)):
         rows = [comparable(r) for r in metrics(fsdp[stage][0])], [comparable(r) for r in metrics(ddp[stage][0])]
         assert len(rows[0]) == len(rows[1]) == iterations
         assert all(torch.isfinite(torch.tensor(v)) for r in rows[0] for k, v in r.items() if k.startswith("loss/"))
@@ -308,16 +312,17 @@ def test_fsdp2_on_two_cpu_processes_shards_and_trains_what_ddp_trains(fsdp_launc
                 assert v == pytest.approx(a[k], rel=FSDP_RTOL, abs=FSDP_ATOL), (stage, k, a[k], v)
     for stage, folder, kind in (("sft", "", "lm"), ("sft", "checkpoint/model", "lm"), ("ppo", "policy", "lm"),
                                 ("ppo", "checkpoint/policy", "lm"), ("ppo", "checkpoint/critic", "score"),
-                                ("ppo_lora", "policy", "lm")):
+                                ("ppo_lora", "policy", "lm"), ("ppo_lora_sharded", "policy", "lm")):
         a, b = fsdp[stage][0] / folder, ddp[stage][0] / folder
         assert weights(a).keys() == weights(b).keys(), (stage, folder)
         a, b = loaded(a, kind), loaded(b, kind)
         assert a.keys() == b.keys(), (stage, folder)
         for k in a:
             torch.testing.assert_close(a[k], b[k], rtol=FSDP_RTOL, atol=FSDP_ATOL, msg=f"{stage}/{folder}: {k}")
-    for part in ("policy", "critic"):               # the LoRA checkpoint: adapters (and the critic's score head)
-        a, b = (load_file(run[0] / "checkpoint" / part / "adapter_model.safetensors") for run in (fsdp["ppo_lora"],
-                                                                                                   ddp["ppo_lora"]))
+    for stage, part in [(s, p) for s in ("ppo_lora", "ppo_lora_sharded") for p in ("policy", "critic")]:
+        # the LoRA checkpoint: adapters (and the critic's score head)
+        a, b = (load_file(run[0] / "checkpoint" / part / "adapter_model.safetensors") for run in (fsdp[stage],
+                                                                                                   ddp[stage]))
         assert a.keys() == b.keys() and a, part
         for k in a:
-            torch.testing.assert_close(a[k], b[k], rtol=FSDP_RTOL, atol=FSDP_ATOL, msg=f"ppo_lora/{part}: {k}")
+            torch.testing.assert_close(a[k], b[k], rtol=FSDP_RTOL, atol=FSDP_ATOL, msg=f"{stage}/{part}: {k}")
