@@ -24,7 +24,7 @@
 # (tests/launched_stages.py --keep_going: accelerate's state reset between stages, as the tests do; a stage that
 # fails is recorded and the next one runs; a launch still running after LAUNCH_TIMEOUT seconds, 480 by default,
 # is stopped and its unfinished runs fail). The seconds column is then a stage's own time (the launch's start
-# excluded; the first stage pays the stage modules' imports). About 3.5 minutes on 2 busy cores.
+# excluded; the first stage pays the stage modules' imports). 3.5 to 4.5 minutes on 2 busy cores.
 # CONFIGS="fsdp zero3" (names separated by spaces) runs only those configurations, in either mode.
 set -uo pipefail
 cd "$(dirname "$0")/.."
