@@ -531,6 +531,12 @@ def ppo_command(args, config, seed, run_dir):
     return [sys.executable, "ppo.py", *ppo_flags(args, config, seed, run_dir), *resume]
 
 
+def committed_record(args, name, seed):
+    """The record of one configuration and seed, or None when it has none."""
+    path = record_path(args, name, seed)
+    return json.load(open(path)) if os.path.exists(path) else None
+
+
 def train(args, config, seed):
     """One ppo.py run of `config`, or its committed record; returns the record."""
     path = record_path(args, config.name, seed)
@@ -835,6 +841,12 @@ def report(args, hypothesis, records):
                           + (f", agreement with the gold judge {e['gold_agreement']:.3f} on {e['gold_pairs']} pairs of "
                              "SFT samples" if "gold_agreement" in e else "") + ".")
             result["sft"]["rm_eval"] = e
+        runs = [r for c in h.configs for r in records.get(c.name, []) if r]
+        other = sum(r.get("sft_hash") != sft.get("sft_hash") for r in runs)
+        if other:                    # records made before hashes, or from another build of the recipe
+            lines[-1] += (f" {other} of the {len(runs)} runs above record no SFT hash or another one: they were "
+                          "trained from an earlier build of the same recipe.")
+            result["sft"]["runs_from_other_builds"] = other
     if h.paired:
         lines += paired_table(h, records, result)
     if h.matched_kl:
@@ -1116,8 +1128,8 @@ def main(argv=None):
     train_all(args, list(dict.fromkeys(todo)))
     lines, result, blocks = [], {}, {}
     for hypothesis in names:
-        records = {c.name: [train(args, c, seed) for seed in sorted(set(seeds) | committed_seeds(args, c.name))]
-                   for c in HYPOTHESES[hypothesis].configs}
+        records = {c.name: [committed_record(args, c.name, seed) for seed in sorted(set(seeds) | committed_seeds(args, c.name))]
+                   for c in HYPOTHESES[hypothesis].configs}           # train_all ran what was asked: only read
         h_lines, result[hypothesis] = report(args, hypothesis, records)
         if hypothesis == "segment_count":
             h_lines += error_table(args)

@@ -368,13 +368,21 @@ def test_the_sft_line_cites_its_rm_figures_from_the_record(tmp_path):
     rows = [{"step": s, "eval/gold": 0.4, "eval/rm": 1.0, "kl": 1.0, "macro/mean_len": 1.0, "response/len": 20.0}
             for s in (10, 20)]
     record = {"config": "count_sft", "seed": 0, "final": {"gold": [0.25, 0.75]},
-              "rm_eval": {"accuracy": 0.5512, "n_eval": 1024, "gold_agreement": 0.6123, "gold_pairs": 256}}
+              "rm_eval": {"accuracy": 0.5512, "n_eval": 1024, "gold_agreement": 0.6123, "gold_pairs": 256},
+              "sft_hash": "abc"}
     args = argparse.Namespace(smooth=1, results_dir=str(tmp_path))
     study.write_record(study.record_path(args, "count_sft", 0), record)
     lines, result = study.report(args, "count", {h.configs[0].name: [{"seed": 1, "final": {"gold": [0.5]}, "rows": rows}]})
     line = next(line for line in lines if line.startswith("The SFT model"))
     assert "mean gold 0.500" in line and "held-out pairwise accuracy 0.551 on 1024 pairs" in line
     assert "agreement with the gold judge 0.612 on 256 pairs" in line and result["sft"]["rm_eval"]["accuracy"] == 0.5512
+    assert "1 of the 1 runs above record no SFT hash" in line               # a run made before hashes
+    runs = [{"seed": 1, "final": {"gold": [0.5]}, "rows": rows, "sft_hash": h} for h in ("abc", "abd")]
+    line = next(line for line in study.report(args, "count", {h.configs[0].name: runs})[0] if line.startswith("The SFT"))
+    assert "1 of the 2 runs above record no SFT hash or another one" in line
+    runs[1]["sft_hash"] = "abc"
+    line = next(line for line in study.report(args, "count", {h.configs[0].name: runs})[0] if line.startswith("The SFT"))
+    assert "runs above" not in line
 
 
 def test_a_task_whose_runs_are_all_committed_still_gets_its_sft_record(tmp_path, monkeypatch):
@@ -396,3 +404,17 @@ def test_a_task_whose_runs_are_all_committed_still_gets_its_sft_record(tmp_path,
     made.clear()
     study.train_all(args, todo)
     assert made == []
+
+
+def test_configs_runs_only_those_configurations(tmp_path, monkeypatch):
+    """`--configs n5 --seeds 1` with n5's record there: nothing is trained (n1, not asked for and without a
+    record in this folder, is left out of the tables rather than run)."""
+    monkeypatch.setattr(study, "train", lambda *a: pytest.fail(f"trained {a[1].name}"))
+    args = argparse.Namespace(results_dir=str(tmp_path))
+    rows = [{"step": s, "eval/rm": 1.0, "eval/gold": 0.5, "kl": 1.0, "macro/mean_len": 5.0, "response/len": 20.0}
+            for s in (10, 20)]
+    study.write_record(study.record_path(args, "n5", 1), {"seed": 1, "final": {"gold": [0.5]}, "rows": rows})
+    study.write_record(study.record_path(args, "chitchat_sft", 0), {"config": "chitchat_sft", "final": {"gold": [0.2]}})
+    result = study.main(["baseline", "--configs", "n5", "--seeds", "1", "--results_dir", str(tmp_path),
+                         "--runs_dir", str(tmp_path / "runs")])
+    assert result["baseline"]["n5"]["seeds"] == [1] and "n1" not in result["baseline"]
