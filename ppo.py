@@ -116,7 +116,7 @@ def response_logprobs(model, ids, attention_mask, prompt_width, temperature, wit
     logp = logp_all.gather(-1, ids[:, prompt_width:].unsqueeze(-1)).squeeze(-1)
     if with_entropy:
         with torch.no_grad():
-            entropy = -(logp_all.exp() * logp_all).sum(-1)
+            entropy = rm.entropy(logp_all)      # -inf-safe: a token of probability 0 adds 0
     harness.release_freed_memory(ids.device)        # the forward's temporaries, out of the CPU's resident memory
     return logp, entropy
 

@@ -114,12 +114,17 @@ def segment_evaluation(values, ends):
     return (values * ends).sum(-1) / ends.sum(-1).clamp(min=1)
 
 
-def next_token_entropy(logits):
-    """Entropy (nats) of softmax(logits) over the last dimension; logits at temperature 1 give the
-    entropy that segments a response. A token of probability 0 (a logit of -inf) adds 0, not 0 * -inf = NaN."""
-    logp = logits.log_softmax(-1)
+def entropy(logp):
+    """Entropy (nats) of the distributions whose log-probabilities are `logp` (last dimension). A token of
+    probability 0 (a logit of -inf) adds 0, not 0 * -inf = NaN."""
     p = logp.exp()
     return -(p * logp.masked_fill(p == 0, 0.0)).sum(-1)
+
+
+def next_token_entropy(logits):
+    """Entropy (nats) of softmax(logits) over the last dimension; logits at temperature 1 give the
+    entropy that segments a response."""
+    return entropy(logits.log_softmax(-1))
 
 
 def segment_starts(response_ids, response_mask, unit, c_ent, eos_token_id, entropy=None):

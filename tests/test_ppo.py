@@ -136,6 +136,19 @@ def test_update_forward_builds_no_entropy(policy, tokenizer):
     assert not entropy.requires_grad and entropy.shape == logp.shape and (entropy >= 0).all()
 
 
+def test_entropy_is_finite_when_a_logit_is_minus_infinity():
+    """A model that rules tokens out with a logit of -inf (a masked or padded vocabulary): the entropy of
+    logits [0, 0, -inf] is log 2, not NaN (0 * log 0 counts as 0)."""
+    class Masked(torch.nn.Module):
+        def forward(self, input_ids, attention_mask, position_ids, logits_to_keep):
+            logits = torch.tensor([0.0, 0.0, float("-inf")]).expand(*input_ids.shape[:1], logits_to_keep, 3)
+            return type("Out", (), {"logits": logits})
+    ids, mask = torch.tensor([[2, 0, 1]]), torch.ones(1, 3, dtype=torch.long)
+    logp, entropy = ppo.response_logprobs(Masked(), ids, mask, 1, 1.0, with_entropy=True)
+    assert torch.allclose(entropy, torch.full((1, 2), torch.log(torch.tensor(2.0)).item()))
+    assert torch.allclose(logp, torch.full((1, 2), -torch.log(torch.tensor(2.0)).item()))
+
+
 @pytest.mark.parametrize("flags", [
     {"n": 1}, {"n": 0}, {"termination": "randomized"}, {"termination": "ppl"}, {"termination": "parsing"},
     {"termination": "entropy", "entropy_threshold": 1.0}, {"sigma": "unit"}, {"sigma": "position"},
