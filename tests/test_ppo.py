@@ -211,9 +211,10 @@ def test_one_minibatch_reuses_the_scoring_forwards_with_the_numbers_of_separate_
 def test_several_minibatches_epochs_or_accumulation_run_their_own_forwards(tiny_lm, tiny_models):
     args = ppo.PPOArgs(sft_path=str(tiny_models / "sft"), rm_path=str(tiny_models / "rm"), mini_batch_size=4)
     acc = ppo.harness.make_accelerator()
-    assert ppo.fused_update(args, acc, 4, tiny_lm, tiny_lm)
+    fused = (lambda a: ppo.fused_update(acc, tiny_lm, tiny_lm, 4, a.mini_batch_size, a.ppo_epochs, a.grad_accum))
+    assert fused(args)
     for changed in [{"mini_batch_size": 2}, {"ppo_epochs": 2}, {"grad_accum": 2}]:
-        assert not ppo.fused_update(ppo.PPOArgs(**{**vars(args), **changed}), acc, 4, tiny_lm, tiny_lm)
+        assert not fused(ppo.PPOArgs(**{**vars(args), **changed}))
 
 
 def test_grad_accum_never_steps_across_iterations(tiny_models, tmp_path):
@@ -496,9 +497,10 @@ def test_held_out_rows_carry_the_diversity_of_the_policy_and_of_the_sft_model(ti
 
 
 def test_training_warns_when_the_policys_replies_are_degenerate(tiny_models, parrot, capsys):
-    """ppo.py's held-out evaluation of a policy that says one word over and over: its distinct-2 is below half
+    """ppo.py's held-out evaluation (evaluate.during_training) of a policy that says one word over and over: its distinct-2 is below half
     the SFT model's, and the log says so, what it means and what to do."""
     from transformers import AutoModelForCausalLM
+    import evaluate
     import harness
     import reward_model as rm
     args, _ = ppo.resolve(ppo.PPOArgs(sft_path=str(tiny_models / "sft"), rm_path=str(tiny_models / "rm"),
@@ -508,7 +510,7 @@ def test_training_warns_when_the_policys_replies_are_degenerate(tiny_models, par
     load = (lambda path: AutoModelForCausalLM.from_pretrained(path).eval())
     sft_replies, metrics = {}, {"step": 20, "kl": 40.0, "reward/rm": 0.5}
     for policy in (load(tiny_models / "sft"), load(parrot)):
-        ppo.evaluate_now(args, metrics, accelerator=harness.make_accelerator(), policy=policy,
+        evaluate.during_training(args, metrics, accelerator=harness.make_accelerator(), policy=policy,
                          reward_model=rm.load_reward_model(args.rm_path)[0], tokenizer=tokenizer, eval_rows=rows,
                          sft=(load(tiny_models / "sft"), sft_replies))
         printed = capsys.readouterr().out
