@@ -66,8 +66,8 @@ def make_accelerator(bf16=False, grad_accum=1, micro_batch_size=1, **kwargs):
     DeepSpeed launch: cpu=True would silently turn DeepSpeed off.) `micro_batch_size`: examples per
     process per micro-step, which a DeepSpeed engine must be told."""
     from accelerate import Accelerator
-    if not torch.cuda.is_available():       # transformers' save_pretrained imports deepspeed whenever it is
-        os.environ.setdefault("DS_ACCELERATOR", "cpu")   # installed: named, it does not warn that it guessed
+    if not torch.cuda.is_available():       # a DeepSpeed launch on a CPU: named, deepspeed does not warn
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")   # that it guessed the accelerator
     if deepspeed_launch() and "deepspeed_plugins" not in kwargs:
         kwargs["deepspeed_plugins"] = deepspeed_plugin(micro_batch_size)
     accelerator = Accelerator(cpu=not torch.cuda.is_available() and not deepspeed_launch(),
@@ -159,6 +159,25 @@ def generation_model(accelerator, model, gather=True):
         from torch.distributed.fsdp import FullyShardedDataParallel
         with FullyShardedDataParallel.summon_full_params(model, writeback=False, recurse=True):
             yield unwrapped, False
+
+
+@contextlib.contextmanager
+def saving_without_deepspeed():
+    """Context for save_pretrained outside a DeepSpeed launch. transformers' save_pretrained unwraps the model
+    with accelerate's extract_model_from_parallel, which imports deepspeed whenever it is installed, only to ask
+    whether the model is a DeepSpeedEngine: resident memory and, on a CPU, a "Setting accelerator to CPU"
+    warning in a run that never uses DeepSpeed. Without a DeepSpeed launch no model is one, so accelerate is
+    told, while the model saves, that DeepSpeed is not installed."""
+    if deepspeed_launch() or "deepspeed" in sys.modules:
+        yield
+        return
+    from accelerate.utils import other
+    installed = other.is_deepspeed_available
+    other.is_deepspeed_available = lambda: False
+    try:
+        yield
+    finally:
+        other.is_deepspeed_available = installed
 
 
 @contextlib.contextmanager
@@ -417,8 +436,10 @@ class RunLog:
             accelerator.init_trackers("ma-rlhf", config=config)
         if accelerator.is_main_process:
             os.makedirs(output_dir, exist_ok=True)
-            kept = [line for line in open(self.path) if json.loads(line)["step"] <= start] \
-                if os.path.exists(self.path) else []
+            kept = []
+            if os.path.exists(self.path):
+                with open(self.path) as f:
+                    kept = [line for line in f if json.loads(line)["step"] <= start]
             with open(self.path, "w") as f:
                 f.writelines(kept)
 
@@ -457,10 +478,18 @@ def with_lora(model, r, alpha, target_modules, task_type):
     separated by commas); only the adapters train (and, for a reward model / critic, the score head)."""
     from peft import LoraConfig, get_peft_model
     targets = target_modules if target_modules == "all-linear" else target_modules.split(",")
-    with warnings.catch_warnings():     # peft reads transformers' deprecated is_gradient_checkpointing: not ours to fix
-        warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
+    with peft_quietly():
         return trained_dtype(get_peft_model(model, LoraConfig(r=r, lora_alpha=alpha, lora_dropout=0.0,
                                                              target_modules=targets, task_type=task_type)))
+
+
+@contextlib.contextmanager
+def peft_quietly():
+    """peft reads transformers' deprecated `is_gradient_checkpointing` when it puts adapters on a model (new
+    ones or saved ones): a FutureWarning that is neither ours nor the user's to fix, left out."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
+        yield
 
 
 def twin(model):
@@ -474,7 +503,8 @@ def twin(model):
 def load_lora(base, adapters):
     """A LoRA checkpoint part (adapters only) put back on its base model, trainable."""
     from peft import PeftModel
-    return trained_dtype(PeftModel.from_pretrained(base, adapters, is_trainable=True))
+    with peft_quietly():
+        return trained_dtype(PeftModel.from_pretrained(base, adapters, is_trainable=True))
 
 
 def trained_dtype(model):
@@ -604,12 +634,13 @@ def atomic_save(path, model=None, tokenizer=None, state=None, parts=None, state_
     shutil.rmtree(tmp, ignore_errors=True)
     os.makedirs(tmp)
     state_dicts = state_dicts or {}
-    if model is not None:
-        model.save_pretrained(tmp, state_dict=state_dicts.get("model"))
-    for name, part in (parts or {}).items():
-        part.save_pretrained(os.path.join(tmp, name), state_dict=state_dicts.get(name))
-        if tokenizer is not None:
-            tokenizer.save_pretrained(os.path.join(tmp, name))
+    with saving_without_deepspeed():
+        if model is not None:
+            model.save_pretrained(tmp, state_dict=state_dicts.get("model"))
+        for name, part in (parts or {}).items():
+            part.save_pretrained(os.path.join(tmp, name), state_dict=state_dicts.get(name))
+            if tokenizer is not None:
+                tokenizer.save_pretrained(os.path.join(tmp, name))
     if tokenizer is not None and not parts:
         tokenizer.save_pretrained(tmp)
     if state is not None:
