@@ -426,10 +426,10 @@ class Stopwatch:
 
 class RunLog:
     """One JSON line of metrics per iteration in <output_dir>/metrics.jsonl, written by the main process, and
-    accelerate's trackers when asked (`report_to`: tensorboard, wandb). On a resume from iteration `start` the
-    lines of later iterations, which the checkpoint does not hold, are dropped: the file then reads as one run."""
+    accelerate's trackers when asked (`report_to`: tensorboard, wandb). A run that resumes after `first_step`
+    iterations drops the lines of later ones, which its checkpoint does not hold: the file reads as one run."""
 
-    def __init__(self, accelerator, output_dir, start=0, report_to="none", config=None):
+    def __init__(self, accelerator, output_dir, first_step=0, report_to="none", config=None):
         self.accelerator, self.report_to = accelerator, report_to
         self.path = os.path.join(output_dir, "metrics.jsonl")
         if report_to != "none":
@@ -439,7 +439,7 @@ class RunLog:
             kept = []
             if os.path.exists(self.path):
                 with open(self.path) as f:
-                    kept = [line for line in f if json.loads(line)["step"] <= start]
+                    kept = [line for line in f if json.loads(line)["step"] <= first_step]
             with open(self.path, "w") as f:
                 f.writelines(kept)
 

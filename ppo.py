@@ -2,11 +2,14 @@
 
     accelerate launch ppo.py --n 5       # builds (or reuses) runs/chitchat/{sft,rm}, then trains MA-PPO
 
-Read top to bottom: the arguments, the math of one iteration as small pure functions, the setup
-(models, data, optimizers), then `main()`, whose loop is the paper's Algorithm 1 as numbered steps:
-1. rollout, 2. score, 3. rewards, 4. macro actions, 5. advantages, 6. PPO update, 7. log.
-The plumbing (accelerators, Ctrl-C / SIGTERM, checkpoints) lives in harness.py, evaluation and the
-final report in evaluate.py, the macro-action math in macro_actions.py.
+Read top to bottom: the arguments; the helpers, in the order of the steps they serve (the forwards and
+the `Scorer` of step 2, the terminations of step 4, the rewards of step 5, the losses and `ppo_update` of
+step 6, the metrics of step 7); the setup (derived settings, models, data, optimizers, the scorer); then
+`main()`, whose loop is the paper's Algorithm 1 as numbered steps: 1. rollout, 2. score, 3. rewards,
+4. macro actions, 5. advantages, 6. PPO update, 7. log; and `finish()`: the final policy and its report.
+The plumbing (accelerators, Ctrl-C / SIGTERM, checkpoints, the run log, building the default models)
+lives in harness.py, the held-out evaluation and the final report in evaluate.py, the macro-action math
+in macro_actions.py.
 """
 import os
 import sys
@@ -98,7 +101,7 @@ def masked_whiten(x, mask):
 
 
 def response_logprobs(model, ids, attention_mask, prompt_width, temperature, with_entropy=False, t1_entropy=False):
-    """1-2, 6. (log pi(y_t | x, y_<t) of every response token under the sampling distribution (logits /
+    """2, 6. (log pi(y_t | x, y_<t) of every response token under the sampling distribution (logits /
     temperature), the entropy there or None): both [B, R]. The entropy is computed without a graph,
     and only `with_entropy`: the update needs no [B, R, V] tensor kept alive for it. `t1_entropy`:
     the entropy at temperature 1 instead (segments), from the same logits before the division."""
@@ -569,17 +572,17 @@ def main(args):
     optimizers = {"policy_opt": policy_opt, "critic_opt": critic_opt}      # by their names in a checkpoint
     schedulers = {"policy_sched": policy_sched, "critic_sched": critic_sched}
     generator = torch.Generator().manual_seed(args.seed)       # minibatch order, randomized n-grams
-    start, truncated, beta = 0, 0, args.beta
+    first_step, truncated, beta = 0, 0, args.beta
     if args.resume:     # optimizer states are per-rank shards under ZeRO: each rank restores its own
         state = harness.load_checkpoint(args.output_dir, optimizers, schedulers, log, rank, world)
-        start, truncated, beta = state["step"], state["truncated"], state.get("beta", args.beta)
+        first_step, truncated, beta = state["step"], state["truncated"], state.get("beta", args.beta)
         generator.set_state(state["generator"])
-        log(f"[ppo] resumed at iteration {start}")
-    run_log = harness.RunLog(acc, args.output_dir, start, args.report_to, asdict(args))
+        log(f"[ppo] resumed at iteration {first_step}")
+    run_log = harness.RunLog(acc, args.output_dir, first_step, args.report_to, asdict(args))
     prompts, sft_replies = [r["prompt"] for r in rows], {}     # sft_replies: the SFT model's diversity, measured once
     from tqdm.auto import tqdm
-    bar = tqdm(range(start, args.steps), desc=run_name(args.n, args.termination), disable=not acc.is_local_main_process)
-    with harness.GracefulStop(acc, "ppo", "iteration", harness.checkpoint_dir(args.output_dir), start) as stop:
+    bar = tqdm(range(first_step, args.steps), desc=run_name(args.n, args.termination), disable=not acc.is_local_main_process)
+    with harness.GracefulStop(acc, "ppo", "iteration", harness.checkpoint_dir(args.output_dir), first_step) as stop:
         for step in bar:
             clock = harness.Stopwatch()
             # 1. Rollout: sample responses to this rank's prompts; logprobs under the sampling distribution
