@@ -393,6 +393,37 @@ def no_collapse(policy, sft):
             "words (read gold_strict and the KL beside the scores).")
 
 
+def during_training(args, metrics, *, accelerator, policy, reward_model, tokenizer, eval_rows, segmenter=None,
+                    sft=(None, None)):
+    """ppo.py's step 7 every --eval_every iterations: the held-out score (and gold score / pass rate), gold_strict
+    and the replies' diversity of the current policy into `metrics`, beside the SFT model's diversity; a log line,
+    and a warning when the replies are degenerate. `args`: ppo.py's; `sft`: (the frozen SFT model or None under
+    LoRA, a dict that keeps its diversity once measured); `segmenter`: as in `held_out`."""
+    acc, sharded, code = accelerator, harness.is_sharded(accelerator), args.task in data.CODE_TASKS
+    if acc.is_main_process or sharded:               # sharded weights: every rank takes part
+        with harness.generation_model(acc, policy, args.gather_for_generation) as (model, synced):
+            texts, scores, second = held_out(model.eval(), reward_model, tokenizer, eval_rows, args, args.seed,
+                                             synced, segmenter)
+    if acc.is_main_process:
+        key, second_key = ("exec", "pass@1") if code else ("rm", "gold")
+        metrics[f"eval/{key}"] = round(scores.mean().item(), 4)
+        if second is not None:
+            metrics[f"eval/{second_key}"] = round(second.mean().item(), 4)
+        (ref, sft_measured), replies = sft, reply_metrics(args.task, eval_rows, texts)
+        if not sft_measured:     # once a run, from the same prompts and seed; its own RNG (the run's is untouched)
+            sft_measured.update(sft_replies(ref, args, tokenizer, eval_rows, acc.device))
+        metrics.update({f"eval/{k}": round(v, 4) for k, v in replies.items()})
+        metrics.update({f"eval/sft_{k}": round(sft_measured[k], 4) for k in ("distinct_1", "distinct_2", "repetition")})
+        acc.print(f"[ppo] iteration {metrics['step']}: " + "  ".join(f"{k} {metrics[k]}" for k in (
+            f"reward/{'exec' if code else args.reward}", "kl", f"eval/{key}", f"eval/{second_key}", "eval/gold_strict",
+            "eval/distinct_2", "macro/mean_len") if k in metrics))
+        verdict = degeneracy(replies, sft_measured, args.task)
+        if verdict:
+            acc.print(f"[ppo] warning: {verdict}. A larger --beta (or a --kl_target) keeps the policy nearer the "
+                      "SFT model; read eval/gold_strict beside eval/gold")
+    acc.wait_for_everyone()
+
+
 def diversity_lines(sft, policy):
     """Table rows (SFT, then the policy) of two reply_metrics dicts."""
     lines = [f"| distinct-1 / distinct-2 of the replies | {sft['distinct_1']:.2f} / {sft['distinct_2']:.2f} | "
@@ -484,7 +515,7 @@ class Context:
             self.rm = rm.load_reward_model(args.rm_path)[0].eval()
             settings = rm.read_segment_settings(args.rm_path)      # a segment / token RM scores e(x, y)
             if settings:
-                self.segmenter = rm.segment_scorer(settings, self.model("sft"), self.tokenizer.eos_token_id)
+                self.segmenter = rm.segmenter(settings, self.model("sft"), self.tokenizer.eos_token_id)
         self.rows = data.with_chat_template(data.first_row_per_prompt(
             data.load_task(args.task, only=("test",))["test"])[:args.n_prompts], self.tokenizer, args.chat_template)
         self.prompts = [r["prompt"] for r in self.rows]

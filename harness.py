@@ -22,11 +22,13 @@ import copy
 import dataclasses
 import ctypes
 import ctypes.util
+import json
 import math
 import os
 import random
 import shutil
 import signal
+import subprocess
 import sys
 import time
 import warnings
@@ -64,8 +66,8 @@ def make_accelerator(bf16=False, grad_accum=1, micro_batch_size=1, **kwargs):
     DeepSpeed launch: cpu=True would silently turn DeepSpeed off.) `micro_batch_size`: examples per
     process per micro-step, which a DeepSpeed engine must be told."""
     from accelerate import Accelerator
-    if not torch.cuda.is_available():       # transformers' save_pretrained imports deepspeed whenever it is
-        os.environ.setdefault("DS_ACCELERATOR", "cpu")   # installed: named, it does not warn that it guessed
+    if not torch.cuda.is_available():       # a DeepSpeed launch on a CPU: named, deepspeed does not warn
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")   # that it guessed the accelerator
     if deepspeed_launch() and "deepspeed_plugins" not in kwargs:
         kwargs["deepspeed_plugins"] = deepspeed_plugin(micro_batch_size)
     accelerator = Accelerator(cpu=not torch.cuda.is_available() and not deepspeed_launch(),
@@ -171,6 +173,25 @@ def generation_model(accelerator, model, gather=True):
         from torch.distributed.fsdp import FullyShardedDataParallel
         with FullyShardedDataParallel.summon_full_params(model, writeback=False, recurse=True):
             yield unwrapped, False
+
+
+@contextlib.contextmanager
+def saving_without_deepspeed():
+    """Context for save_pretrained outside a DeepSpeed launch. transformers' save_pretrained unwraps the model
+    with accelerate's extract_model_from_parallel, which imports deepspeed whenever it is installed, only to ask
+    whether the model is a DeepSpeedEngine: resident memory and, on a CPU, a "Setting accelerator to CPU"
+    warning in a run that never uses DeepSpeed. Without a DeepSpeed launch no model is one, so accelerate is
+    told, while the model saves, that DeepSpeed is not installed."""
+    if deepspeed_launch() or "deepspeed" in sys.modules:
+        yield
+        return
+    from accelerate.utils import other
+    installed = other.is_deepspeed_available
+    other.is_deepspeed_available = lambda: False
+    try:
+        yield
+    finally:
+        other.is_deepspeed_available = installed
 
 
 @contextlib.contextmanager
@@ -282,6 +303,13 @@ def all_finite(accelerator, *tensors):
     return bool(finite.item() == 1.0)
 
 
+def stop_unless_finite(accelerator, what, output_dir, *tensors):
+    """Every process stops (FloatingPointError) unless every tensor is finite on every one; the message names
+    `what` (e.g. "loss at iteration 3") and the last good checkpoint, which stays in place."""
+    if not all_finite(accelerator, *tensors):
+        raise FloatingPointError(f"non-finite {what}; last good checkpoint in {checkpoint_dir(output_dir)}")
+
+
 class _MallInfo2(ctypes.Structure):
     _fields_ = [(name, ctypes.c_size_t) for name in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks",
                                                      "fsmblks", "uordblks", "fordblks", "keepcost")]
@@ -360,6 +388,28 @@ def start(name, args, accelerator, final="config.json"):
         accelerator.print(f"[{name}] CPU threads per process: {torch.get_num_threads()}")
 
 
+def build_default(accelerator, task, sft_path, rm_path=None, sft_args="", rm_args="", name="ppo"):
+    """The models a stage starts from, built when missing on an embedded task (chitchat, count, code): sft.py at
+    `sft_path`, then reward_model.py at `rm_path` (None: no RM, as for code, whose score is running the
+    program), each run once as a subprocess of the main process, reused afterwards; `sft_args` / `rm_args`:
+    their extra flags (empty: the task's data.BUILD_ARGS); `name`: the stage that asks, in its log line."""
+    import data
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("ACCELERATE_", "RANK", "WORLD_SIZE", "LOCAL_", "MASTER_", "OMP_"))}
+    default_sft, default_rm = data.BUILD_ARGS.get(task, ("", ""))
+    stages = [(sft_path, "sft.py", ["--task", task, *(sft_args or default_sft).split()])]
+    if rm_path is not None:
+        stages.append((rm_path, "reward_model.py", ["--task", task, "--sft_path", sft_path, *(rm_args or default_rm).split()]))
+    for path, script, extra in stages:
+        if accelerator.is_main_process and not os.path.exists(os.path.join(path, "config.json")):
+            if task not in data.EMBEDDED_TASKS:
+                sys.exit(f"error: no model at {path!r}; train it with {script} or pass its path")
+            accelerator.print(f"[{name}] {path} missing: running {script}")
+            subprocess.run([sys.executable, script, "--output_dir", path, *extra], check=True, env=env,
+                           cwd=os.path.dirname(os.path.abspath(__file__)))
+        accelerator.wait_for_everyone()
+
+
 class Stopwatch:
     """Seconds spent per phase of an iteration: `lap(name)` closes the phase that just ended."""
 
@@ -375,6 +425,63 @@ class Stopwatch:
     def total(self):
         return time.time() - self.t0
 
+    def metrics(self, tokens):
+        """The timing metrics of a step that produced `tokens` tokens (over every process): seconds per step and
+        per phase, tokens per second, and on a GPU the peak memory allocated."""
+        total = self.total()
+        return {"time/step": round(total, 3), **{f"time/{k}": round(v, 4 if k == "macro" else 3) for k, v in self.laps.items()},
+                "tokens_per_s": round(tokens / total, 1),
+                **({"memory/peak_gb": round(torch.cuda.max_memory_allocated() / 2 ** 30, 2)} if torch.cuda.is_available() else {})}
+
+
+# ---------------------------------------------------------------------------------------------
+# The run log: metrics.jsonl and the trackers
+# ---------------------------------------------------------------------------------------------
+
+class RunLog:
+    """One JSON line of metrics per iteration in <output_dir>/metrics.jsonl, written by the main process, and
+    accelerate's trackers when asked (`report_to`: tensorboard, wandb). A run that resumes after `first_step`
+    iterations drops the lines of later ones, which its checkpoint does not hold: the file reads as one run."""
+
+    def __init__(self, accelerator, output_dir, first_step=0, report_to="none", config=None):
+        self.accelerator, self.report_to = accelerator, report_to
+        self.path = os.path.join(output_dir, "metrics.jsonl")
+        if report_to != "none":
+            accelerator.init_trackers("ma-rlhf", config=config)
+        if accelerator.is_main_process:
+            os.makedirs(output_dir, exist_ok=True)
+            kept = []
+            if os.path.exists(self.path):
+                with open(self.path) as f:
+                    kept = [line for line in f if json.loads(line)["step"] <= first_step]
+            with open(self.path, "w") as f:
+                f.writelines(kept)
+
+    def write(self, metrics):
+        """One iteration's metrics (its "step" among them)."""
+        if self.accelerator.is_main_process:
+            with open(self.path, "a") as f:
+                f.write(json.dumps(metrics) + "\n")
+        if self.report_to != "none":
+            self.accelerator.log(metrics, step=metrics["step"])
+
+    def close(self):
+        if self.report_to != "none":
+            self.accelerator.end_training()
+
+
+def mean_over_processes(accelerator, values):
+    """{name: scalar tensor} of this process -> {name: float}, each the mean over every process (one reduction,
+    the names in sorted order on every rank): the same numbers on every rank."""
+    names = sorted(values)
+    means = accelerator.reduce(torch.stack([values[k].float().to(accelerator.device) for k in names]), "mean")
+    return dict(zip(names, means.tolist()))
+
+
+def rounded(values, digits=5):
+    """The numbers a log line keeps: `digits` after the point."""
+    return {k: round(v, digits) for k, v in values.items()}
+
 
 # ---------------------------------------------------------------------------------------------
 # LoRA (peft): the memory lever for real models
@@ -385,10 +492,18 @@ def with_lora(model, r, alpha, target_modules, task_type):
     separated by commas); only the adapters train (and, for a reward model / critic, the score head)."""
     from peft import LoraConfig, get_peft_model
     targets = target_modules if target_modules == "all-linear" else target_modules.split(",")
-    with warnings.catch_warnings():     # peft reads transformers' deprecated is_gradient_checkpointing: not ours to fix
-        warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
+    with peft_quietly():
         return trained_dtype(get_peft_model(model, LoraConfig(r=r, lora_alpha=alpha, lora_dropout=0.0,
                                                              target_modules=targets, task_type=task_type)))
+
+
+@contextlib.contextmanager
+def peft_quietly():
+    """peft reads transformers' deprecated `is_gradient_checkpointing` when it puts adapters on a model (new
+    ones or saved ones): a FutureWarning that is neither ours nor the user's to fix, left out."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
+        yield
 
 
 def twin(model):
@@ -402,7 +517,8 @@ def twin(model):
 def load_lora(base, adapters):
     """A LoRA checkpoint part (adapters only) put back on its base model, trainable."""
     from peft import PeftModel
-    return trained_dtype(PeftModel.from_pretrained(base, adapters, is_trainable=True))
+    with peft_quietly():
+        return trained_dtype(PeftModel.from_pretrained(base, adapters, is_trainable=True))
 
 
 def trained_dtype(model):
@@ -532,12 +648,13 @@ def atomic_save(path, model=None, tokenizer=None, state=None, parts=None, state_
     shutil.rmtree(tmp, ignore_errors=True)
     os.makedirs(tmp)
     state_dicts = state_dicts or {}
-    if model is not None:
-        model.save_pretrained(tmp, state_dict=state_dicts.get("model"))
-    for name, part in (parts or {}).items():
-        part.save_pretrained(os.path.join(tmp, name), state_dict=state_dicts.get(name))
-        if tokenizer is not None:
-            tokenizer.save_pretrained(os.path.join(tmp, name))
+    with saving_without_deepspeed():
+        if model is not None:
+            model.save_pretrained(tmp, state_dict=state_dicts.get("model"))
+        for name, part in (parts or {}).items():
+            part.save_pretrained(os.path.join(tmp, name), state_dict=state_dicts.get(name))
+            if tokenizer is not None:
+                tokenizer.save_pretrained(os.path.join(tmp, name))
     if tokenizer is not None and not parts:
         tokenizer.save_pretrained(tmp)
     if state is not None:
@@ -578,6 +695,22 @@ def save_checkpoint(output_dir, parts, tokenizer, step, args, optimizers=None, s
              **{k: s.state_dict() for k, s in (schedulers or {}).items()}}
     atomic_save(checkpoint_dir(output_dir), tokenizer=tokenizer, parts=parts, state=state, state_dicts=state_dicts,
                 moved={SHARDS: shards} if shards else None)
+
+
+def save_training(accelerator, output_dir, step, args, tokenizer, models, optimizers, schedulers, **extra):
+    """The checkpoint of `step` for a stage's trained `models` {name: (accelerator, model)} with their
+    `optimizers` and `schedulers` {name: ...} and `extra` trainer state; a collective call. Sharded (ZeRO /
+    FSDP): the whole weights gathered, every rank's optimizer states in its own file; every rank's RNG state."""
+    sharded = is_sharded(accelerator)
+    weights = whole_state_dicts(models) if sharded else None
+    rng = rng_states(accelerator)                                       # collective: every rank's own
+    shards = save_optimizer_shards(accelerator, output_dir, optimizers) if sharded else None
+    if accelerator.is_main_process:
+        parts = {name: unwrap(acc, model) for name, (acc, model) in models.items()}
+        parts = {name: m if hasattr(m, "save_pretrained") else m.model for name, m in parts.items()}  # in a wrapper
+        save_checkpoint(output_dir, parts, tokenizer, step, args, {} if sharded else optimizers, schedulers,
+                        weights, shards, rng_ranks=rng, **extra)
+    accelerator.wait_for_everyone()
 
 
 SHARDS = "optimizer_shards"
@@ -719,16 +852,8 @@ class Trainer:
             accelerator.print(f"[{name}] resumed at step {self.start}")
 
     def save(self, step):
-        acc = self.accelerator
-        sharded = is_sharded(acc)   # ZeRO / FSDP: whole weights gathered (collective); optimizer state is per rank
-        weights = whole_state_dicts({"model": (acc, self.model)}) if sharded else None
-        rng = rng_states(acc)                                   # collective: every rank's own
-        shards = save_optimizer_shards(acc, self.args.output_dir, {"optimizer": self.optimizer}) if sharded else None
-        if acc.is_main_process:
-            save_checkpoint(self.args.output_dir, {"model": unwrap(acc, self.model)}, self.tokenizer, step,
-                            self.args, {} if sharded else {"optimizer": self.optimizer}, {"scheduler": self.scheduler},
-                            weights, shards, rng_ranks=rng)
-        acc.wait_for_everyone()
+        save_training(self.accelerator, self.args.output_dir, step, self.args, self.tokenizer,
+                      {"model": (self.accelerator, self.model)}, {"optimizer": self.optimizer}, {"scheduler": self.scheduler})
 
     def fit(self, rows, loss_fn, evaluate):
         """Train to the last step, then save the final model; returns the last evaluation value."""
@@ -745,9 +870,7 @@ class Trainer:
                                         rank, world)
                     with acc.accumulate(self.model):
                         loss = loss_fn([rows[i] for i in idx])
-                        if not all_finite(acc, loss):        # on any process: every one stops
-                            raise FloatingPointError(f"non-finite {name} loss at step {step}; last good "
-                                                     f"checkpoint kept at {checkpoint_dir(args.output_dir)}")
+                        stop_unless_finite(acc, f"{name} loss at step {step}", args.output_dir, loss)
                         acc.backward(loss)
                         self.optimizer.step()
                         self.optimizer.zero_grad()

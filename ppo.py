@@ -2,15 +2,16 @@
 
     accelerate launch ppo.py --n 5       # builds (or reuses) runs/chitchat/{sft,rm}, then trains MA-PPO
 
-Read top to bottom: the arguments, the math of one iteration as small pure functions, the setup
-(models, data, optimizers), then `main()`, whose loop is the paper's Algorithm 1 as numbered steps:
-1. rollout, 2. score, 3. rewards, 4. macro actions, 5. advantages, 6. PPO update, 7. log.
-The plumbing (accelerators, Ctrl-C / SIGTERM, checkpoints) lives in harness.py, evaluation and the
-final report in evaluate.py, the macro-action math in macro_actions.py.
+Read top to bottom: the arguments; the helpers, in the order of the steps they serve (the forwards and
+the `Scorer` of step 2, the terminations of step 4, the rewards of step 5, the losses and `ppo_update` of
+step 6, the metrics of step 7); the setup (derived settings, models, data, optimizers, the scorer); then
+`main()`, whose loop is the paper's Algorithm 1 as numbered steps: 1. rollout, 2. score, 3. rewards,
+4. macro actions, 5. advantages, 6. PPO update, 7. log; and `finish()`: the final policy and its report.
+The plumbing (accelerators, Ctrl-C / SIGTERM, checkpoints, the run log, building the default models)
+lives in harness.py, the held-out evaluation and the final report in evaluate.py, the macro-action math
+in macro_actions.py.
 """
-import json
 import os
-import subprocess
 import sys
 from dataclasses import asdict, dataclass, field
 
@@ -86,7 +87,7 @@ class PPOArgs:
 
 
 # ---------------------------------------------------------------------------------------------
-# Small helpers (the math of one iteration)
+# Helpers, in the order of the steps they serve
 # ---------------------------------------------------------------------------------------------
 
 def masked_mean(x, mask):
@@ -100,7 +101,7 @@ def masked_whiten(x, mask):
 
 
 def response_logprobs(model, ids, attention_mask, prompt_width, temperature, with_entropy=False, t1_entropy=False):
-    """(log pi(y_t | x, y_<t) of every response token under the sampling distribution (logits /
+    """2, 6. (log pi(y_t | x, y_<t) of every response token under the sampling distribution (logits /
     temperature), the entropy there or None): both [B, R]. The entropy is computed without a graph,
     and only `with_entropy`: the update needs no [B, R, V] tensor kept alive for it. `t1_entropy`:
     the entropy at temperature 1 instead (segments), from the same logits before the division."""
@@ -116,8 +117,7 @@ def response_logprobs(model, ids, attention_mask, prompt_width, temperature, wit
     logp = logp_all.gather(-1, ids[:, prompt_width:].unsqueeze(-1)).squeeze(-1)
     if with_entropy:
         with torch.no_grad():
-            entropy = -(logp_all.exp() * logp_all).sum(-1)
-    harness.release_freed_memory(ids.device)        # the forward's temporaries, out of the CPU's resident memory
+            entropy = rm.entropy(logp_all)      # -inf-safe: a token of probability 0 adds 0
     return logp, entropy
 
 
@@ -134,14 +134,9 @@ class Critic(torch.nn.Module):
         return rm.token_values(model, ids, attention_mask)
 
 
-def reference_logprobs(ref, accelerator, policy, ids, attention_mask, prompt_width, temperature, t1_entropy=False):
-    """(log pi_ref of the response tokens, the SFT entropy at temperature 1 if `t1_entropy` else None):
-    the frozen SFT model's, or under LoRA (ref None) the policy's with its adapters switched off, which
-    is the SFT model."""
-    if ref is not None:
-        return response_logprobs(ref, ids, attention_mask, prompt_width, temperature, t1_entropy=t1_entropy)
-    with harness.unwrap(accelerator, policy).disable_adapter():
-        return response_logprobs(policy, ids, attention_mask, prompt_width, temperature, t1_entropy=t1_entropy)
+def critic_values(critic, ids, attention_mask, prompt_width):
+    """2, 6. V(s_t) for the state before each response token: the head at the preceding position [B, R]."""
+    return critic(ids, attention_mask)[:, prompt_width - 1:-1]
 
 
 def has_dropout(model):
@@ -152,32 +147,124 @@ def has_dropout(model):
             or any(isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0 for v in rates))
 
 
-def fused_update(args, accelerator, batch_size, policy, critic):
-    """Whether the update reuses step 2's policy and critic forwards instead of running its own: one
+def fused_update(accelerator, policy, critic, batch_size, mini_batch_size, epochs, grad_accum):
+    """2, 6. Whether the update reuses step 2's policy and critic forwards instead of running its own: one
     epoch over one minibatch holding the whole rollout batch, no gradient accumulation, unsharded
     models without dropout. Then both forwards run once, with their graphs: detached they are the old
     logprobs and values, and the update gathers its minibatch's rows of them. One forward fewer per
     model, and the first ratio is exactly 1 (old = detached new). The numbers equal those of separate
     forwards because a row's forward does not depend on the other rows nor, without dropout, on
     train() / eval()."""
-    return (args.ppo_epochs == 1 and args.mini_batch_size >= batch_size and args.grad_accum == 1
+    return (epochs == 1 and mini_batch_size >= batch_size and grad_accum == 1
             and not harness.is_sharded(accelerator) and not has_dropout(policy) and not has_dropout(critic))
 
 
-def critic_values(critic, ids, attention_mask, prompt_width):
-    """V(s_t) for the state before each response token: the head at the preceding position [B, R]."""
-    values = critic(ids, attention_mask)[:, prompt_width - 1:-1]
-    harness.release_freed_memory(ids.device)
-    return values
+def policy_and_critic_forwards(policy, critic, ids, attention_mask, prompt_width, temperature, keep_graphs):
+    """2. The policy's logprobs and entropy and the critic's values V(s_t) of the rollout, [B, R] each.
+    `keep_graphs` (`fused_update`): both forwards keep their graphs and the update reuses them."""
+    if keep_graphs:
+        policy.train()      # as in the update: gradient checkpointing acts in train mode only
+    with torch.set_grad_enabled(keep_graphs):
+        logp, entropy = response_logprobs(policy, ids, attention_mask, prompt_width, temperature, with_entropy=True)
+        values = critic_values(critic, ids, attention_mask, prompt_width)
+    policy.eval()
+    return logp, entropy, values
+
+
+def reference_logprobs(ref, accelerator, policy, ids, attention_mask, prompt_width, temperature, t1_entropy=False):
+    """2. (log pi_ref of the response tokens, the SFT entropy at temperature 1 if `t1_entropy` else None):
+    the frozen SFT model's, or under LoRA (ref None) the policy's with its adapters switched off, which
+    is the SFT model."""
+    if ref is not None:
+        return response_logprobs(ref, ids, attention_mask, prompt_width, temperature, t1_entropy=t1_entropy)
+    with harness.unwrap(accelerator, policy).disable_adapter():
+        return response_logprobs(policy, ids, attention_mask, prompt_width, temperature, t1_entropy=t1_entropy)
+
+
+class Scorer:
+    """2. The sequence score of a rollout batch, of the one kind (`name`, logged as reward/<name>) chosen at setup:
+      exec     the program run against its tests (App. B.5): code tasks
+      gold     the task's gold judge reading the response: a verifiable reward
+      rm       the reward model's head at the last real token; a segment / token RM's score is e(x, y), the mean
+               of its segment rewards (Yin et al. 2025, Table 1's segment as bandit)
+      segment  a segment / token RM's rewards (Yin et al. 2025, §2): its head at each segment's last token,
+               normalized at its location, spread over the segment's tokens as `dense` rewards
+    `segment_settings` (`segment_settings()`): where the rollout's segments are cut, or None; `segment_rm`: the
+    reward model is a segment / token RM; `score_norm`: (mean, std) that standardize the RM's score, or None."""
+
+    def __init__(self, name, tokenizer, *, task=None, reward_model=None, segment_settings=None, segment_rm=False,
+                 seg_norm="regression", seg_interp="even", score_norm=None):
+        self.name, self.tokenizer, self.task, self.reward_model = name, tokenizer, task, reward_model
+        self.segment_settings, self.seg_norm, self.score_norm = segment_settings, seg_norm, score_norm
+        self.reads_segments = name == "segment" or (name == "rm" and segment_rm)
+        self.seg_interp = "bandit" if name == "rm" else seg_interp      # e(x, y) as one reward at the last token
+
+    def segments(self, response_ids, response_mask, sft_entropy):
+        """(starts, inside) [B, R] of the rollout's segments, cut as the RM's training cut its own (the SFT
+        entropy at temperature 1); (None, None) without segment settings."""
+        return rm.rollout_segments(self.segment_settings, response_ids, response_mask, self.tokenizer.eos_token_id,
+                                   sft_entropy)
+
+    def __call__(self, ids, attention_mask, prompt_width, rows, seg_starts=None, inside=None):
+        """(score [B], dense per-token rewards [B, R] or None, passed [B] (every test passed) or None, stats) of the
+        rollout [B, P + R]; `rows`: its problems (prompt, tests); `seg_starts`, `inside`: from `segments`."""
+        if self.name in ("exec", "gold"):
+            texts = self.tokenizer.batch_decode(ids[:, prompt_width:], skip_special_tokens=True)
+        if self.name == "exec":     # App. B.5: the compiler / test signal of running prefix + response
+            score, passed = map(torch.tensor, sandbox.execution_reward(rows, texts))
+            return score.to(ids.device), None, passed, {}
+        if self.name == "gold":     # a verifiable reward: the gold judge reads the whole response
+            return torch.tensor(data.gold(self.task, data.judged_prompts(rows), texts), device=ids.device), None, None, {}
+        head = rm.token_values(self.reward_model, ids, attention_mask)       # the RM's head at every position
+        dense, stats = None, {}
+        if self.reads_segments:                     # the head at each segment's end; e(x, y), their mean
+            dense, score, stats = rm.segment_rewards(head[:, prompt_width:], seg_starts, inside, self.segment_settings,
+                                                     self.seg_norm, self.seg_interp)
+        else:                                       # the head at the last real token
+            score = rm.last_token(head, attention_mask)
+        if self.score_norm is not None:     # Yin et al. 2025, §2.1: the RM's score over its calibration mean and std
+            score = (score - self.score_norm[0]) / self.score_norm[1]
+        return score, dense, None, stats
+
+
+def segment_settings(own, rm_path, sft_path, *, reward, termination, c_ent, seg_norm, lora_r, log):
+    """2. The segments of this run (Yin et al. 2025), or None when it reads none: a segment / token RM's `own`
+    settings (its segment_reward.json, or None) under --reward segment or --termination segment, and under
+    --reward rm, whose score is then e(x, y); with `c_ent` > 0, the SFT entropy segments at that threshold (no
+    file: --termination segment under another reward, or a sequence RM read at segment ends under --reward
+    segment, Table 1's bandit as segment). Every check and warning at setup, none mid-run."""
+    if own is not None and lora_r:
+        sys.exit(f"error: --lora_r: {rm_path} is a {own.get('unit')} RM, scored with e(x, y) on the frozen SFT "
+                 "model's segments; under --lora_r there is none (the reference is the policy with its adapters off)")
+    segment_rm_as_bandit = reward == "rm" and own is not None
+    if "segment" not in (reward, termination) and not segment_rm_as_bandit:
+        return None
+    if c_ent:
+        if own is not None and reward in ("segment", "rm"):
+            sys.exit(f"error: --c_ent: {rm_path} is a segment / token RM ({os.path.join(rm_path, rm.SEGMENT_FILE)}), "
+                     f"read on its own segments under --reward {reward}; drop --c_ent")
+        if reward == "segment" and seg_norm != "none":
+            sys.exit(f"error: --seg_norm {seg_norm}: a sequence RM read at segment ends (--reward segment --c_ent) "
+                     "has no segment normalizer; pass --seg_norm none")
+        return {"unit": "segment", "c_ent": c_ent}
+    settings = rm.checked_segment_settings(rm_path, seg_norm)
+    if segment_rm_as_bandit:    # its head at EOS never trained (zero gradient there): segment as bandit
+        log(f"[ppo] --reward rm: {rm_path} is a {own['unit']} RM; its score is e(x, y), the mean of its segment "
+            f"rewards on the SFT model's segments (as in its training and in evaluate.py), one reward at the last token")
+    trained_on = settings.get("sft_path")
+    if trained_on and os.path.realpath(trained_on) != os.path.realpath(sft_path):
+        log(f"[ppo] warning: the segment RM's segments come from the SFT model {trained_on}, this run's is "
+            f"{sft_path}: its entropies, and so its segments, may differ from the RM's training")
+    return settings
 
 
 def macro_starts(termination, response_ids, response_mask, *, n=5, logprobs=None, entropy=None,
-                 entropy_threshold=2.0, tokenizer=None, cutoff=5, language="text", generator=None, segments=None):
+                 entropy_threshold=2.0, tokenizer=None, cutoff=5, language="text", generator=None, segment_starts=None):
     """4. Which response tokens begin a macro action ([B, R] bool), and the share of rows whose parse
     fell back to n=1. ppl reads `logprobs`, entropy `entropy`, parsing `tokenizer`, segment the
-    segments' `starts` (EOS joins the last segment's macro action) ([B, R] inputs)."""
+    `segment_starts` of the rollout's segments (EOS joins the last segment's macro action) ([B, R] inputs)."""
     if termination == "segment":
-        return segments, 0.0
+        return segment_starts, 0.0
     if termination == "fixed":
         return ma.fixed_ngram_starts(response_mask, n), 0.0
     if termination == "randomized":
@@ -194,27 +281,17 @@ def macro_starts(termination, response_ids, response_mask, *, n=5, logprobs=None
 
 
 def token_rewards_of(kl_rewards, score, response_mask, starts, agg="sum", dense=None, penalty=None, clip=0.0):
-    """3. Per-token rewards [B, R]: the KL rewards with the sequence `score` [B] at the last real token
-    (`macro_rewards`). With `dense` segment rewards [B, R] the score (e, their mean) is only logged:
-    the tokens get the KL rewards plus `dense`, clipped to [-clip, clip] (0 = off; the released code
-    clips the segment rewards, not the KL term), plus the missing-EOS `penalty` [B] at the last real
-    token. So a segment reward equal to the score at the last token gives exactly the score's rewards."""
+    """5. Per-token rewards [B, R] whose macro sums are the rewards R_tau: the KL rewards with the sequence
+    `score` [B] at the last real token (`macro_rewards`). With `dense` segment rewards [B, R] the score (e,
+    their mean) is only logged: the tokens get the KL rewards plus `dense`, clipped to [-clip, clip] (0 = off;
+    the released code clips the segment rewards, not the KL term), plus the missing-EOS `penalty` [B] at the
+    last real token. So a segment reward equal to the score at the last token gives exactly the score's rewards."""
     if dense is None:
         return ma.macro_rewards(kl_rewards, score, response_mask, starts, agg)
     dense = dense.clamp(-clip, clip) if clip else dense
     penalty = torch.zeros_like(score) if penalty is None else penalty
     return (ma.macro_rewards(kl_rewards, torch.zeros_like(score), response_mask, starts, agg)
             + ma.macro_rewards(dense, penalty, response_mask, starts))
-
-
-def adaptive_beta(beta, kl, target, n, horizon):
-    """7. The KL coefficient of the next iteration (Ziegler et al. 2019, §2.2): proportional control of the
-    per-sequence KL towards `target`, the error clipped to +-20%, the step scaled by the `n` samples seen
-    out of a `horizon`. `target` 0 keeps `beta` fixed."""
-    if not target:
-        return beta
-    error = min(max(kl / target - 1, -0.2), 0.2)
-    return beta * (1 + error * n / horizon)
 
 
 def ppo_losses(logp, old_logp, values, old_values, advantages, returns, response_mask, starts, *,
@@ -240,46 +317,60 @@ def ppo_losses(logp, old_logp, values, old_values, advantages, returns, response
     return masked_mean(pg, weights), masked_mean(vf, response_mask), stats
 
 
-# ---------------------------------------------------------------------------------------------
-# Derived settings and the metrics of one iteration
-# ---------------------------------------------------------------------------------------------
-
-def run_name(args):
-    """ppo_n<n>_fixed for fixed n-grams, else ppo_<termination> (the other terminations ignore --n)."""
-    return f"ppo_n{args.n}_fixed" if args.termination == "fixed" else f"ppo_{args.termination}"
-
-
-def resolve(args):
-    """Derived settings, in one place: default paths, and whether the task's score is running its code."""
-    harness.check_choices(args)
-    data.resolve_paths(args, run_name(args))
-    args.max_response_len = data.response_len(args.task, args.max_response_len)
-    code = args.task in data.CODE_TASKS       # score = running the program; critic from SFT (App. B.2)
-    args.critic_path = args.critic_path or (args.sft_path if code else args.rm_path)
-    if code and "segment" in (args.reward, args.termination):
-        sys.exit(f"error: --reward / --termination segment need a reward model; {args.task!r} runs its code")
-    if args.reward == "segment" and args.lora_r:
-        sys.exit("error: --reward segment scores held-out responses with the frozen SFT model's segments; "
-                 "it has none under --lora_r (the reference is the policy with its adapters off)")
-    if args.c_ent and args.reward != "segment" and args.termination != "segment":
-        sys.exit("error: --c_ent sets the segments of --termination segment, or those a sequence RM is read on "
-                 "under --reward segment (bandit as segment)")
-    if args.rm_norm and (code or args.reward != "rm"):
-        sys.exit(f"error: --rm_norm normalizes the reward model's score under --reward rm, not --reward {args.reward}"
-                 + (f" (task {args.task!r} runs its code)" if code else ""))
-    if args.kl_target < 0 or args.kl_horizon < 1:
-        sys.exit(f"error: --kl_target {args.kl_target} / --kl_horizon {args.kl_horizon}: a target >= 0 (0 = a fixed "
-                 "--beta) and a horizon of at least 1 sample")
-    if args.reward_clip < 0:
-        sys.exit(f"error: --reward_clip {args.reward_clip}: a bound (> 0) or 0 for none")
-    if args.reward == "gold" and args.task not in data.GOLD_JUDGES:
-        sys.exit(f"error: --reward gold needs a task with a gold judge ({', '.join(data.GOLD_JUDGES)}), not {args.task!r}")
-    return args, code
+def ppo_update(accelerators, policy, critic, optimizers, schedulers, batch, *, train_policy, reused, generator,
+               prompt_width, temperature, epochs, mini_batch_size, grad_accum, clip, value_clip, ratio, step, output_dir):
+    """6. PPO epochs over minibatches: the clipped policy and value losses, the policy and the critic each
+    stepping its own optimizer (`optimizers`, `schedulers`: the policy's and the critic's); value-only updates
+    while not `train_policy` (the critic warm-up). `batch`: the rollout's tensors by name, rows first;
+    `reused`: step 2's (logprobs, values) with their graphs (`fused_update`), or None: every minibatch runs
+    its own forwards. Returns the stats of every minibatch."""
+    (acc, critic_acc), (policy_opt, critic_opt), (policy_sched, critic_sched) = accelerators, optimizers, schedulers
+    policy.train()
+    critic.train()
+    stats, n_rows = [], len(batch["ids"])
+    # accumulation groups of `grad_accum` minibatches, the iteration's remainder a group of its own: the
+    # optimizers step at the end of every iteration, never on gradients of an older policy's rollout
+    n_minibatches = epochs * -(-n_rows // mini_batch_size)
+    j = 0
+    for _ in range(epochs):
+        order = torch.randperm(n_rows, generator=generator)
+        for k in range(0, n_rows, mini_batch_size):
+            mb = order[k:k + mini_batch_size]
+            b = {name: tensor[mb] for name, tensor in batch.items()}
+            group = min(grad_accum, n_minibatches - j // grad_accum * grad_accum)
+            if j % grad_accum == 0:
+                harness.start_accumulation(accelerators, group)
+            j += 1
+            with harness.accumulate(acc, policy, critic_acc, critic):
+                if reused is not None:      # the one minibatch: its rows of step 2's forwards, graphs and all
+                    logp, values = reused[0][mb], reused[1][mb]
+                else:
+                    logp, _ = response_logprobs(policy, b["ids"], b["attention_mask"], prompt_width, temperature)
+                    values = critic_values(critic, b["ids"], b["attention_mask"], prompt_width)
+                    harness.release_freed_memory(b["ids"].device)        # the forwards' temporaries
+                pg_loss, vf_loss, s = ppo_losses(logp, b["old_logp"], values, b["old_values"], b["advantages"],
+                                                 b["returns"], b["response_mask"], b["starts"], clip=clip,
+                                                 value_clip=value_clip, ratio=ratio)
+                harness.stop_unless_finite(acc, f"loss at iteration {step}", output_dir, pg_loss, vf_loss)
+                scale = grad_accum / group      # backward divides by grad_accum: a mean over the group
+                if train_policy:
+                    acc.backward(pg_loss * scale)       # the two graphs are disjoint: one backward per model
+                critic_acc.backward(vf_loss * scale)
+                if train_policy:
+                    policy_opt.step()
+                critic_opt.step()
+                policy_opt.zero_grad()
+                critic_opt.zero_grad()
+            stats.append({"loss/policy": pg_loss.detach(), "loss/value": vf_loss.detach(), **s})
+    if train_policy:        # the policy's warmup starts with it
+        policy_sched.step()
+    critic_sched.step()
+    return stats
 
 
 @dataclass
 class Iteration:
-    """The tensors of one iteration that its metrics read; B rollouts of R response tokens."""
+    """7. The tensors of one iteration that its metrics read; B rollouts of R response tokens."""
     score: torch.Tensor             # [B] the sequence score (RM, gold judge or execution)
     passed: torch.Tensor | None     # [B] 1.0 where every test passed (code tasks), else None
     token_rewards: torch.Tensor     # [B, R] per-token rewards: KL rewards and the score (macro_rewards)
@@ -293,12 +384,12 @@ class Iteration:
     has_eos: torch.Tensor           # [B] bool, the response ended with EOS
     parse_fallback: float           # share of rows whose parse fell back to n=1
     update_stats: list              # one dict of losses and ratio stats per minibatch
-    segment_stats: dict = field(default_factory=dict)      # --reward segment: segment counts and normalized rewards
+    score_stats: dict = field(default_factory=dict)      # the scorer's (--reward segment: segment counts, rewards)
 
 
 def iteration_metrics(it, score_name):
     """7. The metrics of one Iteration (masked: no padding in any average); the score is logged as
-    reward/<score_name> (rm, gold or exec)."""
+    reward/<score_name> (rm, gold, segment or exec)."""
     m, starts = it.response_mask, it.starts
     n_macro = starts.sum(-1).clamp(min=1).float()
     var_r = masked_mean((it.returns - masked_mean(it.returns, m)) ** 2, m)
@@ -314,92 +405,156 @@ def iteration_metrics(it, score_name):
             "q/l2_macro": (it.returns ** 2 * starts).sum(-1).sqrt().mean(),
             "macro/mean_len": (lengths / n_macro).mean(), "macro/parse_fallback": torch.tensor(it.parse_fallback),
             "response/len": lengths.mean(), "response/eos_rate": it.has_eos.float().mean(),
-            **{k: torch.stack([s[k] for s in it.update_stats]).mean() for k in it.update_stats[0]}, **it.segment_stats}
+            **{k: torch.stack([s[k] for s in it.update_stats]).mean() for k in it.update_stats[0]}, **it.score_stats}
+
+
+def adaptive_beta(beta, kl, target, n, horizon):
+    """7. The KL coefficient of the next iteration (Ziegler et al. 2019, §2.2): proportional control of the
+    per-sequence KL towards `target`, the error clipped to +-20%, the step scaled by the `n` samples seen
+    out of a `horizon`. `target` 0 keeps `beta` fixed."""
+    if not target:
+        return beta
+    error = min(max(kl / target - 1, -0.2), 0.2)
+    return beta * (1 + error * n / horizon)
 
 
 # ---------------------------------------------------------------------------------------------
-# Setup: the default models (built when missing), the four models of PPO, optimizers
+# Setup: derived settings, the four models of PPO, the scorer, optimizers
 # ---------------------------------------------------------------------------------------------
 
-def build_default(args, accelerator, code):
-    """Embedded tasks (chitchat, count, code) with no model at the default paths: run sft.py (and
-    reward_model.py, not for code: its score is running the program) once on the main process, reuse
-    them afterwards."""
-    env = {k: v for k, v in os.environ.items()
-           if not k.startswith(("ACCELERATE_", "RANK", "WORLD_SIZE", "LOCAL_", "MASTER_", "OMP_"))}
-    sft_args, rm_args = data.BUILD_ARGS.get(args.task, ("", ""))
-    stages = [(args.sft_path, "sft.py", ["--task", args.task, *(args.sft_args or sft_args).split()])]
-    if not code:
-        stages.append((args.rm_path, "reward_model.py", ["--task", args.task, "--sft_path", args.sft_path,
-                                                         *(args.rm_args or rm_args).split()]))
-    for path, script, extra in stages:
-        if accelerator.is_main_process and not os.path.exists(os.path.join(path, "config.json")):
-            if args.task not in data.EMBEDDED_TASKS:
-                sys.exit(f"error: no model at {path!r}; train it with {script} or pass its path")
-            accelerator.print(f"[ppo] {path} missing: running {script}")
-            subprocess.run([sys.executable, script, "--output_dir", path, *extra], check=True, env=env,
-                           cwd=os.path.dirname(os.path.abspath(__file__)))
-        accelerator.wait_for_everyone()
+def run_name(n, termination):
+    """ppo_n<n>_fixed for fixed n-grams, else ppo_<termination> (the other terminations ignore --n)."""
+    return f"ppo_n{n}_fixed" if termination == "fixed" else f"ppo_{termination}"
 
 
-def load_models(args, code, sharded=False):
+def resolve(args):
+    """Derived settings, in one place: default paths, and whether the task's score is running its code
+    (returned: `code_task`)."""
+    harness.check_choices(args)
+    data.resolve_paths(args, run_name(args.n, args.termination))
+    args.max_response_len = data.response_len(args.task, args.max_response_len)
+    code_task = args.task in data.CODE_TASKS       # score = running the program; critic from SFT (App. B.2)
+    args.critic_path = args.critic_path or (args.sft_path if code_task else args.rm_path)
+    if code_task and "segment" in (args.reward, args.termination):
+        sys.exit(f"error: --reward / --termination segment need a reward model; {args.task!r} runs its code")
+    if args.reward == "segment" and args.lora_r:
+        sys.exit("error: --reward segment scores held-out responses with the frozen SFT model's segments; "
+                 "it has none under --lora_r (the reference is the policy with its adapters off)")
+    if args.c_ent and args.reward != "segment" and args.termination != "segment":
+        sys.exit("error: --c_ent sets the segments of --termination segment, or those a sequence RM is read on "
+                 "under --reward segment (bandit as segment)")
+    if args.rm_norm and (code_task or args.reward != "rm"):
+        sys.exit(f"error: --rm_norm normalizes the reward model's score under --reward rm, not --reward {args.reward}"
+                 + (f" (task {args.task!r} runs its code)" if code_task else ""))
+    if args.kl_target < 0 or args.kl_horizon < 1:
+        sys.exit(f"error: --kl_target {args.kl_target} / --kl_horizon {args.kl_horizon}: a target >= 0 (0 = a fixed "
+                 "--beta) and a horizon of at least 1 sample")
+    if args.reward_clip < 0:
+        sys.exit(f"error: --reward_clip {args.reward_clip}: a bound (> 0) or 0 for none")
+    if args.reward == "gold" and args.task not in data.GOLD_JUDGES:
+        sys.exit(f"error: --reward gold needs a task with a gold judge ({', '.join(data.GOLD_JUDGES)}), not {args.task!r}")
+    return args, code_task
+
+
+def load_models(sft_path, rm_path, critic_path, *, code_task, bf16=False, lora=None, resume_dir=None,
+                gradient_checkpointing=False, sharded=False):
     """(tokenizer, policy, critic, frozen reference, frozen reward model or None): the policy and the
-    reference from the SFT model, the critic from --critic_path (App. B.2); on --resume the trained
-    two from the checkpoint. `sharded`: ZeRO-3 / FSDP will partition the trained models."""
+    reference from the SFT model, the critic from `critic_path` (App. B.2); `resume_dir`: the trained two
+    from its checkpoint. `lora`: (r, alpha, target modules) or None. `sharded`: ZeRO-3 / FSDP will partition
+    the trained models."""
     from transformers import AutoModelForCausalLM
-    dtype = torch.bfloat16 if args.bf16 else torch.float32
-    if args.resume:
-        harness.require_part(harness.checkpoint_part(args.output_dir, "policy"), "checkpoint to resume",
-                             "Run without --resume.")
-    part = (lambda name, default: harness.checkpoint_part(args.output_dir, name) if args.resume else default)
-    tokenizer = data.load_tokenizer(args.sft_path)
+    dtype = torch.bfloat16 if bf16 else torch.float32
+    if resume_dir:
+        harness.require_part(harness.checkpoint_part(resume_dir, "policy"), "checkpoint to resume", "Run without --resume.")
+    part = (lambda name, default: harness.checkpoint_part(resume_dir, name) if resume_dir else default)
+    tokenizer = data.load_tokenizer(sft_path)
     with harness.loading_whole():       # the frozen models are never handed to a ZeRO-3 engine
-        reward_model = None if code else rm.load_reward_model(args.rm_path, args.bf16)[0].eval().requires_grad_(False)
-    if args.lora_r:     # adapters on the SFT model and on the critic's init: two copies of the base weights in all
-        policy = AutoModelForCausalLM.from_pretrained(args.sft_path, dtype=dtype)
+        reward_model = None if code_task else rm.load_reward_model(rm_path, bf16)[0].eval().requires_grad_(False)
+    if lora:    # adapters on the SFT model and on the critic's init: two copies of the base weights in all
+        policy = AutoModelForCausalLM.from_pretrained(sft_path, dtype=dtype)
         # the reference is the policy with its adapters off; a critic initialised from the RM reads the RM's
         # own weights (a twin of it), unless the weights are sharded (ZeRO-3 / FSDP partition the critic's)
-        shared = reward_model is not None and not sharded and os.path.realpath(args.critic_path) == os.path.realpath(args.rm_path)
-        critic = harness.twin(reward_model) if shared else rm.load_reward_model(args.critic_path, args.bf16)[0]
-        lora = (args.lora_r, args.lora_alpha, args.lora_target_modules)
-        policy = harness.load_lora(policy, part("policy", "")) if args.resume else harness.with_lora(policy, *lora, "CAUSAL_LM")
-        critic = Critic(harness.load_lora(critic, part("critic", "")) if args.resume else
+        shared = reward_model is not None and not sharded and os.path.realpath(critic_path) == os.path.realpath(rm_path)
+        critic = harness.twin(reward_model) if shared else rm.load_reward_model(critic_path, bf16)[0]
+        policy = harness.load_lora(policy, part("policy", "")) if resume_dir else harness.with_lora(policy, *lora, "CAUSAL_LM")
+        critic = Critic(harness.load_lora(critic, part("critic", "")) if resume_dir else
                         harness.with_lora(critic, *lora, "SEQ_CLS"))      # SEQ_CLS: the score head trains too
     else:       # trained weights in fp32 (the master copy); --bf16 autocasts their forwards
-        policy = AutoModelForCausalLM.from_pretrained(part("policy", args.sft_path), dtype=torch.float32)
-        critic = Critic(rm.load_reward_model(part("critic", args.critic_path))[0])
+        policy = AutoModelForCausalLM.from_pretrained(part("policy", sft_path), dtype=torch.float32)
+        critic = Critic(rm.load_reward_model(part("critic", critic_path))[0])
     with harness.loading_whole():
-        ref = None if args.lora_r else AutoModelForCausalLM.from_pretrained(args.sft_path, dtype=dtype).eval().requires_grad_(False)
-    if args.gradient_checkpointing:
+        ref = None if lora else AutoModelForCausalLM.from_pretrained(sft_path, dtype=dtype).eval().requires_grad_(False)
+    if gradient_checkpointing:
         policy.gradient_checkpointing_enable()
         critic.model.gradient_checkpointing_enable()
     return tokenizer, policy, critic, ref, reward_model
 
 
-def score_normalizer(args, accelerator, reward_model, tokenizer, segmenter):
+def score_normalizer(accelerator, rm_path, reward_model, tokenizer, segmenter, *, task, chat_template,
+                     max_prompt_len, max_response_len):
     """--rm_norm: (mean, std) of the RM's score on its calibration pairs, from score_norm.json beside it;
     an RM without one (trained before reward_model.py wrote it) gets it fitted on the first 1024 pairs of the
     RM split, as reward_model.py does, and written there, once, by the main process."""
-    path = os.path.join(args.rm_path, rm.SCORE_FILE)
+    path = os.path.join(rm_path, rm.SCORE_FILE)
     if accelerator.is_main_process and not os.path.exists(path):
-        rows = data.with_chat_template(data.load_task(args.task, only=("rm",))["rm"][:1024], tokenizer, args.chat_template)
-        rm.write_json(path, rm.fit_score_normalizer(reward_model, tokenizer, rows, args.max_prompt_len,
-                                                    args.max_response_len, segmenter))
+        rows = data.with_chat_template(data.load_task(task, only=("rm",))["rm"][:1024], tokenizer, chat_template)
+        rm.write_json(path, rm.fit_score_normalizer(reward_model, tokenizer, rows, max_prompt_len, max_response_len,
+                                                    segmenter))
         accelerator.print(f"[ppo] --rm_norm: {path} missing: fitted on {len(rows)} RM-split pairs and written")
     accelerator.wait_for_everyone()
-    mean, std = rm.read_score_normalizer(args.rm_path)
+    mean, std = rm.read_score_normalizer(rm_path)
     accelerator.print(f"[ppo] --rm_norm: the RM's score as (r - {mean:.4g}) / {std:.4g}")
     return mean, std
 
 
-def optimizers(args, policy, critic):
-    """AdamW for the policy and for the critic, each with a linear warmup over --warmup_steps."""
+def optimizers(policy, critic, policy_lr, critic_lr, warmup_steps):
+    """AdamW for the policy and for the critic, and their schedules: a linear warmup over `warmup_steps`."""
     trained = (lambda model: [p for p in model.parameters() if p.requires_grad])     # all of them, or LoRA's
-    opts = {"policy_opt": torch.optim.AdamW(trained(policy), lr=args.policy_lr),
-            "critic_opt": torch.optim.AdamW(trained(critic), lr=args.critic_lr)}
-    warmup = (lambda step: min(1.0, (step + 1) / max(1, args.warmup_steps)))
-    return opts, {"policy_sched": torch.optim.lr_scheduler.LambdaLR(opts["policy_opt"], warmup),
-                  "critic_sched": torch.optim.lr_scheduler.LambdaLR(opts["critic_opt"], warmup)}
+    policy_opt = torch.optim.AdamW(trained(policy), lr=policy_lr)
+    critic_opt = torch.optim.AdamW(trained(critic), lr=critic_lr)
+    warmup = (lambda step: min(1.0, (step + 1) / max(1, warmup_steps)))
+    return (policy_opt, critic_opt), (torch.optim.lr_scheduler.LambdaLR(policy_opt, warmup),
+                                      torch.optim.lr_scheduler.LambdaLR(critic_opt, warmup))
+
+
+def setup(args, code_task, accelerators):
+    """The default models built if missing, the four models of PPO (the trained two prepared with their
+    optimizers), the scorer of step 2, the training and held-out rows, and the held-out segmenter of a
+    segment / token RM. Returns (tokenizer, (policy, critic, reference, reward model), (policy optimizer, critic
+    optimizer, policy schedule, critic schedule), scorer, (training rows, held-out rows, held-out segmenter))."""
+    acc, critic_acc = accelerators
+    log = acc.print
+    if args.top_k or args.top_p < 1:
+        log("[ppo] warning: --top_k / --top_p truncate the sampling distribution; the logprobs (temperature only) "
+            "do not: the first ratio is not 1 and the KL is off-policy")
+    harness.build_default(acc, args.task, args.sft_path, None if code_task else args.rm_path, args.sft_args, args.rm_args)
+    tokenizer, policy, critic, ref, reward_model = load_models(
+        args.sft_path, args.rm_path, args.critic_path, code_task=code_task, bf16=args.bf16,
+        lora=(args.lora_r, args.lora_alpha, args.lora_target_modules) if args.lora_r else None,
+        resume_dir=args.output_dir if args.resume else None, gradient_checkpointing=args.gradient_checkpointing,
+        sharded=harness.is_sharded(acc))
+    own = None if code_task else rm.read_segment_settings(args.rm_path)     # a segment / token RM's own settings
+    settings = segment_settings(own, args.rm_path, args.sft_path, reward=args.reward, termination=args.termination,
+                                c_ent=args.c_ent, seg_norm=args.seg_norm, lora_r=args.lora_r, log=log)
+    segmenter = rm.segmenter(own, ref, tokenizer.eos_token_id)      # the held-out score: the RM's own e(x, y)
+    splits = data.load_task(args.task, only=("ppo", "test"))
+    rows = data.with_chat_template(data.first_row_per_prompt(splits["ppo"]), tokenizer, args.chat_template)
+    eval_rows = data.with_chat_template(data.first_row_per_prompt(splits["test"])[:args.n_eval_prompts], tokenizer,
+                                        args.chat_template)                # code rows carry their tests
+    log(f"[ppo] {len(rows)} training prompts, {len(eval_rows)} held-out prompts, {acc.num_processes} process(es)")
+    opts, scheds = optimizers(policy, critic, args.policy_lr, args.critic_lr, args.warmup_steps)
+    policy, policy_opt, critic, critic_opt = harness.prepare_pair(acc, critic_acc, policy, opts[0], critic, opts[1])
+    for frozen_model in (ref, reward_model):
+        if frozen_model is not None:
+            frozen_model.to(acc.device)
+    score_norm = score_normalizer(acc, args.rm_path, reward_model, tokenizer, segmenter, task=args.task,
+                                  chat_template=args.chat_template, max_prompt_len=args.max_prompt_len,
+                                  max_response_len=args.max_response_len) if args.rm_norm else None
+    scorer = Scorer("exec" if code_task else args.reward, tokenizer, task=args.task, reward_model=reward_model,
+                    segment_settings=settings, segment_rm=own is not None, seg_norm=args.seg_norm,
+                    seg_interp=args.seg_interp, score_norm=score_norm)
+    return (tokenizer, (policy, critic, ref, reward_model), (policy_opt, critic_opt, *scheds), scorer,
+            (rows, eval_rows, segmenter))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -407,81 +562,27 @@ def optimizers(args, policy, critic):
 # ---------------------------------------------------------------------------------------------
 
 def main(args):
-    args, code = resolve(args)
+    args, code_task = resolve(args)
     acc, critic_acc = harness.make_accelerators(args.bf16, args.grad_accum, args.mini_batch_size, project_dir=args.output_dir,
                                                 log_with=None if args.report_to == "none" else args.report_to)
     harness.start("ppo", args, acc, final=os.path.join("policy", "config.json"))
-    log = acc.print
-    if args.top_k or args.top_p < 1:
-        log("[ppo] warning: --top_k / --top_p truncate the sampling distribution; the logprobs (temperature only) "
-            "do not: the first ratio is not 1 and the KL is off-policy")
-    build_default(args, acc, code)
-    tokenizer, policy, critic, ref, reward_model = load_models(args, code, harness.is_sharded(acc))
-    own = None if code else rm.read_segment_settings(args.rm_path)     # a segment / token RM's own settings
-    segment_rm_as_bandit = args.reward == "rm" and own is not None     # scored with e(x, y), as evaluate.py does
-    if own is not None and args.lora_r:
-        sys.exit(f"error: --lora_r: {args.rm_path} is a {own.get('unit')} RM, scored with e(x, y) on the frozen SFT "
-                 "model's segments; under --lora_r there is none (the reference is the policy with its adapters off)")
-    segments = (rm.load_segment_settings(args) if "segment" in (args.reward, args.termination) or segment_rm_as_bandit
-                else None)
-    if segment_rm_as_bandit:    # its head at EOS never trained (zero gradient there): Yin et al. 2025's segment as bandit
-        log(f"[ppo] --reward rm: {args.rm_path} is a {own['unit']} RM; its score is e(x, y), the mean of its segment "
-            f"rewards on the SFT model's segments (as in its training and in evaluate.py), one reward at the last token")
-    trained_on = (segments or {}).get("sft_path")
-    if trained_on and os.path.realpath(trained_on) != os.path.realpath(args.sft_path):
-        log(f"[ppo] warning: the segment RM's segments come from the SFT model {trained_on}, this run's is "
-            f"{args.sft_path}: its entropies, and so its segments, may differ from the RM's training")
-    scorer = rm.segment_scorer(own, ref, tokenizer.eos_token_id)      # the held-out score: the RM's own
-    seg_interp = "bandit" if segment_rm_as_bandit else args.seg_interp
-    score_name = "exec" if code else args.reward          # reward/<score_name> in the metrics
-    splits = data.load_task(args.task, only=("ppo", "test"))
-    problems = data.with_chat_template(data.first_row_per_prompt(splits["ppo"]), tokenizer, args.chat_template)
-    eval_rows = data.with_chat_template(data.first_row_per_prompt(splits["test"])[:args.n_eval_prompts], tokenizer,
-                                        args.chat_template)                # code rows carry their tests
-    prompts = [r["prompt"] for r in problems]
-    world, rank = acc.num_processes, acc.process_index
-    log(f"[ppo] {len(prompts)} training prompts, {len(eval_rows)} held-out prompts, {world} process(es)")
-    opts, scheds = optimizers(args, policy, critic)
-    policy, opts["policy_opt"], critic, opts["critic_opt"] = harness.prepare_pair(
-        acc, critic_acc, policy, opts["policy_opt"], critic, opts["critic_opt"])
-    sharded = harness.is_sharded(acc)   # ZeRO-3 / FSDP: every rank runs every forward, generate included
-    for frozen in (ref, reward_model):
-        if frozen is not None:
-            frozen.to(acc.device)
-    score_norm = score_normalizer(args, acc, reward_model, tokenizer, scorer) if args.rm_norm else None
+    log, world, rank = acc.print, acc.num_processes, acc.process_index
+    tokenizer, (policy, critic, ref, reward_model), (policy_opt, critic_opt, policy_sched, critic_sched), scorer, \
+        (rows, eval_rows, segmenter) = setup(args, code_task, (acc, critic_acc))
+    optimizers = {"policy_opt": policy_opt, "critic_opt": critic_opt}      # by their names in a checkpoint
+    schedulers = {"policy_sched": policy_sched, "critic_sched": critic_sched}
     generator = torch.Generator().manual_seed(args.seed)       # minibatch order, randomized n-grams
-    start, truncated, beta = 0, 0, args.beta
-    if args.resume:
-        # optimizer states are per-rank shards under ZeRO/FSDP: restored from each rank's file under ZeRO
-        state = harness.load_checkpoint(args.output_dir, opts, scheds, log, rank, world)
-        start, truncated, beta = state["step"], state["truncated"], state.get("beta", args.beta)
+    first_step, truncated, beta = 0, 0, args.beta
+    if args.resume:     # optimizer states are per-rank shards under ZeRO: each rank restores its own
+        state = harness.load_checkpoint(args.output_dir, optimizers, schedulers, log, rank, world)
+        first_step, truncated, beta = state["step"], state["truncated"], state.get("beta", args.beta)
         generator.set_state(state["generator"])
-        log(f"[ppo] resumed at iteration {start}")
-    if args.report_to != "none":
-        acc.init_trackers("ma-rlhf", config=asdict(args))
-    metrics_path = os.path.join(args.output_dir, "metrics.jsonl")
-    if acc.is_main_process:
-        os.makedirs(args.output_dir, exist_ok=True)
-        resumed = args.resume and os.path.exists(metrics_path)
-        kept = [line for line in open(metrics_path) if json.loads(line)["step"] <= start] if resumed else []
-        with open(metrics_path, "w") as f:          # drop iterations the checkpoint does not hold
-            f.writelines(kept)
-
-    def save(step):
-        weights = harness.whole_state_dicts({"policy": (acc, policy), "critic": (critic_acc, critic)}) if sharded else None
-        rng = harness.rng_states(acc)                       # collective: every rank's own random numbers
-        shards = harness.save_optimizer_shards(acc, args.output_dir, opts) if sharded else None    # ZeRO: per rank
-        if acc.is_main_process:
-            harness.save_checkpoint(args.output_dir, {"policy": harness.unwrap(acc, policy),
-                                                      "critic": harness.unwrap(critic_acc, critic).model}, tokenizer,
-                                    step, args, {} if sharded else opts, scheds, weights, shards,
-                                    truncated=truncated, generator=generator.get_state(), beta=beta, rng_ranks=rng)
-        acc.wait_for_everyone()
-
-    sft_replies = {}        # the SFT model's diversity on the held-out prompts, measured at the first evaluation
+        log(f"[ppo] resumed at iteration {first_step}")
+    run_log = harness.RunLog(acc, args.output_dir, first_step, args.report_to, asdict(args))
+    prompts, sft_replies = [r["prompt"] for r in rows], {}     # sft_replies: the SFT model's diversity, measured once
     from tqdm.auto import tqdm
-    bar = tqdm(range(start, args.steps), desc=run_name(args), disable=not acc.is_local_main_process)
-    with harness.GracefulStop(acc, "ppo", "iteration", harness.checkpoint_dir(args.output_dir), start) as stop:
+    bar = tqdm(range(first_step, args.steps), desc=run_name(args.n, args.termination), disable=not acc.is_local_main_process)
+    with harness.GracefulStop(acc, "ppo", "iteration", harness.checkpoint_dir(args.output_dir), first_step) as stop:
         for step in bar:
             clock = harness.Stopwatch()
             # 1. Rollout: sample responses to this rank's prompts; logprobs under the sampling distribution
@@ -497,51 +598,33 @@ def main(args):
             P = p_ids.shape[1]
             ids, attention_mask = torch.cat([p_ids, r_ids], 1), torch.cat([p_mask, r_mask], 1)    # [B, P + R]
             response_mask = r_mask.float()                                                        # [B, R]
-            # 2. Score: old and reference logprobs, values V(s_t), the sequence score
-            fused = fused_update(args, acc, len(idx), policy, critic)   # the graphs kept for the update
-            if fused:
-                policy.train()      # as in the update: gradient checkpointing acts in train mode only
-            with torch.set_grad_enabled(fused):
-                new_logp, entropy = response_logprobs(policy, ids, attention_mask, P, args.temperature, with_entropy=True)
-                new_values = critic_values(critic, ids, attention_mask, P)
-            old_logp, old_values = new_logp.detach(), new_values.detach() * response_mask
-            policy.eval()
+            # 2. Score: the policy's logprobs and the critic's values V(s_t) (with their graphs when the update
+            # reuses these forwards), the reference logprobs, the sequence score
+            reuse = fused_update(acc, policy, critic, len(idx), args.mini_batch_size, args.ppo_epochs, args.grad_accum)
+            logp, entropy, values = policy_and_critic_forwards(policy, critic, ids, attention_mask, P, args.temperature,
+                                                               keep_graphs=reuse)
+            old_logp, old_values = logp.detach(), values.detach() * response_mask
             with torch.no_grad():
                 ref_logp, sft_entropy = reference_logprobs(ref, acc, policy, ids, attention_mask, P, args.temperature,
-                                                           t1_entropy=segments is not None)
-                seg_starts, inside = rm.rollout_segments(segments, r_ids, r_mask, tokenizer.eos_token_id, sft_entropy)
-                dense, seg_stats, passed = None, {}, None
-                if score_name in ("exec", "gold"):      # scores of the decoded text
-                    texts = tokenizer.batch_decode(r_ids, skip_special_tokens=True)
-                if code:    # App. B.5: the compiler / test signal of running prefix + response
-                    score, passed = map(torch.tensor, sandbox.execution_reward([problems[i] for i in idx], texts))
-                    score = score.to(acc.device)
-                elif score_name == "gold":     # a verifiable reward: the gold judge reads the whole response
-                    score = torch.tensor(data.gold(args.task, data.judged_prompts([problems[i] for i in idx]), texts),
-                                         device=acc.device)
-                elif score_name == "segment" or segment_rm_as_bandit:   # the head at each segment's end; e, their mean
-                    values = rm.token_values(reward_model, ids, attention_mask)[:, P:]
-                    dense, score, seg_stats = rm.segment_rewards(values, seg_starts, inside, segments, args.seg_norm, seg_interp)
-                else:       # the RM's head at the last real token
-                    score = rm.last_token(rm.token_values(reward_model, ids, attention_mask), attention_mask)
-                if score_norm is not None:      # Yin et al. 2025, §2.1: the RM's score over its calibration mean and std
-                    score = (score - score_norm[0]) / score_norm[1]
+                                                           t1_entropy=scorer.segment_settings is not None)
+                seg_starts, inside = scorer.segments(r_ids, r_mask, sft_entropy)
+                score, dense, passed, score_stats = scorer(ids, attention_mask, P, [rows[i] for i in idx], seg_starts,
+                                                           inside)
+            harness.release_freed_memory(acc.device)      # the forwards' temporaries
+            # 3. Rewards (§2): r_t = -beta * KL_t per token; the score, a missing EOS penalized, at the last token (step 5)
             has_eos = ((r_ids == tokenizer.eos_token_id) & response_mask.bool()).any(-1)
             penalty = args.missing_eos_penalty * (~has_eos).float()
             score = score + penalty
-            # 3. Rewards (§2): r_t = -beta * KL_t per token, the score added at the last token (in step 5)
             log_r = old_logp - ref_logp
             kl = log_r if args.kl_estimator == "k1" else (torch.exp(-log_r) - 1) + log_r    # k1 or k3
             kl_rewards = -beta * kl * response_mask
-            if not harness.all_finite(acc, kl_rewards, score):     # on any process: every one stops
-                raise FloatingPointError(f"non-finite reward at iteration {step}; last good checkpoint in "
-                                         f"{harness.checkpoint_dir(args.output_dir)}")
+            harness.stop_unless_finite(acc, f"reward at iteration {step}", args.output_dir, kl_rewards, score)
             clock.lap("forward")
             # 4. Macro actions (§3.2.1): which response tokens begin one
             starts, fallback = macro_starts(args.termination, r_ids, response_mask, n=args.n, logprobs=old_logp,
                                             entropy=entropy, entropy_threshold=args.entropy_threshold,
                                             tokenizer=tokenizer, cutoff=args.cutoff, generator=generator,
-                                            language="python" if code else "text", segments=seg_starts)
+                                            language="python" if code_task else "text", segment_starts=seg_starts)
             if args.reward_agg == "released":    # the released code: the final token a macro action of its own
                 starts = ma.final_token_apart(starts, response_mask)
             # 5. Advantages (§3.3, Eq. 4-5): macro rewards R_tau, sigma-weighted macro values, macro GAE
@@ -553,112 +636,45 @@ def main(args):
             if args.whiten_advantages:
                 advantages = masked_whiten(advantages, response_mask)
             clock.lap("macro")
-            # 6. PPO update: epochs over minibatches, the policy and the critic each with its optimizer
-            frozen = ("policy_opt", "policy_sched") if step < args.critic_warmup else ()    # value-only updates
-            policy.train()
-            critic.train()
-            stats = []
-            # accumulation groups of --grad_accum minibatches, the iteration's remainder a group of its own: the
-            # optimizers step at the end of every iteration, never on gradients of an older policy's rollout
-            n_minibatches = args.ppo_epochs * -(-len(idx) // args.mini_batch_size)
-            j = 0
-            for _ in range(args.ppo_epochs):
-                order = torch.randperm(len(idx), generator=generator)
-                for k in range(0, len(idx), args.mini_batch_size):
-                    mb = order[k:k + args.mini_batch_size]
-                    group = min(args.grad_accum, n_minibatches - j // args.grad_accum * args.grad_accum)
-                    if j % args.grad_accum == 0:
-                        harness.start_accumulation((acc, critic_acc), group)
-                    j += 1
-                    with harness.accumulate(acc, policy, critic_acc, critic):
-                        if fused:       # the rows of step 2's forwards, in the minibatch's order
-                            logp, values = new_logp[mb], new_values[mb]
-                        else:
-                            logp, _ = response_logprobs(policy, ids[mb], attention_mask[mb], P, args.temperature)
-                            values = critic_values(critic, ids[mb], attention_mask[mb], P)
-                        pg_loss, vf_loss, s = ppo_losses(logp, old_logp[mb], values, old_values[mb], advantages[mb],
-                                                         returns[mb], response_mask[mb], starts[mb], clip=args.clip,
-                                                         value_clip=args.value_clip, ratio=args.ratio)
-                        if not harness.all_finite(acc, pg_loss, vf_loss):
-                            raise FloatingPointError(f"non-finite loss at iteration {step}; last good checkpoint "
-                                                     f"in {harness.checkpoint_dir(args.output_dir)}")
-                        scale = args.grad_accum / group     # backward divides by --grad_accum: a mean over the group
-                        if not frozen:
-                            acc.backward(pg_loss * scale)      # the two graphs are disjoint: one backward per model
-                        critic_acc.backward(vf_loss * scale)
-                        for opt in [o for k, o in opts.items() if k not in frozen]:
-                            opt.step()
-                        for opt in opts.values():
-                            opt.zero_grad()
-                    stats.append({"loss/policy": pg_loss.detach(), "loss/value": vf_loss.detach(), **s})
-            new_logp = new_values = None        # step 2's graphs (if fused) not kept into the next rollout
+            # 6. PPO update: epochs over minibatches; value-only while the critic warms up
+            batch = {"ids": ids, "attention_mask": attention_mask, "old_logp": old_logp, "old_values": old_values,
+                     "advantages": advantages, "returns": returns, "response_mask": response_mask, "starts": starts}
+            stats = ppo_update((acc, critic_acc), policy, critic, (policy_opt, critic_opt), (policy_sched, critic_sched), batch,
+                               train_policy=step >= args.critic_warmup, reused=(logp, values) if reuse else None,
+                               generator=generator, prompt_width=P, temperature=args.temperature,
+                               epochs=args.ppo_epochs, mini_batch_size=args.mini_batch_size, grad_accum=args.grad_accum,
+                               clip=args.clip, value_clip=args.value_clip, ratio=args.ratio, step=step,
+                               output_dir=args.output_dir)
+            logp = values = None        # step 2's graphs (if reused) not kept into the next rollout
             harness.release_freed_memory(acc.device)
-            for sched in [s for k, s in scheds.items() if k not in frozen]:   # the policy's warmup starts with it
-                sched.step()
             clock.lap("update")
-            # 7. Log (averaged over processes), evaluate on held-out prompts, checkpoint
-            local = iteration_metrics(Iteration(score, passed, token_rewards, kl, entropy, response_mask, starts,
-                                                old_values, raw_adv, returns, has_eos, fallback, stats, seg_stats), score_name)
-            keys = sorted(local)
-            reduced = acc.reduce(torch.stack([local[k].float().to(acc.device) for k in keys]), "mean")
-            metrics = {k: round(v, 5) for k, v in zip(keys, reduced.tolist())}
-            metrics.update({"step": step + 1, "beta": beta, "time/step": round(clock.total(), 3), "prompts/truncated": truncated,
-                            **{f"time/{k}": round(v, 4 if k == "macro" else 3) for k, v in clock.laps.items()},
-                            "tokens_per_s": round(float(response_mask.sum()) * world / clock.total(), 1),
-                            **({"memory/peak_gb": round(torch.cuda.max_memory_allocated() / 2 ** 30, 2)}
-                               if torch.cuda.is_available() else {})})
+            # 7. Log (means over every process), evaluate on held-out prompts, checkpoint
+            means = harness.mean_over_processes(acc, iteration_metrics(Iteration(
+                score, passed, token_rewards, kl, entropy, response_mask, starts, old_values, raw_adv, returns, has_eos,
+                fallback, stats, score_stats), scorer.name))
+            metrics = {**harness.rounded(means), "step": step + 1, "beta": beta, "prompts/truncated": truncated,
+                       **clock.metrics(float(response_mask.sum()) * world)}
             if (step + 1) % args.eval_every == 0 or step + 1 == args.steps:
-                evaluate_now(args, metrics, accelerator=acc, policy=policy, reward_model=reward_model,
-                             tokenizer=tokenizer, eval_rows=eval_rows, segmenter=scorer, sft=(ref, sft_replies))
-            if acc.is_main_process:
-                with open(metrics_path, "a") as f:
-                    f.write(json.dumps(metrics) + "\n")
-            if args.report_to != "none":
-                acc.log(metrics, step=step + 1)
-            bar.set_postfix(score=f"{metrics[f'reward/{score_name}']:.2f}", kl=f"{metrics['kl']:.2f}")
+                evaluate.during_training(args, metrics, accelerator=acc, policy=policy, reward_model=reward_model,
+                                         tokenizer=tokenizer, eval_rows=eval_rows, segmenter=segmenter,
+                                         sft=(ref, sft_replies))
+            run_log.write(metrics)
+            bar.set_postfix(score=f"{metrics[f'reward/{scorer.name}']:.2f}", kl=f"{metrics['kl']:.2f}")
             # the next iteration's KL coefficient, from this batch's KL over every process (the same on every rank)
-            beta = adaptive_beta(beta, reduced[keys.index("kl")].item(), args.kl_target, len(idx) * world, args.kl_horizon)
-            stop.end_of_step(step + 1, args.steps, args.save_every, save)
-    finish(args, truncated, accelerators=(acc, critic_acc), policy=policy, critic=critic, reward_model=reward_model,
-           tokenizer=tokenizer, eval_rows=eval_rows, beta=beta)
+            beta = adaptive_beta(beta, means["kl"], args.kl_target, len(idx) * world, args.kl_horizon)
+            stop.end_of_step(step + 1, args.steps, args.save_every, lambda done: harness.save_training(
+                acc, args.output_dir, done, args, tokenizer, {"policy": (acc, policy), "critic": (critic_acc, critic)},
+                optimizers, schedulers, truncated=truncated, generator=generator.get_state(), beta=beta))
+    finish(args, truncated, beta, accelerators=(acc, critic_acc), policy=policy, critic=critic,
+           reward_model=reward_model, tokenizer=tokenizer, eval_rows=eval_rows, run_log=run_log)
 
 
-def evaluate_now(args, metrics, *, accelerator, policy, reward_model, tokenizer, eval_rows, segmenter=None, sft=(None, None)):
-    """7. Held-out score (and gold score / pass rate), gold_strict and the replies' diversity of the current
-    policy into `metrics`, beside the SFT model's diversity; a log line, and a warning when the replies are
-    degenerate. `sft`: (the frozen SFT model or None under LoRA, a dict that keeps its diversity once measured)."""
-    acc, sharded, code = accelerator, harness.is_sharded(accelerator), args.task in data.CODE_TASKS
-    if acc.is_main_process or sharded:               # sharded weights: every rank takes part
-        with harness.generation_model(acc, policy, args.gather_for_generation) as (model, synced):
-            texts, scores, second = evaluate.held_out(model.eval(), reward_model, tokenizer, eval_rows, args, args.seed,
-                                                      synced, segmenter)
-    if acc.is_main_process:
-        key, second_key = ("exec", "pass@1") if code else ("rm", "gold")
-        metrics[f"eval/{key}"] = round(scores.mean().item(), 4)
-        if second is not None:
-            metrics[f"eval/{second_key}"] = round(second.mean().item(), 4)
-        (ref, sft_replies), replies = sft, evaluate.reply_metrics(args.task, eval_rows, texts)
-        if not sft_replies:     # once a run, from the same prompts and seed; its own RNG (the run's is untouched)
-            sft_replies.update(evaluate.sft_replies(ref, args, tokenizer, eval_rows, acc.device))
-        metrics.update({f"eval/{k}": round(v, 4) for k, v in replies.items()})
-        metrics.update({f"eval/sft_{k}": round(sft_replies[k], 4) for k in ("distinct_1", "distinct_2", "repetition")})
-        acc.print(f"[ppo] iteration {metrics['step']}: " + "  ".join(f"{k} {metrics[k]}" for k in (
-            f"reward/{'exec' if code else args.reward}", "kl", f"eval/{key}", f"eval/{second_key}", "eval/gold_strict",
-            "eval/distinct_2", "macro/mean_len") if k in metrics))
-        verdict = evaluate.degeneracy(replies, sft_replies, args.task)
-        if verdict:
-            acc.print(f"[ppo] warning: {verdict}. A larger --beta (or a --kl_target) keeps the policy nearer the "
-                      "SFT model; read eval/gold_strict beside eval/gold")
-    acc.wait_for_everyone()
-
-
-def finish(args, truncated, *, accelerators, policy, critic, reward_model, tokenizer, eval_rows, beta):
+def finish(args, truncated, beta, *, accelerators, policy, critic, reward_model, tokenizer, eval_rows, run_log):
     """After the last iteration: warnings, the rank-sync check, the final policy, the report.
-    `truncated`: prompts of this process that lost their beginning; `accelerators`: (policy's, critic's);
-    `beta`: the KL coefficient the controller ended with."""
+    `truncated`: prompts of this process that lost their beginning; `beta`: the KL coefficient the
+    controller ended with; `accelerators`: (policy's, critic's)."""
     from transformers import AutoModelForCausalLM
     (acc, critic_acc), sharded = accelerators, harness.is_sharded(accelerators[0])
-    metrics_path = os.path.join(args.output_dir, "metrics.jsonl")
     if truncated:
         acc.print(f"[ppo] warning: {truncated} prompts (this process) were longer than {args.max_prompt_len} "
                   f"tokens and lost their beginning")
@@ -677,12 +693,11 @@ def finish(args, truncated, *, accelerators, policy, critic, reward_model, token
         with harness.loading_whole():
             policy = AutoModelForCausalLM.from_pretrained(final, dtype=dtype).to(acc.device).eval()
             sft_model = AutoModelForCausalLM.from_pretrained(args.sft_path, dtype=dtype).to(acc.device).eval()
-        scorer = rm.segment_scorer(None if args.task in data.CODE_TASKS else rm.read_segment_settings(args.rm_path),
-                                   sft_model, tokenizer.eos_token_id)
-        evaluate.final_report(args, policy, sft_model, reward_model, tokenizer, eval_rows, metrics_path, scorer)
+        segmenter = rm.segmenter(None if args.task in data.CODE_TASKS else rm.read_segment_settings(args.rm_path),
+                                 sft_model, tokenizer.eos_token_id)
+        evaluate.final_report(args, policy, sft_model, reward_model, tokenizer, eval_rows, run_log.path, segmenter)
     acc.wait_for_everyone()
-    if args.report_to != "none":
-        acc.end_training()
+    run_log.close()
 
 
 if __name__ == "__main__":

@@ -115,12 +115,17 @@ def segment_evaluation(values, ends):
     return (values * ends).sum(-1) / ends.sum(-1).clamp(min=1)
 
 
-def next_token_entropy(logits):
-    """Entropy (nats) of softmax(logits) over the last dimension; logits at temperature 1 give the
-    entropy that segments a response. A token of probability 0 (a logit of -inf) adds 0, not 0 * -inf = NaN."""
-    logp = logits.log_softmax(-1)
+def entropy(logp):
+    """Entropy (nats) of the distributions whose log-probabilities are `logp` (last dimension). A token of
+    probability 0 (a logit of -inf) adds 0, not 0 * -inf = NaN."""
     p = logp.exp()
     return -(p * logp.masked_fill(p == 0, 0.0)).sum(-1)
+
+
+def next_token_entropy(logits):
+    """Entropy (nats) of softmax(logits) over the last dimension; logits at temperature 1 give the
+    entropy that segments a response."""
+    return entropy(logits.log_softmax(-1))
 
 
 def segment_starts(response_ids, response_mask, unit, c_ent, eos_token_id, entropy=None):
@@ -328,7 +333,7 @@ def calibrate(model, batches, args):
 
 
 # ---------------------------------------------------------------------------------------------
-# Scoring with a segment / token RM in PPO: its settings, the rollout's segments, dense rewards
+# Scoring with a segment / token RM: its settings, a rollout's segments, dense rewards
 # ---------------------------------------------------------------------------------------------
 
 def rollout_segments(settings, response_ids, response_mask, eos_token_id, sft_entropy):
@@ -356,9 +361,9 @@ def segment_rewards(values, starts, inside, settings, how="regression", interp="
     return dense, segment_evaluation(values, ends), stats
 
 
-def segment_scorer(settings, sft, eos_token_id):
-    """The held-out score of a segment / token RM is e(x, y) on the segments of the SFT model `sft`
-    (`reward_model.segment_layout`, as in its training); None for a sequence RM."""
+def segmenter(settings, sft, eos_token_id):
+    """What `score` needs to score e(x, y) with a segment / token RM (`settings`, its own): the segments of the
+    SFT model `sft` (`segment_layout`, as in its training); None for a sequence RM (settings None)."""
     if settings is None:
         return None
     return functools.partial(segment_layout, sft, unit=settings["unit"], c_ent=settings.get("c_ent"),
@@ -410,21 +415,10 @@ def read_segment_settings(rm_path):
     return json.load(open(path)) if os.path.exists(path) else None
 
 
-def load_segment_settings(args):
-    """The segment / token RM's settings (`reward_model.SEGMENT_FILE` beside its weights) that
-    ppo.py's --reward segment and --termination segment read (and --reward rm on such an RM); a clear exit
-    when they are missing or unusable. ppo.py's --c_ent needs no file: segments for --termination segment
-    under another reward, or the segments a sequence RM is read on under --reward segment (Yin et al. 2025,
-    Table 1's bandit as segment: no normalizer, so --seg_norm none)."""
-    path = os.path.join(args.rm_path, SEGMENT_FILE)
-    if getattr(args, "c_ent", 0):
-        if os.path.exists(path) and args.reward in ("segment", "rm"):
-            sys.exit(f"error: --c_ent: {args.rm_path} is a segment / token RM ({path}), read on its own segments "
-                     f"under --reward {args.reward}; drop --c_ent")
-        if args.reward == "segment" and args.seg_norm != "none":
-            sys.exit(f"error: --seg_norm {args.seg_norm}: a sequence RM read at segment ends (--reward segment "
-                     f"--c_ent) has no segment normalizer; pass --seg_norm none")
-        return {"unit": "segment", "c_ent": args.c_ent}
+def checked_segment_settings(rm_path, seg_norm="regression"):
+    """The settings a segment / token RM saved beside its weights (`SEGMENT_FILE`), checked before any rollout:
+    a clear exit, naming the file and field, when they are missing or unusable (its normalizer with `seg_norm`)."""
+    path = os.path.join(rm_path, SEGMENT_FILE)
     if not os.path.exists(path):
         sys.exit(f"error: --reward segment / --termination segment need a segment or token RM: no {path} "
                  f"(train one with reward_model.py --unit segment; or read a sequence RM at the segment ends of "
@@ -436,7 +430,7 @@ def load_segment_settings(args):
     if unit == "segment" and (not isinstance(c_ent, (int, float)) or isinstance(c_ent, bool)):
         sys.exit(f"error: {path}: field 'c_ent' is {c_ent!r}, expected a number")
     try:                                                     # fail here, not at the first rollout
-        normalize_segment_rewards(torch.ones(1), torch.ones(1), settings.get("normalizer"), args.seg_norm)
+        normalize_segment_rewards(torch.ones(1), torch.ones(1), settings.get("normalizer"), seg_norm)
     except ValueError as e:
         sys.exit(f"error: {path}: field 'normalizer': {e}")
     return settings

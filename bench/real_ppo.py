@@ -76,7 +76,7 @@ def ours(cli):
             self.cpu_laps[name], self.cpu_last = now - self.cpu_last, now
 
     harness.Stopwatch = Both
-    ppo.evaluate_now = lambda *a, **k: None          # the loop only: no held-out evaluation,
+    ppo.evaluate.during_training = lambda *a, **k: None     # the loop only: no held-out evaluation,
     ppo.finish = lambda *a, **k: None                # no final report
     out = os.path.join(cli.tmp, "ours")
     args = ppo.PPOArgs(task=cli.task, sft_path=cli.sft_path, rm_path=cli.rm_path, output_dir=out, n=1, steps=cli.steps,

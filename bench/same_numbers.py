@@ -3,9 +3,11 @@ same tiny models, seed and flags, must write the same metrics.jsonl values (timi
 
     python bench/same_numbers.py                     # against HEAD
     python bench/same_numbers.py --rev 1a30cd8 --steps 4 --flags "--n 5 --termination ppl"
+    python bench/same_numbers.py --segment_rm --flags "--reward segment"      # a segment RM's rewards
 
 Use it for any change that should not change training (refactors, renames, moving code). It builds a
-random tiny SFT model and RM once (tests/conftest.py's recipe), checks out --rev into a temporary git
+random tiny SFT model and RM once (tests/conftest.py's recipe; `--segment_rm`: the RM with a segment_reward.json,
+tests/test_segments.py's recipe), checks out --rev into a temporary git
 worktree, runs both ppo.py's as subprocesses and prints every value that differs; exit 1 if any does.
 """
 import argparse
@@ -38,6 +40,29 @@ def tiny_models(root):
     return os.path.join(root, "sft"), os.path.join(root, "rm")
 
 
+def segment_rm(sft_path, rm_path):
+    """The tiny RM made a segment RM: c_ent at the SFT model's median next-token entropy over a few texts, a location
+    normalizer fitted on its segment rewards there, saved beside it as reward_model.py --unit segment saves them."""
+    import json
+    import torch
+    from transformers import AutoModelForCausalLM
+    from conftest import SAMPLE_TEXT
+    import data
+    import reward_model as rm
+    tokenizer = data.load_tokenizer(sft_path)
+    sft_model = AutoModelForCausalLM.from_pretrained(sft_path).eval()
+    batch = data.collate(tokenizer, [t[:20] for t in SAMPLE_TEXT], [t[20:] for t in SAMPLE_TEXT], 24, 24)
+    P, ids, mask = batch["prompt_width"], batch["input_ids"], batch["attention_mask"]
+    with torch.no_grad():
+        logits = sft_model(input_ids=ids, attention_mask=mask, position_ids=batch["position_ids"]).logits
+        c_ent = rm.next_token_entropy(logits[:, P - 1:-1].float())[mask[:, P:].bool()].median().item()
+        ends, p = rm.segment_layout(sft_model, batch, "segment", c_ent, tokenizer.eos_token_id)
+        values = rm.token_values(rm.load_reward_model(rm_path)[0].eval(), ids, mask)
+    settings = {"unit": "segment", "c_ent": c_ent, "normalizer": rm.fit_location_normalizer(p[ends], values[ends])}
+    with open(os.path.join(rm_path, rm.SEGMENT_FILE), "w") as f:
+        json.dump(settings, f)
+
+
 def run(code_dir, out, sft_path, rm_path, args):
     cmd = [sys.executable, "ppo.py", "--sft_path", sft_path, "--rm_path", rm_path, "--output_dir", out,
            "--steps", str(args.steps), "--eval_every", "2", "--rollout_batch_size", "8", "--mini_batch_size", "4",
@@ -53,9 +78,13 @@ def main():
     parser.add_argument("--rev", default="HEAD", help="reference git revision")
     parser.add_argument("--steps", type=int, default=4, help="PPO iterations compared")
     parser.add_argument("--flags", default="--n 5", help="extra ppo.py flags for both runs")
+    parser.add_argument("--segment_rm", action="store_true", help="the RM a segment RM (a segment_reward.json beside "
+                        "it), for --reward segment, --termination segment and a segment RM under --reward rm")
     args = parser.parse_args()
     tmp = tempfile.mkdtemp(prefix="same_numbers_")
     sft_path, rm_path = tiny_models(os.path.join(tmp, "models"))
+    if args.segment_rm:
+        segment_rm(sft_path, rm_path)
     ref_dir = os.path.join(tmp, "ref")
     subprocess.run(["git", "worktree", "add", "--detach", ref_dir, args.rev], cwd=ROOT, check=True, capture_output=True)
     try:

@@ -136,6 +136,19 @@ def test_update_forward_builds_no_entropy(policy, tokenizer):
     assert not entropy.requires_grad and entropy.shape == logp.shape and (entropy >= 0).all()
 
 
+def test_entropy_is_finite_when_a_logit_is_minus_infinity():
+    """A model that rules tokens out with a logit of -inf (a masked or padded vocabulary): the entropy of
+    logits [0, 0, -inf] is log 2, not NaN (0 * log 0 counts as 0)."""
+    class Masked(torch.nn.Module):
+        def forward(self, input_ids, attention_mask, position_ids, logits_to_keep):
+            logits = torch.tensor([0.0, 0.0, float("-inf")]).expand(*input_ids.shape[:1], logits_to_keep, 3)
+            return type("Out", (), {"logits": logits})
+    ids, mask = torch.tensor([[2, 0, 1]]), torch.ones(1, 3, dtype=torch.long)
+    logp, entropy = ppo.response_logprobs(Masked(), ids, mask, 1, 1.0, with_entropy=True)
+    assert torch.allclose(entropy, torch.full((1, 2), torch.log(torch.tensor(2.0)).item()))
+    assert torch.allclose(logp, torch.full((1, 2), -torch.log(torch.tensor(2.0)).item()))
+
+
 @pytest.mark.parametrize("flags", [
     {"n": 1}, {"n": 0}, {"termination": "randomized"}, {"termination": "ppl"}, {"termination": "parsing"},
     {"termination": "entropy", "entropy_threshold": 1.0}, {"sigma": "unit"}, {"sigma": "position"},
@@ -198,9 +211,10 @@ def test_one_minibatch_reuses_the_scoring_forwards_with_the_numbers_of_separate_
 def test_several_minibatches_epochs_or_accumulation_run_their_own_forwards(tiny_lm, tiny_models):
     args = ppo.PPOArgs(sft_path=str(tiny_models / "sft"), rm_path=str(tiny_models / "rm"), mini_batch_size=4)
     acc = ppo.harness.make_accelerator()
-    assert ppo.fused_update(args, acc, 4, tiny_lm, tiny_lm)
+    fused = (lambda a: ppo.fused_update(acc, tiny_lm, tiny_lm, 4, a.mini_batch_size, a.ppo_epochs, a.grad_accum))
+    assert fused(args)
     for changed in [{"mini_batch_size": 2}, {"ppo_epochs": 2}, {"grad_accum": 2}]:
-        assert not ppo.fused_update(ppo.PPOArgs(**{**vars(args), **changed}), acc, 4, tiny_lm, tiny_lm)
+        assert not fused(ppo.PPOArgs(**{**vars(args), **changed}))
 
 
 def test_grad_accum_never_steps_across_iterations(tiny_models, tmp_path):
@@ -329,17 +343,24 @@ def test_kl_controller_moves_beta_the_right_way_logs_it_and_resumes_it(tiny_mode
 
 @pytest.mark.launch
 def test_a_run_is_quiet_no_deepspeed_warning_no_shard_bars_no_deprecation(tiny_models, tmp_path):
-    """Without a DeepSpeed config nothing says DeepSpeed guessed a CPU, checkpoints draw no "Writing model shards"
-    bars, and LoRA raises no transformers deprecation warning (peft reads is_gradient_checkpointing)."""
-    proc = subprocess.run([sys.executable, "-W", "always", "ppo.py", "--sft_path", str(tiny_models / "sft"), "--rm_path",
-                           str(tiny_models / "rm"), "--output_dir", str(tmp_path / "run"), "--rollout_batch_size", "4",
-                           "--mini_batch_size", "2", "--max_prompt_len", "16", "--max_response_len", "8",
-                           "--n_eval_prompts", "4", "--steps", "2", "--save_every", "1", "--lora_r", "4"],
-                          cwd=os.path.dirname(os.path.dirname(__file__)), capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert (tmp_path / "run" / "checkpoint").exists()
+    """Without a DeepSpeed config nothing imports DeepSpeed (so nothing says it guessed a CPU), checkpoints draw no
+    "Writing model shards" bars, and LoRA, new or resumed, raises no transformers deprecation warning (peft reads
+    is_gradient_checkpointing)."""
+    def run(*flags):
+        cmd = [sys.executable, "-W", "always", "-X", "importtime", "ppo.py", "--sft_path", str(tiny_models / "sft"),
+               "--rm_path", str(tiny_models / "rm"), "--output_dir", str(tmp_path / "run"), "--rollout_batch_size", "4",
+               "--mini_batch_size", "2", "--max_prompt_len", "16", "--max_response_len", "8", "--n_eval_prompts", "4",
+               "--save_every", "1", "--lora_r", "4", *flags]
+        proc = subprocess.run(cmd, cwd=os.path.dirname(os.path.dirname(__file__)), capture_output=True, text=True,
+                              timeout=300)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        imported = {line.split("|")[-1].strip() for line in proc.stderr.splitlines() if line.startswith("import time:")}
+        assert "peft" in imported and not {m for m in imported if m.split(".")[0] == "deepspeed"}
+        return "\n".join(line for line in (proc.stdout + proc.stderr).splitlines() if not line.startswith("import time:"))
+    out = run("--steps", "2") + run("--steps", "3", "--resume")
+    assert (tmp_path / "run" / "checkpoint").exists() and "resumed at iteration 2" in out
     for noise in ("Setting accelerator to CPU", "Writing model shards", "is_gradient_checkpointing", "FutureWarning"):
-        assert noise not in proc.stdout + proc.stderr, noise
+        assert noise not in out, noise
 
 
 @pytest.mark.launch
@@ -483,9 +504,10 @@ def test_held_out_rows_carry_the_diversity_of_the_policy_and_of_the_sft_model(ti
 
 
 def test_training_warns_when_the_policys_replies_are_degenerate(tiny_models, parrot, capsys):
-    """ppo.py's held-out evaluation of a policy that says one word over and over: its distinct-2 is below half
+    """ppo.py's held-out evaluation (evaluate.during_training) of a policy that says one word over and over: its distinct-2 is below half
     the SFT model's, and the log says so, what it means and what to do."""
     from transformers import AutoModelForCausalLM
+    import evaluate
     import harness
     import reward_model as rm
     args, _ = ppo.resolve(ppo.PPOArgs(sft_path=str(tiny_models / "sft"), rm_path=str(tiny_models / "rm"),
@@ -495,7 +517,7 @@ def test_training_warns_when_the_policys_replies_are_degenerate(tiny_models, par
     load = (lambda path: AutoModelForCausalLM.from_pretrained(path).eval())
     sft_replies, metrics = {}, {"step": 20, "kl": 40.0, "reward/rm": 0.5}
     for policy in (load(tiny_models / "sft"), load(parrot)):
-        ppo.evaluate_now(args, metrics, accelerator=harness.make_accelerator(), policy=policy,
+        evaluate.during_training(args, metrics, accelerator=harness.make_accelerator(), policy=policy,
                          reward_model=rm.load_reward_model(args.rm_path)[0], tokenizer=tokenizer, eval_rows=rows,
                          sft=(load(tiny_models / "sft"), sft_replies))
         printed = capsys.readouterr().out

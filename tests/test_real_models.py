@@ -227,7 +227,8 @@ def test_lora_critic_reads_the_reward_models_own_weights(tiny_models, tmp_path):
     import reward_model as rm
     args, code = ppo.resolve(ppo.PPOArgs(sft_path=str(tiny_models / "sft"), rm_path=str(tiny_models / "rm"),
                                          output_dir=str(tmp_path / "ppo"), lora_r=4))
-    _, policy, critic, ref, reward_model = ppo.load_models(args, code)
+    _, policy, critic, ref, reward_model = ppo.load_models(args.sft_path, args.rm_path, args.critic_path, code_task=code,
+                                                           lora=(args.lora_r, args.lora_alpha, args.lora_target_modules))
     frozen = {p.data_ptr() for p in critic.parameters() if not p.requires_grad}
     assert ref is None and frozen == {p.data_ptr() for p in reward_model.parameters()}
     assert not frozen & {p.data_ptr() for p in policy.parameters()}

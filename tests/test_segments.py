@@ -514,7 +514,7 @@ def test_eos_joins_the_last_segments_macro_action():
     import ppo
     ids, mask = pad_right([[5, 6, 7, EOS], [5, 6, 7, 8], [EOS], [5, EOS, 6]])
     starts, _ = rm.rollout_segments({"unit": "segment", "c_ent": 1e-6}, ids, mask, EOS, torch.full(ids.shape, 0.5))
-    macro, _ = ppo.macro_starts("segment", ids, mask, segments=starts)
+    macro, _ = ppo.macro_starts("segment", ids, mask, segment_starts=starts)
     assert macro.tolist() == [[1, 1, 1, 0], [1, 1, 1, 1], [1, 0, 0, 0], [1, 0, 0, 0]]
     assert (mask.sum(-1) / macro.sum(-1)).tolist() == pytest.approx([4 / 3, 1.0, 1.0, 3.0])
 
@@ -559,8 +559,8 @@ def test_evaluate_scores_a_segment_rm_with_e_on_its_segments(tiny_models, segmen
     texts = [r["chosen"] for r in ctx.rows]
     settings = rm.read_segment_settings(str(segment_rm))
     sft_model = AutoModelForCausalLM.from_pretrained(tiny_models / "sft").eval()
-    scorer = rm.segment_scorer(settings, sft_model, ctx.tokenizer.eos_token_id)
-    want = rm.score(ctx.rm, ctx.tokenizer, ctx.prompts, texts, 48, ctx.args.max_response_len, segmenter=scorer)
+    segmenter = rm.segmenter(settings, sft_model, ctx.tokenizer.eos_token_id)
+    want = rm.score(ctx.rm, ctx.tokenizer, ctx.prompts, texts, 48, ctx.args.max_response_len, segmenter=segmenter)
     last = rm.score(ctx.rm, ctx.tokenizer, ctx.prompts, texts, 48, ctx.args.max_response_len)
     assert ctx.rm_scores(texts) == want.tolist() and not torch.allclose(want, last)
     plain = evaluate.Context(evaluate.EvalArgs(sft_path=str(tiny_models / "sft"), rm_path=str(tiny_models / "rm"),
@@ -673,7 +673,7 @@ def test_every_rm_saves_the_mean_and_std_of_its_score_on_the_calibration_pairs(t
         out = tmp_path / unit
         train_small(tiny_models, out, "--unit", unit, "--c_ent", "1.0")
         model, tokenizer = rm.load_reward_model(str(out))
-        segmenter = rm.segment_scorer(rm.read_segment_settings(str(out)), sft_model, tokenizer.eos_token_id)
+        segmenter = rm.segmenter(rm.read_segment_settings(str(out)), sft_model, tokenizer.eos_token_id)
         scores = rm.score(model.eval(), tokenizer, prompts, texts, 24, 12, segmenter=segmenter).double()
         saved = json.loads((out / rm.SCORE_FILE).read_text())
         assert saved["kind"] == "score" and saved["n_responses"] == 12
