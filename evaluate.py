@@ -439,7 +439,7 @@ def final_report(args, policy, sft_model, reward_model, tokenizer, rows, metrics
     """ppo.py's closing table: SFT vs the trained policy on the held-out prompts (mean RM score, mean
     gold score, gold win rate; for code tasks mean execution reward and pass@1 of one sample), the
     diversity of their replies (and gold_strict), in words whether the policy's are degenerate, the
-    learning curve, and summary.md in the run folder. `segmenter`: as in `held_out`."""
+    learning curve (unless args.plot is off), and summary.md in the run folder. `segmenter`: as in `held_out`."""
     s_texts, s_score, s_second = held_out(sft_model, reward_model, tokenizer, rows, args, args.seed + 1, segmenter=segmenter)
     p_texts, p_score, p_second = held_out(policy, reward_model, tokenizer, rows, args, args.seed + 1, segmenter=segmenter)
     code = args.task in data.CODE_TASKS
@@ -457,8 +457,7 @@ def final_report(args, policy, sft_model, reward_model, tokenizer, rows, metrics
     lines += ["", f"WARNING: {verdict}. Do not read the scores above as a better policy; train with a larger "
                   "--beta (or --kl_target) and compare the gold_strict score." if verdict else
               no_collapse(p_replies, s_replies)]
-    png = plot_run(metrics_path)
-    lines += ["", f"metrics: {metrics_path}", f"learning curve: {png}"]
+    lines += ["", f"metrics: {metrics_path}"] + ([f"learning curve: {plot_run(metrics_path)}"] if args.plot else [])
     print("\n".join(lines))
     with open(os.path.join(os.path.dirname(metrics_path), "summary.md"), "w") as f:
         f.write("\n".join(lines) + "\n")

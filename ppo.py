@@ -80,6 +80,7 @@ class PPOArgs:
     n_eval_prompts: int = field(default=256, metadata={"help": "held-out prompts per evaluation"})
     seed: int = field(default=1234, metadata={"help": "random seed"})
     resume: bool = field(default=False, metadata={"help": "continue from <output_dir>/checkpoint (written every --save_every iterations, on Ctrl-C and on SIGTERM)"})
+    plot: bool = field(default=True, metadata={"help": "draw the run's learning curve (learning_curve.png) in the final report; --plot false skips matplotlib (a few seconds: scripted runs, tests)"})
     report_to: str = field(default="none", metadata={"help": "accelerate trackers: none | tensorboard | wandb", "choices": ("none", "tensorboard", "wandb")})
     bf16: bool = field(default=False, metadata={"help": "bf16 mixed precision (GPUs)"})
     gradient_checkpointing: bool = field(default=False, metadata={"help": "recompute activations to save memory (GPUs)"})

@@ -1,5 +1,6 @@
 """evaluate.py: the arithmetic by hand, the LLM judge against a real
 HTTP server on 127.0.0.1, and each command from the command line on tiny models."""
+import dataclasses
 import http.server
 import json
 import math
@@ -359,9 +360,13 @@ def test_the_final_report_says_in_words_that_a_parrots_replies_are_degenerate(mo
     assert policy_d2 < 0.5 * sft_d2 and "| mean gold_strict score" in summary
     assert "the policy's replies are degenerate" in summary and "gold scores are being gamed" in summary
     assert re.search(r"\| replies mostly one repeated word \| [\d.]+% \| (\d+\.\d)% \|", summary).group(1) != "0.0"
-    evaluate.final_report(args, sft_model, sft_model, reward, tokenizer, rows, str(tmp_path / "metrics.jsonl"))
+    assert "learning curve: " in summary and (tmp_path / "learning_curve.png").exists()
+    (tmp_path / "learning_curve.png").unlink()
+    evaluate.final_report(dataclasses.replace(args, plot=False), sft_model, sft_model, reward, tokenizer, rows,
+                          str(tmp_path / "metrics.jsonl"))
     summary = open(tmp_path / "summary.md").read()
     assert "degenerate:" not in summary and "no collapse by this measure" in summary
+    assert "learning curve" not in summary and not (tmp_path / "learning_curve.png").exists()     # --plot false
 
 
 @pytest.mark.launch

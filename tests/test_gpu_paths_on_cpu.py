@@ -32,7 +32,7 @@ BF16_METRICS = ("reward/rm", "kl", "entropy", "response/len", "loss/value", "val
 def ppo_flags(tiny_models):
     return ["--sft_path", str(tiny_models / "sft"), "--rm_path", str(tiny_models / "rm"), "--rollout_batch_size", "4",
             "--mini_batch_size", "2", "--max_prompt_len", "16", "--max_response_len", "8", "--n_eval_prompts", "4",
-            "--eval_every", "2", "--save_every", "1", "--policy_lr", "1e-4"]
+            "--eval_every", "2", "--save_every", "1", "--policy_lr", "1e-4", "--plot", "false"]
 
 
 def free_port():

@@ -280,7 +280,7 @@ def run_ppo(tiny_models, out, *extra, here=False):
     """ppo.py on the tiny models: its own process, or in this one (`here`)."""
     cmd = ["ppo.py", "--sft_path", str(tiny_models / "sft"), "--rm_path", str(tiny_models / "rm"),
            "--output_dir", str(out), "--rollout_batch_size", "4", "--mini_batch_size", "2", "--max_prompt_len", "16",
-           "--max_response_len", "8", "--n_eval_prompts", "4", "--eval_every", "2", *extra]
+           "--max_response_len", "8", "--n_eval_prompts", "4", "--eval_every", "2", "--plot", "false", *extra]
     if here:
         return run_stage(*cmd), [json.loads(line) for line in open(out / "metrics.jsonl")]
     proc = subprocess.run([sys.executable, *cmd], cwd=os.path.dirname(os.path.dirname(__file__)),
@@ -378,7 +378,7 @@ def test_default_pipeline_builds_sft_and_rm_then_trains(tmp_path):
     small = "--max_prompt_len 16 --max_response_len 8 --batch_size 4 --max_steps 4 --eval_every 2 --n_eval 8"
     out, rows = run_ppo(tmp_path, tmp_path / "ppo", "--steps", "2", "--sft_args",             # sft.py and
                         small + " --hidden_size 32 --num_layers 1 --vocab_size 300", "--rm_args",   # reward_model.py:
-                        small + " --n_gold_prompts 4", here=True)                                   # subprocesses
+                        small + " --n_gold_prompts 4", "--plot", "true", here=True)                 # subprocesses
     assert "sft missing: running sft.py" in out and "rm missing: running reward_model.py" in out
     assert "gold win rate vs SFT" in out and len(rows) == 2
     assert os.path.exists(tmp_path / "ppo" / "learning_curve.png")

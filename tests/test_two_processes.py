@@ -28,7 +28,8 @@ SFT = ["--hidden_size", "32", "--num_layers", "1", "--vocab_size", "300", "--bat
 def ppo_flags(tiny_models):
     return ["--sft_path", str(tiny_models / "sft"), "--rm_path", str(tiny_models / "rm"), "--rollout_batch_size", "4",
             "--mini_batch_size", "2", "--max_prompt_len", "16", "--max_response_len", "8", "--n_eval_prompts", "4",
-            "--kl_target", "1e-6", "--kl_horizon", "8", "--kl_estimator", "k3"]     # beta moves every iteration
+            "--kl_target", "1e-6", "--kl_horizon", "8", "--kl_estimator", "k3",     # beta moves every iteration
+            "--plot", "false"]
 
 
 def checkpoint_step(output_dir):

@@ -28,7 +28,7 @@ from stages import run_stage  # noqa: E402
 TINY = ["--hidden_size", "32", "--num_layers", "1", "--vocab_size", "300", "--batch_size", "4", "--max_prompt_len",
         "24", "--max_response_len", "12", "--n_eval", "16", "--seed", "3", "--save_every", "1", "--eval_every", "2"]
 PPO = ["--lora_r", "4", "--rollout_batch_size", "4", "--mini_batch_size", "2", "--max_prompt_len", "16",
-       "--max_response_len", "8", "--n_eval_prompts", "4", "--eval_every", "1", "--save_every", "1"]
+       "--max_response_len", "8", "--n_eval_prompts", "4", "--eval_every", "1", "--save_every", "1", "--plot", "false"]
 
 
 def mark(title):
