@@ -467,6 +467,14 @@ def folder_hash(path):
     return digest.hexdigest()
 
 
+def models_of(argv):
+    """The SFT and RM folders a ppo.py command line trains with: the last --sft_path / --rm_path (a configuration's
+    own flags come last and win, as a segment RM's --rm_path does)."""
+    def last(flag):
+        return next((argv[i + 1] for i in range(len(argv) - 2, -1, -1) if argv[i] == flag), None)
+    return last("--sft_path"), last("--rm_path")
+
+
 def provenance(args, models):
     """What a reviewer needs to trust or rerun a record: the git revision (and whether tracked files differed
     from it), library versions, threads, runs side by side, and hashes of the SFT / RM folders."""
@@ -564,8 +572,8 @@ def train(args, config, seed):
               "rows": [{k: r[k] for k in KEPT if k in r} for r in rows if any(k.startswith("eval/") for k in r)],
               "trace": [{k: r[k] for k in TRACED if k in r} for r in rows],
               "final": final_scores(args, run_dir, config),
-              "argv": ["ppo.py", *ppo_flags(args, config, seed, run_dir)], "resumed": resumed,
-              **provenance(args, args.models[config.models_key])}
+              "argv": ["ppo.py", *ppo_flags(args, config, seed, run_dir)], "resumed": resumed}
+    record.update(provenance(args, models_of(record["argv"])))      # the folders this run read, not the task's
     write_record(path, record)
     last = record["rows"][-1]
     print(f"[study] {config.name} seed {seed}: {record['seconds']} s, " + ", ".join(

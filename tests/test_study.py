@@ -307,6 +307,18 @@ def test_a_record_says_what_produced_it(tmp_path):
     assert study.committed_seeds(argparse.Namespace(results_dir=str(tmp_path)), "x") == {7}
 
 
+def test_a_records_hashes_are_of_the_folders_its_command_line_trains_with():
+    """A segment configuration overrides the study's --rm_path: its record hashes the segment RM, not the task's RM."""
+    args = argparse.Namespace(steps=3, eval_every=1, n_eval_prompts=4, ppo_args="", count_args="", code_args="",
+                              models={"chitchat": ("runs/chitchat/sft", "runs/chitchat/rm")})
+    config = next(c for c in study.HYPOTHESES["segment_beta"].configs if c.name == "segment_beta_quick_2.0")
+    argv = study.ppo_flags(args, config, 1, "out")
+    assert study.models_of(argv) == ("runs/chitchat/sft", "runs/chitchat/rm_segment")
+    assert study.models_of(study.ppo_flags(args, study.HYPOTHESES["segment_beta"].configs[0], 1, "out"))[1] == \
+        "runs/chitchat/rm_segment"
+    assert study.models_of(["--sft_path", "a"]) == ("a", None)
+
+
 def test_the_segment_beta_sweep_runs_the_readmes_segment_quick_start_at_each_beta():
     """segment_beta: the README's quick-start command (its ppo.py flags, read from the README) at each beta, on
     the segment RM beside the SFT model; the table reports gold_strict, gold, KL and the final distinct-2 beside
