@@ -353,3 +353,14 @@ def test_count_gold_scores_unicode_digits_as_words_and_never_raises():
     exact, slipped, circled = data.count_gold([prompt] * 3, [" 1, 2, 3.", " 1, ², 3.", " ①, ②, ③."])
     assert exact == 1.0 and slipped == pytest.approx(1.0 - data.COUNT_ERROR_COST)
     assert circled == pytest.approx(max(0.0, 1.0 - 3 * data.COUNT_ERROR_COST))
+
+
+def test_chitchat_conversations_keep_every_messages_text_and_nothing_else():
+    """Reading each message as its text alone (a third less memory) gives the turns of a plain json.load:
+    consecutive messages of one speaker joined, per conversation, in order."""
+    import chitchat_dataset
+    with open(chitchat_dataset._PATH) as f:
+        raw = json.load(f)
+    reference = {cid: [" ".join(m["text"] for m in turn).strip() for turn in conv["messages"]]
+                 for cid, conv in raw.items()}
+    assert data.chitchat_conversations() == reference and len(reference) > 7000

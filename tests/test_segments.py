@@ -472,7 +472,7 @@ def ppo_args(tiny_models, rm_path, out, **flags):
     import ppo
     return ppo.PPOArgs(sft_path=str(tiny_models / "sft"), rm_path=str(rm_path), output_dir=str(out),
                        rollout_batch_size=4, mini_batch_size=2, max_prompt_len=16, max_response_len=8,
-                       n_eval_prompts=4, **{"steps": 2, **flags})
+                       n_eval_prompts=4, **{"steps": 2, "plot": False, **flags})
 
 
 @pytest.mark.launch
