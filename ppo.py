@@ -656,6 +656,7 @@ def main(args):
             metrics = {**harness.rounded(means), "step": step + 1, "beta": beta, "prompts/truncated": truncated,
                        **clock.metrics(float(response_mask.sum()) * world)}
             if (step + 1) % args.eval_every == 0 or step + 1 == args.steps:
+                harness.release_freed_memory(acc.device, at_least=0)    # the 256-prompt generation starts lean
                 evaluate.during_training(args, metrics, accelerator=acc, policy=policy, reward_model=reward_model,
                                          tokenizer=tokenizer, eval_rows=eval_rows, segmenter=segmenter,
                                          sft=(ref, sft_replies))
@@ -696,6 +697,7 @@ def finish(args, truncated, beta, *, accelerators, policy, critic, reward_model,
             sft_model = AutoModelForCausalLM.from_pretrained(args.sft_path, dtype=dtype).to(acc.device).eval()
         segmenter = rm.segmenter(None if args.task in data.CODE_TASKS else rm.read_segment_settings(args.rm_path),
                                  sft_model, tokenizer.eos_token_id)
+        harness.release_freed_memory(acc.device, at_least=0)
         evaluate.final_report(args, policy, sft_model, reward_model, tokenizer, eval_rows, run_log.path, segmenter)
     acc.wait_for_everyone()
     run_log.close()
