@@ -112,6 +112,7 @@ class Hypothesis:
     paired: bool = False             # the change applies to both methods: pair each MA-PPO with its partner
     final_table: bool = False        # also the final policies' mean score, paired by seed with PPO's
     matched_kl: tuple = ()           # score thresholds: compare each MA-PPO with its partner at the same KL target
+    kl_points: tuple = ()            # KLs at which every pair of runs is read off its score-against-KL curve
 
 
 def ppo(name="n1", label="PPO (n=1)", flags=(), task="chitchat"):
@@ -302,11 +303,11 @@ HYPOTHESES = {
          real("n5_sigma_first", "MA-PPO (n=5, sigma=first)", ("--n", "5", "--sigma", "first"))), final_table=True),
     "real_kl": Hypothesis(
         "The real model at matched KL: does MA-PPO beat PPO for the same distance from the SFT model?",
-        REAL_KL, final_table=True, matched_kl=(0.4, 0.5, 0.6)),
+        REAL_KL, final_table=True, matched_kl=(0.4, 0.5, 0.6), kl_points=(0.5, 1.0, 1.5)),
     "kl": Hypothesis("Chitchat (the baseline's setting) at matched KL: MA-PPO against PPO at the same KL",
-                     tiny_kl("chitchat"), matched_kl=(0.0, 1.0, 2.0)),
+                     tiny_kl("chitchat"), matched_kl=(0.0, 1.0, 2.0), kl_points=(2.0, 4.0, 6.0)),
     "kl_count": Hypothesis("Count (where MA-PPO led early) at matched KL: MA-PPO against PPO at the same KL",
-                           tiny_kl("count"), matched_kl=(0.3, 0.5, 0.7)),
+                           tiny_kl("count"), matched_kl=(0.3, 0.5, 0.7), kl_points=(0.4, 0.6, 0.8)),
 }
 # `all` runs every hypothesis but the real model's (they need requirements-slow.txt and 30-40 minutes a run).
 OPTIONAL = ("real", "real_kl")
@@ -859,6 +860,8 @@ def report(args, hypothesis, records):
         lines += paired_table(h, records, result)
     if h.matched_kl:
         lines += matched_kl_table(args, h, records, result)
+    if h.kl_points:
+        lines += kl_points_table(args, hypothesis, records, result)
     elif h.final_table:
         lines += final_table(h, records, result)
     lines += early_table(h, records, result)
@@ -928,6 +931,76 @@ def matched_kl_table(args, h, records, result):
 
 # the fixed-beta runs shown beside each matched-KL hypothesis in its reward-against-KL picture
 FRONTIER_WITH = {"real_kl": "real", "kl": "baseline", "kl_count": "count"}
+# and the PPO / MA-PPO pair among them read at the same KLs as the controlled pairs
+FIXED_BETA_PAIR = {"real_kl": ("real_n1", "real_n5"), "kl": ("n1", "n5"), "kl_count": ("count_n1", "count_n5")}
+GOLD_CURVE = "eval/gold"
+
+
+def score_at_kl(rows, kl, metric=GOLD_CURVE):
+    """A run's `metric` at the per-sequence KL `kl`, read off its score-against-KL curve: its evaluations sorted
+    by the KL of their iteration, linear between the two around `kl`; None outside the KLs it was evaluated at."""
+    points = sorted((r["kl"], r[metric]) for r in rows if metric in r)
+    if not points or not points[0][0] <= kl <= points[-1][0]:
+        return None
+    right = next(i for i, (k, _) in enumerate(points) if k >= kl)
+    (k1, v1), (k0, v0) = points[right], points[max(right - 1, 0)]
+    return v1 if k1 == k0 else v0 + (v1 - v0) * (kl - k0) / (k1 - k0)
+
+
+def gaps_at_kl(base_runs, runs, kl):
+    """MA-PPO minus PPO at the KL `kl` (score_at_kl), paired by seed: [(seed, PPO's, MA-PPO's)] for the
+    seeds whose two runs both passed through `kl`."""
+    by_seed = {r["seed"]: r for r in base_runs}
+    pairs = [(r["seed"], score_at_kl(by_seed[r["seed"]]["rows"], kl), score_at_kl(r["rows"], kl))
+             for r in runs if r["seed"] in by_seed]
+    return [(seed, b, o) for seed, b, o in pairs if b is not None and o is not None]
+
+
+def load_records(args, names):
+    return {name: [json.load(open(record_path(args, name, seed))) for seed in sorted(committed_seeds(args, name))]
+            for name in names}
+
+
+def kl_points_table(args, hypothesis, records, result):
+    """Every PPO / MA-PPO pair of runs (the controlled pairs of `hypothesis`, and the fixed-beta pair of
+    FIXED_BETA_PAIR) read at the same KLs `kl_points` off their gold-against-KL curves, paired by seed: the
+    comparison at equal distance from the SFT model, whatever KL each run ended at."""
+    h = HYPOTHESES[hypothesis]
+    ppo_name, ma_name = FIXED_BETA_PAIR[hypothesis]
+    fixed = load_records(args, (ppo_name, ma_name))
+    labels = {c.name: c.label for c in (*HYPOTHESES[FRONTIER_WITH[hypothesis]].configs, *h.configs)}
+    sources = [(f"{labels[ma_name]} vs {labels[ppo_name]}, fixed beta", fixed[ppo_name], fixed[ma_name])]
+    sources += [(f"{c.label} vs {labels[c.partner]}", [r for r in records.get(c.partner, []) if r],
+                 [r for r in records.get(c.name, []) if r]) for c in h.configs if c.partner]
+    lines = ["", f"Read at the same KL: each run's {GOLD_CURVE} against the KL of its iteration at every evaluation, "
+             "sorted by KL and interpolated linearly, read at each KL below; MA-PPO minus PPO paired by seed where both "
+             "runs passed through that KL (95% t-interval over the pairs; `all` pools the pairs of every row).", "",
+             "| pair | " + " | ".join(f"KL {k}: pairs, PPO / MA-PPO, MA-PPO minus PPO" for k in h.kl_points) + " |",
+             "|---" * (len(h.kl_points) + 1) + "|"]
+    pooled = {k: [] for k in h.kl_points}
+    entry = result.setdefault("at_kl", {})
+
+    def cells(name, per_kl):
+        out = []
+        for k in h.kl_points:
+            pairs = per_kl[k]
+            if not pairs:
+                out.append("0")
+                continue
+            gap = t_interval([o - b for _, b, o in pairs])
+            entry.setdefault(name, {})[str(k)] = {"pairs": len(pairs), "ppo": sum(b for _, b, _ in pairs) / len(pairs),
+                                                  "ma": sum(o for _, _, o in pairs) / len(pairs), "gap": gap}
+            e = entry[name][str(k)]
+            out.append(f"{len(pairs)}, {e['ppo']:.3f} / {e['ma']:.3f}, {fmt(*gap)}")
+        return out
+    for name, base_runs, runs in sources:
+        per_kl = {k: gaps_at_kl(base_runs, runs, k) for k in h.kl_points}
+        for k in h.kl_points:
+            pooled[k] += per_kl[k]
+        lines.append(f"| {name} | " + " | ".join(cells(name, per_kl)) + " |")
+    lines.append("| all | " + " | ".join(cells("all", pooled)) + " |")
+    return lines
+
 
 
 def frontier_method(config):

@@ -272,6 +272,44 @@ def test_matched_kl_pairs_each_method_with_ppo_at_its_own_target_by_hand(tmp_pat
     assert "NOT matched" in verdicts[1] and "one seed: no interval" in verdicts[1]
 
 
+def test_score_at_kl_reads_the_curve_sorted_by_kl_by_hand():
+    """Evaluations sorted by their KL, linear between the two around the point; None outside the KLs evaluated."""
+    rows = [{"kl": 1.0, "eval/gold": 0.6}, {"kl": 0.2, "eval/gold": 0.2}, {"kl": 0.6, "eval/gold": 0.4},
+            {"kl": 0.4, "eval/rm": 9.0}]
+    assert study.score_at_kl(rows, 0.4) == pytest.approx(0.3)          # between (0.2, 0.2) and (0.6, 0.4)
+    assert study.score_at_kl(rows, 0.8) == pytest.approx(0.5)
+    assert study.score_at_kl(rows, 0.2) == pytest.approx(0.2) and study.score_at_kl(rows, 1.0) == pytest.approx(0.6)
+    assert study.score_at_kl(rows, 0.1) is None and study.score_at_kl(rows, 1.5) is None
+    assert study.score_at_kl([{"kl": 0.5, "eval/gold": 0.3}, {"kl": 0.5, "eval/gold": 0.7}], 0.5) in (0.3, 0.7)
+
+
+def test_the_kl_reading_pairs_fixed_beta_and_controlled_runs_by_seed_and_pools_them_by_hand(tmp_path):
+    """real_kl's KL table: real_n5 against real_n1 and each controlled MA-PPO against its PPO, paired by seed at
+    each KL point where both runs passed through it, and `all` pooling every pair."""
+    args = argparse.Namespace(smooth=1, results_dir=str(tmp_path), report_only=True)
+
+    def run(seed, points):
+        return {"seed": seed, "rows": [{"step": 5 * i, "kl": k, "eval/gold": g} for i, (k, g) in enumerate(points, 1)]}
+    for name, seed, points in (("real_n1", 1, [(0.0, 0.2), (2.0, 0.6)]), ("real_n5", 1, [(0.0, 0.1), (2.0, 0.3)]),
+                               ("real_n1", 2, [(0.6, 0.5), (0.8, 0.5)]), ("real_n5", 2, [(0.0, 0.0), (3.0, 0.9)])):
+        study.write_record(study.record_path(args, name, seed), run(seed, points))
+    n1, n5, _, _ = study.HYPOTHESES["real_kl"].configs
+    records = {n1.name: [run(1, [(0.4, 0.3), (1.2, 0.5)])], n5.name: [run(1, [(0.2, 0.6), (1.6, 0.6)])]}
+    result = {}
+    lines = study.kl_points_table(args, "real_kl", records, result)
+    at = result["at_kl"]
+    fixed = "MA-PPO (n=5) vs PPO (n=1), fixed beta"
+    assert at[fixed]["0.5"]["pairs"] == 1                                # seed 2: PPO evaluated at 0.6-0.8 only
+    assert at[fixed]["0.5"]["gap"][0] == pytest.approx(0.15 - 0.3)     # seed 1: 0.15 against 0.3
+    assert at[fixed]["1.0"]["gap"][0] == pytest.approx(0.2 - 0.4) and at[fixed]["1.0"]["pairs"] == 1
+    controlled = f"{n5.label} vs {n1.label}"
+    assert at[controlled]["0.5"]["gap"][0] == pytest.approx(0.6 - 0.325)
+    assert "1.5" not in at[controlled]                                  # PPO stopped at 1.2
+    assert at["all"]["0.5"]["pairs"] == 2
+    assert at["all"]["0.5"]["gap"][0] == pytest.approx(((0.15 - 0.3) + (0.6 - 0.325)) / 2)
+    assert any(line.startswith("| all | 2, ") for line in lines)
+
+
 def test_the_kl_picture_gives_each_method_one_colour_and_marks_the_controller(tmp_path):
     """real_kl.png: one legend entry per method and beta rule ("PPO (n=1), KL 0.7" is PPO under the controller,
     the sigma=first variant its own method, never cut to "MA-PPO (n=5"), written only once a real_kl run exists."""
