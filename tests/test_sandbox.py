@@ -6,6 +6,7 @@ import time
 import pytest
 
 import sandbox
+from sandbox_runs import leftover_processes
 
 ADD = {"fn_name": "add", "inputs": [[1, 2], [3, 4], [0, 0]], "outputs": [[3], [7], [0]]}
 SUM_IO = {"inputs": ["1 2\n", "5 5\n"], "outputs": ["3\n", "10\n"]}
@@ -322,24 +323,16 @@ def test_a_sandbox_that_cannot_start_its_program_gives_a_failed_verdict_and_leav
 @pytest.fixture(scope="module", autouse=True)
 def nothing_is_left_behind():
     """After every test of this file: no temporary folder of the sandbox, no process of a program, no cgroup of
-    a run. Only this process's folders and cgroups and this checkout's children count (a study may run
-    sandboxes beside the tests)."""
+    a run. Only this process's folders and cgroups count, and the sandbox processes it answers for
+    (tests/sandbox_runs.py: not those of another live trainer, a second pytest worker or a study)."""
     import glob
     import tempfile
     pattern = os.path.join(tempfile.gettempdir(), f"sandbox_{os.getpid()}_*")
-    script = sandbox.CHILD.encode()
     before = set(glob.glob(pattern))
     yield
     time.sleep(0.5)
     assert set(glob.glob(pattern)) <= before, "the sandbox left temporary folders behind"
-    mine = []
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            cmdline = open(f"/proc/{pid}/cmdline", "rb").read()
-        except OSError:
-            continue
-        if script + b"\0--" in cmdline and pid != str(os.getpid()):
-            mine.append(pid)
+    mine = leftover_processes()
     assert not mine, f"processes of the sandbox left running: {mine}"
     assert not glob.glob(f"/sys/fs/cgroup/*/{sandbox.CGROUP_PARENT}/{os.getpid()}_*") + glob.glob(
         f"/sys/fs/cgroup/{sandbox.CGROUP_PARENT}/{os.getpid()}_*"), "a cgroup of a run was left behind"

@@ -15,6 +15,7 @@ import time
 import pytest
 
 import sandbox
+from sandbox_runs import leftover_processes, owner_of
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux") or platform.machine() != "x86_64",
                                 reason="syscall numbers and namespaces of Linux x86-64")
@@ -48,17 +49,25 @@ def says(text):
     return {"inputs": [""], "outputs": [text]}
 
 
-def sandbox_processes():
-    """Processes of this checkout's sandbox children (whatever uid they run as)."""
-    found = []
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            cmdline = open(f"/proc/{pid}/cmdline", "rb").read()
-        except OSError:
-            continue
-        if sandbox.CHILD.encode() + b"\0--" in cmdline and int(pid) != os.getpid():
-            found.append(int(pid))
-    return found
+def test_a_test_process_answers_for_its_own_runs_not_for_a_live_neighbours():
+    """leftover_processes, which every "outlived its run" check reads: a process of this trainer's run counts here
+    while it runs, and not in another live process (a second pytest worker) looking at the same machine."""
+    need("cgroup")
+    done = threading.Thread(target=sandbox.run, args=("import time\ntime.sleep(3)\n", says(""), PATIENT))
+    done.start()
+    try:
+        deadline = time.monotonic() + 10
+        while not leftover_processes() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        mine = leftover_processes()
+        assert mine and all(owner_of(pid) == os.getpid() for pid in mine)
+        neighbour = subprocess.run([sys.executable, "-c", "from sandbox_runs import leftover_processes\n"
+                                    "print(leftover_processes())"], capture_output=True, text=True, timeout=60,
+                                   env={**os.environ, "PYTHONPATH": os.pathsep.join([ROOT, os.path.join(ROOT, "tests")])})
+        assert neighbour.returncode == 0 and neighbour.stdout.strip() == "[]", neighbour.stdout + neighbour.stderr
+    finally:
+        done.join()
+    assert not leftover_processes()
 
 
 def key_count(uids):
@@ -81,7 +90,7 @@ def nothing_is_left_behind():
     folders = set(glob.glob(os.path.join(tempfile.gettempdir(), f"sandbox_{os.getpid()}_*")))
     yield
     time.sleep(0.5)
-    assert not sandbox_processes(), "a process of the sandbox outlived its run"
+    assert not leftover_processes(), "a process of the sandbox outlived its run"
     assert set(glob.glob(os.path.join(tempfile.gettempdir(), f"sandbox_{os.getpid()}_*"))) <= folders
     assert not glob.glob(f"/sys/fs/cgroup/*/{CGROUP_PARENT}/{os.getpid()}_*") + glob.glob(
         f"/sys/fs/cgroup/{CGROUP_PARENT}/{os.getpid()}_*"), "a cgroup of a run was left behind"
@@ -123,7 +132,7 @@ def test_no_process_outlives_its_run_after_leaving_the_process_group():
     r = sandbox.run(program, says("x"), sandbox.Limits(timeout=1.5, cpu_seconds=20))
     assert r.outcome == "timeout"
     time.sleep(0.3)
-    assert not sandbox_processes(), "a process of the program outlived its run"
+    assert not leftover_processes(), "a process of the program outlived its run"
 
 
 def test_no_forked_process_outlives_its_run():
@@ -134,7 +143,7 @@ def test_no_forked_process_outlives_its_run():
                "    while time.time() - t < 10:\n        pass\n")
     sandbox.run(program, says("x"), PATIENT)
     time.sleep(0.3)
-    assert not sandbox_processes(), "a forked process of the program outlived its run"
+    assert not leftover_processes(), "a forked process of the program outlived its run"
 
 
 # ---------------------------------------------------------------- limits per run
