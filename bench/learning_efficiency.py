@@ -305,7 +305,7 @@ HYPOTHESES = {
         "The real model at matched KL: does MA-PPO beat PPO for the same distance from the SFT model?",
         REAL_KL, final_table=True, matched_kl=(0.4, 0.5, 0.6), kl_points=(0.5, 1.0, 1.5)),
     "kl": Hypothesis("Chitchat (the baseline's setting) at matched KL: MA-PPO against PPO at the same KL",
-                     tiny_kl("chitchat"), matched_kl=(0.0, 1.0, 2.0), kl_points=(2.0, 4.0, 6.0)),
+                     tiny_kl("chitchat"), matched_kl=(0.0, 1.0, 2.0), kl_points=(4.0, 6.0, 8.0)),
     "kl_count": Hypothesis("Count (where MA-PPO led early) at matched KL: MA-PPO against PPO at the same KL",
                            tiny_kl("count"), matched_kl=(0.3, 0.5, 0.7), kl_points=(0.4, 0.6, 0.8)),
 }
