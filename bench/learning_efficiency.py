@@ -476,14 +476,25 @@ def models_of(argv):
     return last("--sft_path"), last("--rm_path")
 
 
+def tracked_changes(root, results_dir=None):
+    """The tracked files of the git work tree at `root` that differ from its commit, leaving out the study's own
+    outputs under `results_dir` (the report rewrites the page and pictures between runs; no run reads them)."""
+    outside = [f":(exclude){os.path.relpath(os.path.abspath(results_dir), root)}"] if results_dir else []
+    out = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no", "--", ".", *outside], cwd=root,
+                         capture_output=True, text=True).stdout
+    return [line[3:] for line in out.splitlines()]
+
+
 def provenance(args, models):
-    """What a reviewer needs to trust or rerun a record: the git revision (and whether tracked files differed
-    from it), library versions, threads, runs side by side, and hashes of the SFT / RM folders."""
+    """What a reviewer needs to trust or rerun a record: the git revision (and whether tracked files other than
+    the study's outputs differed from it), library versions, threads, runs side by side, and hashes of the SFT /
+    RM folders."""
     import platform
     import torch
     import transformers
     git = (lambda *a: subprocess.run(["git", *a], cwd=ROOT, capture_output=True, text=True).stdout.strip())
-    return {"commit": git("rev-parse", "HEAD"), "dirty": bool(git("status", "--porcelain", "--untracked-files=no")),
+    dirty = bool(tracked_changes(ROOT, getattr(args, "results_dir", None)))
+    return {"commit": git("rev-parse", "HEAD"), "dirty": dirty,
             "python": platform.python_version(), "torch": torch.__version__, "transformers": transformers.__version__,
             "threads": torch.get_num_threads(), "jobs": args.jobs,
             "sft_hash": folder_hash(models[0]), "rm_hash": folder_hash(models[1]) if models[1] else None}

@@ -1,6 +1,7 @@
 """bench/learning_efficiency.py: the study's statistics, checked by hand."""
 import argparse
 import os
+import subprocess
 import sys
 
 import pytest
@@ -326,6 +327,27 @@ def test_the_kl_picture_gives_each_method_one_colour_and_marks_the_controller(tm
     record("real_kl_n1_0.7")
     assert study.kl_frontier(args, "real_kl", {}) == str(tmp_path / "real_kl.png")
     assert os.path.getsize(tmp_path / "real_kl.png") > 0
+
+
+def test_dirty_means_changed_code_not_the_studys_own_page(tmp_path):
+    """A record's `dirty`: tracked files differ from the commit, except the pages and pictures the report
+    rewrites between runs (a real git work tree)."""
+    git = (lambda *a: subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@t", *a], cwd=tmp_path,
+                                     check=True, capture_output=True))
+    git("init", "-q")
+    (tmp_path / "docs" / "study").mkdir(parents=True)
+    (tmp_path / "ppo.py").write_text("x = 1\n")
+    (tmp_path / "docs" / "study" / "README.md").write_text("table\n")
+    git("add", "-A")
+    git("commit", "-qm", "one")
+    results = str(tmp_path / "docs" / "study")
+    assert study.tracked_changes(str(tmp_path), results) == []
+    (tmp_path / "docs" / "study" / "README.md").write_text("new table\n")
+    (tmp_path / "docs" / "study" / "new.json").write_text("{}")                        # untracked: never counted
+    assert study.tracked_changes(str(tmp_path), results) == []
+    assert study.tracked_changes(str(tmp_path)) == ["docs/study/README.md"]
+    (tmp_path / "ppo.py").write_text("x = 2\n")
+    assert study.tracked_changes(str(tmp_path), results) == ["ppo.py"]
 
 
 def test_a_record_says_what_produced_it(tmp_path):
