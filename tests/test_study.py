@@ -245,7 +245,7 @@ def test_the_study_page_holds_exactly_the_generated_tables():
 
 
 def test_matched_kl_pairs_each_method_with_ppo_at_its_own_target_by_hand(tmp_path):
-    """real_kl: MA-PPO at KL 0.7 against PPO at KL 0.7 (not at 2.5), final KL from the last 5 iterations, the
+    """real_kl: MA-PPO at KL 0.7 against PPO at KL 0.7 (not at 1.5), final KL from the last 5 iterations, the
     SFT row from its record, thresholds reached, and a verdict that says whether the KLs matched."""
     def run(seed, golds, kl, curve):
         return {"seed": seed, "trace": [{"step": s, "kl": 99.0 if s <= 25 else kl, "beta": 0.1} for s in range(1, 31)],
@@ -267,7 +267,7 @@ def test_matched_kl_pairs_each_method_with_ppo_at_its_own_target_by_hand(tmp_pat
     assert result[n1.name]["matched_kl"]["reach"]["0.5"] == "30 (1/2)"
     assert result[n1.name]["matched_kl"]["reach"]["0.6"] == "never (0/2)"
     assert result["sft"]["final_mean"] == pytest.approx(0.2)
-    assert result[n5_high.name]["matched_kl"]["gap_vs_ppo"][0] == 1.0                # against PPO at 2.5
+    assert result[n5_high.name]["matched_kl"]["gap_vs_ppo"][0] == 1.0                # against PPO at 1.5
     verdicts = [line for line in lines if line.startswith("- KL ")]
     assert "(ratio 1.14: matched)" in verdicts[0] and "level (the interval holds 0)" in verdicts[0]
     assert "NOT matched" in verdicts[1] and "one seed: no interval" in verdicts[1]
