@@ -286,7 +286,7 @@ def test_score_at_kl_reads_the_curve_sorted_by_kl_by_hand():
 
 def test_the_kl_reading_pairs_fixed_beta_and_controlled_runs_by_seed_and_pools_them_by_hand(tmp_path):
     """real_kl's KL table: real_n5 against real_n1 and each controlled MA-PPO against its PPO, paired by seed at
-    each KL point where both runs passed through it, and `all` pooling every pair."""
+    each KL point where both runs passed through it, and `all` averaging each seed's pairs into one gap per seed."""
     args = argparse.Namespace(smooth=1, results_dir=str(tmp_path), report_only=True)
 
     def run(seed, points):
@@ -295,7 +295,8 @@ def test_the_kl_reading_pairs_fixed_beta_and_controlled_runs_by_seed_and_pools_t
                                ("real_n1", 2, [(0.6, 0.5), (0.8, 0.5)]), ("real_n5", 2, [(0.0, 0.0), (3.0, 0.9)])):
         study.write_record(study.record_path(args, name, seed), run(seed, points))
     n1, n5, _, _ = study.HYPOTHESES["real_kl"].configs
-    records = {n1.name: [run(1, [(0.4, 0.3), (1.2, 0.5)])], n5.name: [run(1, [(0.2, 0.6), (1.6, 0.6)])]}
+    records = {n1.name: [run(1, [(0.4, 0.3), (1.2, 0.5)]), run(2, [(0.0, 0.4), (1.0, 0.4)])],
+               n5.name: [run(1, [(0.2, 0.6), (1.6, 0.6)]), run(2, [(0.0, 0.5), (1.0, 0.5)])]}
     result = {}
     lines = study.kl_points_table(args, "real_kl", records, result)
     at = result["at_kl"]
@@ -304,11 +305,12 @@ def test_the_kl_reading_pairs_fixed_beta_and_controlled_runs_by_seed_and_pools_t
     assert at[fixed]["0.5"]["gap"][0] == pytest.approx(0.15 - 0.3)     # seed 1: 0.15 against 0.3
     assert at[fixed]["1.0"]["gap"][0] == pytest.approx(0.2 - 0.4) and at[fixed]["1.0"]["pairs"] == 1
     controlled = f"{n5.label} vs {n1.label}"
-    assert at[controlled]["0.5"]["gap"][0] == pytest.approx(0.6 - 0.325)
+    assert at[controlled]["0.5"]["gap"][0] == pytest.approx(((0.6 - 0.325) + 0.1) / 2)   # seeds 1 and 2
     assert "1.5" not in at[controlled]                                  # PPO stopped at 1.2
+    # `all`: seed 1's two pairs (fixed beta, controlled) averaged into one, then seed 2's: two seeds, not 3 pairs
     assert at["all"]["0.5"]["pairs"] == 2
-    assert at["all"]["0.5"]["gap"][0] == pytest.approx(((0.15 - 0.3) + (0.6 - 0.325)) / 2)
-    assert any(line.startswith("| all | 2, ") for line in lines)
+    assert at["all"]["0.5"]["gap"][0] == pytest.approx((((0.15 - 0.3) + (0.6 - 0.325)) / 2 + 0.1) / 2)
+    assert any(line.startswith("| all, one gap per seed | 2, ") for line in lines)
 
 
 def test_the_kl_picture_gives_each_method_one_colour_and_marks_the_controller(tmp_path):
