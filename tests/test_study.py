@@ -251,11 +251,15 @@ def test_matched_kl_pairs_each_method_with_ppo_at_its_own_target_by_hand(tmp_pat
         return {"seed": seed, "trace": [{"step": s, "kl": 99.0 if s <= 25 else kl, "beta": 0.1} for s in range(1, 31)],
                 "rows": [{"step": s, "eval/gold": v, "eval/rm": 0.0, "kl": 1.0, "macro/mean_len": 1.0,
                           "response/len": 20.0} for s, v in zip((10, 20, 30), curve)], "final": {"gold": golds, "rm": golds}}
-    n1, n5, n1_high, n5_high = study.HYPOTHESES["real_kl"].configs
-    assert (n5.partner, n5_high.partner) == (n1.name, n1_high.name) and n5.flag("--kl_target") == "0.7"
+    n1, n5, n1_high, n5_high, n1_beta, n5_beta = study.HYPOTHESES["real_kl"].configs
+    assert (n5.partner, n5_high.partner, n5_beta.partner) == (n1.name, n1_high.name, n1_beta.name)
+    assert n5.flag("--kl_target") == "0.7" and n5_beta.flag("--kl_target") is None
+    assert float(n5_beta.flag("--beta")) > float(n1_beta.flag("--beta", "0.05"))
     records = {n1.name: [run(1, [0.4, 0.4], 0.7, [0.3, 0.4, 0.5]), run(2, [0.6, 0.6], 0.7, [0.3, 0.3, 0.3])],
                n5.name: [run(2, [0.5, 0.5], 0.8, [0.5, 0.6, 0.6]), run(1, [0.5, 0.5], 0.8, [0.6, 0.6, 0.6])],
-               n1_high.name: [run(1, [0.0, 0.0], 2.5, [0.0] * 3)], n5_high.name: [run(1, [1.0, 1.0], 4.0, [1.0] * 3)]}
+               n1_high.name: [run(1, [0.0, 0.0], 2.5, [0.0] * 3)], n5_high.name: [run(1, [1.0, 1.0], 4.0, [1.0] * 3)],
+               n1_beta.name: [run(1, [0.2, 0.2], 1.0, [0.2] * 3), run(2, [0.4, 0.4], 0.6, [0.4] * 3)],
+               n5_beta.name: [run(1, [0.5, 0.5], 0.9, [0.5] * 3), run(2, [0.5, 0.5], 0.8, [0.5] * 3)]}
     study.write_record(study.record_path(argparse.Namespace(results_dir=str(tmp_path)), "real_sft", 0),
                        {"config": "real_sft", "final": {"gold": [0.1, 0.3]}})
     args = argparse.Namespace(smooth=1, results_dir=str(tmp_path), report_only=True)
@@ -268,9 +272,16 @@ def test_matched_kl_pairs_each_method_with_ppo_at_its_own_target_by_hand(tmp_pat
     assert result[n1.name]["matched_kl"]["reach"]["0.6"] == "never (0/2)"
     assert result["sft"]["final_mean"] == pytest.approx(0.2)
     assert result[n5_high.name]["matched_kl"]["gap_vs_ppo"][0] == 1.0                # against PPO at 1.5
-    verdicts = [line for line in lines if line.startswith("- KL ")]
+    verdicts = [line for line in lines if line.startswith(("- KL ", "- beta "))]
     assert "(ratio 1.14: matched)" in verdicts[0] and "level (the interval holds 0)" in verdicts[0]
     assert "NOT matched" in verdicts[1] and "one seed: no interval" in verdicts[1]
+    # the beta pair: MA-PPO's final KL 0.85 against PPO's 0.8, seed by seed +0.3 and +0.1
+    b = result[n5_beta.name]["matched_kl"]
+    assert b["held_at"] == f"beta {n5_beta.flag('--beta')}" and b["kl_ratio"] == pytest.approx(0.85 / 0.8)
+    assert b["gap_vs_ppo"][0] == pytest.approx(0.2) and b["gap_vs_ppo"][2] == 2
+    assert verdicts[2].startswith(f"- beta {n5_beta.flag('--beta')} (PPO at beta {n1_beta.flag('--beta')}): "
+                                  "final KL 0.85 against PPO's 0.80 (ratio 1.06: matched)")
+    assert f"| beta {n1_beta.flag('--beta')} | PPO (n=1), beta" in "\n".join(lines)
 
 
 def test_score_at_kl_reads_the_curve_sorted_by_kl_by_hand():
@@ -294,7 +305,7 @@ def test_the_kl_reading_pairs_fixed_beta_and_controlled_runs_by_seed_and_pools_t
     for name, seed, points in (("real_n1", 1, [(0.0, 0.2), (2.0, 0.6)]), ("real_n5", 1, [(0.0, 0.1), (2.0, 0.3)]),
                                ("real_n1", 2, [(0.6, 0.5), (0.8, 0.5)]), ("real_n5", 2, [(0.0, 0.0), (3.0, 0.9)])):
         study.write_record(study.record_path(args, name, seed), run(seed, points))
-    n1, n5, _, _ = study.HYPOTHESES["real_kl"].configs
+    n1, n5, *_ = study.HYPOTHESES["real_kl"].configs
     records = {n1.name: [run(1, [(0.4, 0.3), (1.2, 0.5)]), run(2, [(0.0, 0.4), (1.0, 0.4)])],
                n5.name: [run(1, [(0.2, 0.6), (1.6, 0.6)]), run(2, [(0.0, 0.5), (1.0, 0.5)])]}
     result = {}
