@@ -251,9 +251,14 @@ def test_matched_kl_pairs_each_method_with_ppo_at_its_own_target_by_hand(tmp_pat
         return {"seed": seed, "trace": [{"step": s, "kl": 99.0 if s <= 25 else kl, "beta": 0.1} for s in range(1, 31)],
                 "rows": [{"step": s, "eval/gold": v, "eval/rm": 0.0, "kl": 1.0, "macro/mean_len": 1.0,
                           "response/len": 20.0} for s, v in zip((10, 20, 30), curve)], "final": {"gold": golds, "rm": golds}}
-    n1, n5, n1_high, n5_high, n1_beta, n5_beta, *tries = study.HYPOTHESES["real_kl"].configs
+    configs = study.HYPOTHESES["real_kl"].configs
+    n1, n5, n1_high, n5_high, n1_beta, n5_beta, *tries = configs
     assert (n5.partner, n5_high.partner, n5_beta.partner) == (n1.name, n1_high.name, n1_beta.name)
-    assert tries and all(c.partner == n1_beta.name for c in tries)
+    ppo_before = [max((p for p in configs[:i] if p.partner is None), key=configs.index) for i, c in
+                  enumerate(configs) if c.partner]
+    assert [c.partner for c in configs if c.partner] == [p.name for p in ppo_before]   # each MA-PPO after its PPO
+    low = [c for c in tries if c.partner is None]      # the second level by beta: PPO's beta chosen, above 0.05
+    assert len(low) == 1 and float(low[0].flag("--beta")) > float(n1_beta.flag("--beta", "0.05"))
     assert n5.flag("--kl_target") == "0.7" and n5_beta.flag("--kl_target") is None
     assert float(n5_beta.flag("--beta")) > float(n1_beta.flag("--beta", "0.05"))
     records = {n1.name: [run(1, [0.4, 0.4], 0.7, [0.3, 0.4, 0.5]), run(2, [0.6, 0.6], 0.7, [0.3, 0.3, 0.3])],
