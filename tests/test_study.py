@@ -257,8 +257,9 @@ def test_matched_kl_pairs_each_method_with_ppo_at_its_own_target_by_hand(tmp_pat
     ppo_before = [[p for p in configs[:i] if p.partner is None][-1] for i, c in enumerate(configs) if c.partner]
     assert [c.partner for c in configs if c.partner] == [p.name for p in ppo_before]   # each MA-PPO after its PPO
     low = [c for c in tries if c.partner is None]      # the second level by beta: PPO's beta chosen, above 0.05
-    assert len(low) == 1 and float(low[0].flag("--beta")) > float(n1_beta.flag("--beta", "0.05"))
-    assert {c.flag("--beta") for c in configs if c.partner == low[0].name} == {"0.09", "0.12"}   # MA-PPO near KL 0.5
+    assert all(float(c.flag("--beta")) > float(n1_beta.flag("--beta", "0.05")) for c in low)
+    partners = {c.flag("--beta"): {m.flag("--beta") for m in configs if m.partner == c.name} for c in low}
+    assert partners == {"0.1": {"0.12"}, "0.08": {"0.09"}}   # MA-PPO near KL 0.5, each with the PPO that matches it
     assert n5.flag("--kl_target") == "0.7" and n5_beta.flag("--kl_target") is None
     assert float(n5_beta.flag("--beta")) > float(n1_beta.flag("--beta", "0.05"))
     records = {n1.name: [run(1, [0.4, 0.4], 0.7, [0.3, 0.4, 0.5]), run(2, [0.6, 0.6], 0.7, [0.3, 0.3, 0.3])],
