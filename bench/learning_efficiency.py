@@ -855,8 +855,9 @@ def report(args, hypothesis, records):
     base = h.configs[0]
     score, second = base.metrics
     lines = [f"### {hypothesis}: {h.question}", "",
-             f"| configuration | seeds | final {score} | final {second} | KL | first-half mean {score} | steps to PPO's "
-             f"final {score}: PPO / this [95% CI] | same for {second} | win rate vs PPO [95% CI] |", "|---" * 9 + "|"]
+             f"| configuration | seeds | final {score} | final {second} | KL | first-half mean {score} | steps to the first "
+             f"row's final {score}: it / this [95% CI] | same for {second} | win rate vs the first row [95% CI] |",
+             "|---" * 9 + "|"]
     result = {}
     base_runs = [r for r in records.get(base.name, []) if r]
     for config in h.configs:
