@@ -1,0 +1,175 @@
+"""Credit without a critic, as a specification: group baselines (GRPO, Dr. GRPO, RLOO), Monte Carlo values at
+macro-action starts (SPO-chain) and the sequence ratio (GSPO), each checked against a plain loop written from
+its paper."""
+import math
+
+import pytest
+import torch
+
+import macro_actions as ma
+
+GROUPS = [[1.0, 0.0, 0.0, 1.0], [0.5, -2.0, 3.0, 0.25], [2.0, 2.0, 2.0, 2.0]]     # 3 prompts x K = 4; one ties
+
+
+# --- plain-loop references ---------------------------------------------------------------------
+
+def group_loop(groups, norm):
+    """One group at a time, from the papers' formulas."""
+    out = []
+    for g in groups:
+        K, mean = len(g), sum(g) / len(g)
+        std = math.sqrt(sum((r - mean) ** 2 for r in g) / (K - 1))
+        for i, r in enumerate(g):
+            if std == 0:
+                out.append(0.0)                                     # a tie says nothing
+            elif norm == "std":
+                out.append((r - mean) / std)                        # GRPO
+            elif norm == "none":
+                out.append(r - mean)                                # Dr. GRPO
+            else:
+                out.append(r - sum(g[j] for j in range(K) if j != i) / (K - 1))    # RLOO
+    return out
+
+
+def spo_chain_loop(points, rewards, values, length):
+    """One response: segments begin at its points; A_k = (the segment's rewards) + V(next point) - V(point),
+    the last segment's V(next) being 0 (its score is in its rewards)."""
+    begin = [t for t in range(length) if points[t]]
+    adv = [0.0] * length
+    for k, a in enumerate(begin):
+        b = begin[k + 1] if k + 1 < len(begin) else length
+        next_value = values[b] if b < length else 0.0
+        for t in range(a, b):
+            adv[t] = sum(rewards[a:b]) + next_value - values[a]
+    return adv
+
+
+def batch(lengths, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    T = max(lengths)
+    mask = (torch.arange(T) < torch.tensor(lengths).unsqueeze(1)).long()
+    return mask, torch.randn(len(lengths), T, generator=g) * mask
+
+
+# --- group baselines ---------------------------------------------------------------------------
+
+@pytest.mark.parametrize("norm", ["std", "none", "loo"])
+def test_group_advantages_match_the_papers_formulas_on_hand_made_groups(norm):
+    scores = torch.tensor(GROUPS).flatten()
+    assert torch.allclose(ma.group_advantages(scores, 4, norm), torch.tensor(group_loop(GROUPS, norm)), atol=1e-6)
+
+
+def test_rloo_on_a_hand_worked_group():
+    """[1, 0, 0, 1]: each 1 is compared with the mean of (0, 0, 1) = 1/3, each 0 with (1, 0, 1) = 2/3."""
+    adv = ma.group_advantages(torch.tensor([1.0, 0.0, 0.0, 1.0]), 4, "loo")
+    assert torch.allclose(adv, torch.tensor([2 / 3, -2 / 3, -2 / 3, 2 / 3]))
+
+
+@pytest.mark.parametrize("norm", ["std", "none", "loo"])
+def test_a_group_whose_scores_tie_gets_exactly_zero(norm):
+    tied = torch.full((7,), 0.1)          # 0.1 seven times: R - mean is -7.5e-9 in float32, not 0, and std 8e-9
+    assert torch.equal(ma.group_advantages(tied, 7, norm), torch.zeros(7))
+
+
+def test_groups_are_independent_and_each_mean_baseline_sums_to_zero():
+    scores = torch.tensor(GROUPS).flatten()
+    other = scores.clone()
+    other[4:8] = torch.tensor([9.0, -1.0, 0.0, 7.0])
+    for norm in ("std", "none", "loo"):
+        a, b = ma.group_advantages(scores, 4, norm), ma.group_advantages(other, 4, norm)
+        assert torch.equal(a[:4], b[:4]) and torch.equal(a[8:], b[8:])
+        assert torch.allclose(a.view(3, 4).sum(-1), torch.zeros(3), atol=1e-6)
+
+
+def test_group_size_that_does_not_divide_the_batch_or_is_one_is_refused():
+    with pytest.raises(ValueError, match="group_size 3"):
+        ma.group_advantages(torch.zeros(8), 3)
+    with pytest.raises(ValueError, match="group_size 1"):
+        ma.group_advantages(torch.zeros(8), 1)
+    with pytest.raises(ValueError, match="choose std, none or loo"):
+        ma.group_advantages(torch.zeros(8), 4, "mean")
+
+
+# --- Monte Carlo values at macro starts (SPO-chain) --------------------------------------------
+
+def test_mc_points_keep_every_start_without_a_cap_and_evenly_spaced_ones_under_it():
+    mask, _ = batch([12, 3, 0])
+    starts = ma.fixed_ngram_starts(mask, 1)                   # 12, 3 and 0 starts
+    assert torch.equal(ma.mc_points(starts, mask, 0), starts)
+    assert torch.equal(ma.mc_points(starts, mask, 12), starts)
+    kept = ma.mc_points(starts, mask, 5)
+    # 12 starts in 5 runs: the first of each is start ceil(j * 12 / 5), j = 0..4; 3 starts under a cap of 5: all
+    assert kept[0].nonzero().flatten().tolist() == [math.ceil(j * 12 / 5) for j in range(5)] == [0, 3, 5, 8, 10]
+    assert kept[1].nonzero().flatten().tolist() == [0, 1, 2] and not kept[2].any()
+    assert torch.equal(ma.mc_points(starts, mask, 1), ma.fixed_ngram_starts(mask, None))    # the prompt alone
+
+
+def test_mc_points_are_a_subset_of_the_starts_with_the_first_always_kept():
+    mask, x = batch([7, 1, 12, 5], seed=3)
+    for starts in (ma.fixed_ngram_starts(mask, 2), ma.entropy_starts(x, mask, 0.3)):
+        for cap in (1, 2, 3, 100):
+            kept = ma.mc_points(starts, mask, cap)
+            assert not (kept & ~starts).any() and torch.equal(kept[:, 0], starts[:, 0])
+            assert torch.equal(kept.sum(-1), starts.sum(-1).clamp(max=cap))
+
+
+def test_mc_advantages_match_a_loop_over_segments():
+    mask, rewards = batch([7, 1, 12, 5])
+    _, values = batch([7, 1, 12, 5], seed=1)
+    for points in (ma.fixed_ngram_starts(mask, 1), ma.fixed_ngram_starts(mask, 3), ma.fixed_ngram_starts(mask, None)):
+        adv = ma.mc_advantages(values * points, rewards, mask, points)
+        for b, L in enumerate(mask.sum(-1).tolist()):
+            ref = spo_chain_loop(points[b].tolist(), rewards[b].tolist(), values[b].tolist(), L)
+            assert torch.allclose(adv[b, :L], torch.tensor(ref), atol=1e-6) and not adv[b, L:].any()
+
+
+def test_mc_values_from_a_deterministic_scorer_give_spo_chain_advantages():
+    """Each point's K continuations completed and scored by a fixed rule (the share of token 7 in the response):
+    V is their mean; with the score alone as reward, A_k = V(next point) - V(point), the last R - V(point), and a
+    row's advantages at its points sum to R - V(s_0) (the chain telescopes)."""
+    g = torch.Generator().manual_seed(5)
+    responses = [[7, 1, 7, 7, 2, 3, 7, 1], [2, 7, 3], [7, 7, 7, 1, 2, 7]]
+    T, K, cap = 8, 3, 2
+    mask = torch.tensor([[1] * len(r) + [0] * (T - len(r)) for r in responses])
+    ids = torch.tensor([r + [0] * (T - len(r)) for r in responses])
+    score = (lambda tokens: sum(t == 7 for t in tokens) / len(tokens))
+    points = ma.mc_points(ma.fixed_ngram_starts(mask, 2), mask, cap)
+    continuations, loop_values = [], {}
+    for b, t in points.nonzero().tolist():              # the order mc_values reads the scores in
+        conts = [responses[b][:t] + torch.randint(0, 9, (T - t,), generator=g).tolist() for _ in range(K)]
+        continuations += [score(c) for c in conts]
+        loop_values[b, t] = sum(score(c) for c in conts) / K
+    values = ma.mc_values(torch.tensor(continuations), points, K)
+    R = torch.tensor([score(r) for r in responses])
+    adv = ma.mc_advantages(values, ma.macro_rewards(torch.zeros(3, T), R, mask, points), mask, points)
+    for b, r in enumerate(responses):
+        begin = [t for t in range(len(r)) if points[b, t]]
+        for k, t in enumerate(begin):
+            assert values[b, t].item() == pytest.approx(loop_values[b, t])
+            after = loop_values[b, begin[k + 1]] if k + 1 < len(begin) else R[b].item()
+            assert adv[b, t].item() == pytest.approx(after - loop_values[b, t])
+        assert adv[b][points[b]].sum().item() == pytest.approx(R[b].item() - loop_values[b, 0])
+
+
+def test_mc_values_refuse_a_wrong_number_of_scores():
+    mask, _ = batch([4, 2])
+    points = ma.fixed_ngram_starts(mask, 2)                     # 3 points
+    with pytest.raises(ValueError, match="5 continuation scores for 3 points x 2"):
+        ma.mc_values(torch.zeros(5), points, 2)
+
+
+# --- the sequence ratio (GSPO) -----------------------------------------------------------------
+
+def test_sequence_ratio_is_gspo_length_normalised():
+    mask, log_w = batch([7, 1, 12, 5])
+    s = ma.sequence_log_ratio(log_w, mask)
+    for b, L in enumerate(mask.sum(-1).tolist()):
+        ref = math.exp(sum(log_w[b, :L].tolist()) / L)          # (pi / pi_old)^(1 / L), Eq. 7
+        assert torch.allclose(s[b, :L].exp(), torch.full((L,), ref)) and not s[b, L:].any()
+
+
+@pytest.mark.parametrize("n", [12, 50, None])
+def test_macro_ratio_with_n_at_least_the_length_is_the_unnormalised_sequence_ratio(n):
+    mask, log_w = batch([7, 1, 12, 5])
+    macro = ma.macro_sum(log_w * mask, ma.fixed_ngram_starts(mask, n)) * mask
+    assert torch.allclose(macro, ma.sequence_log_ratio(log_w, mask, length_normalized=False), atol=1e-6)
