@@ -173,3 +173,28 @@ def test_macro_ratio_with_n_at_least_the_length_is_the_unnormalised_sequence_rat
     mask, log_w = batch([7, 1, 12, 5])
     macro = ma.macro_sum(log_w * mask, ma.fixed_ngram_starts(mask, n)) * mask
     assert torch.allclose(macro, ma.sequence_log_ratio(log_w, mask, length_normalized=False), atol=1e-6)
+
+
+# --- continuations from macro starts (data.sample_continuations) -------------------------------
+
+def test_continuations_keep_their_prefix_and_continue_it_as_one_prompt_would(tiny_lm, tokenizer):
+    """top_k 1 makes sampling greedy: each continuation, batched with prefixes of every length (left-padded), equals
+    the greedy continuation of its own prefix alone, and its response keeps the first t tokens and R tokens at most."""
+    import data
+    prompts = ["\n\nHuman: how are you\n\nAssistant:", "hi", "\n\nHuman: tell me about the quick brown fox\n\nAssistant:"]
+    torch.manual_seed(2)
+    p_ids, p_mask, r_ids, r_mask, _ = data.sample(tiny_lm, tokenizer, prompts, 32, 10, temperature=1.0)
+    R = r_ids.shape[1]
+    points = ma.mc_points(ma.fixed_ngram_starts(r_mask, 3), r_mask, 3)
+    cp_ids, cp_mask, c_ids, c_mask = data.sample_continuations(tiny_lm, tokenizer, p_ids, p_mask, r_ids, points, 2,
+                                                               temperature=1.0, top_k=1)
+    assert c_ids.shape == (int(points.sum()) * 2, R) and torch.equal(cp_ids, p_ids[points.nonzero()[:, 0].repeat_interleave(2)])
+    for i, (b, t) in enumerate(points.nonzero().repeat_interleave(2, dim=0).tolist()):
+        prefix = torch.cat([p_ids[b][p_mask[b].bool()], r_ids[b, :t]]).unsqueeze(0)
+        alone = tiny_lm.generate(input_ids=prefix, attention_mask=torch.ones_like(prefix), max_new_tokens=R - t,
+                                 do_sample=False, pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
+        tail, tail_mask = data.cut_after_eos(alone[:, prefix.shape[1]:], tokenizer.eos_token_id, tokenizer.pad_token_id)
+        expected = tail[0][tail_mask[0].bool()].tolist()
+        n = int(c_mask[i].sum())
+        assert torch.equal(c_ids[i, :t], r_ids[b, :t]) and c_mask[i, :n].all() and not c_mask[i, n:].any()
+        assert c_ids[i, t:n].tolist() == expected and 0 < n - t <= R - t
