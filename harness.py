@@ -421,7 +421,7 @@ def build_default(accelerator, task, sft_path, rm_path=None, sft_args="", rm_arg
 
 class Stopwatch:
     """Seconds spent per phase of an iteration: `with clock.phase(name):` around it, or `lap(name)` to close the
-    phase that just ended."""
+    phase that just ended; a phase timed in two parts adds them up."""
 
     def __init__(self):
         self.t0 = self.last = time.time()
@@ -429,7 +429,7 @@ class Stopwatch:
 
     def lap(self, name):
         now = time.time()
-        self.laps[name] = now - self.last
+        self.laps[name] = self.laps.get(name, 0.0) + now - self.last
         self.last = now
 
     @contextlib.contextmanager

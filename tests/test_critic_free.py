@@ -198,3 +198,145 @@ def test_continuations_keep_their_prefix_and_continue_it_as_one_prompt_would(tin
         n = int(c_mask[i].sum())
         assert torch.equal(c_ids[i, :t], r_ids[b, :t]) and c_mask[i, :n].all() and not c_mask[i, n:].any()
         assert c_ids[i, t:n].tolist() == expected and 0 < n - t <= R - t
+
+
+# --- the objective: token, macro and sequence ratios -------------------------------------------
+
+def gspo_loop(logp, old_logp, adv, mask, clip, normalized=True):
+    """One ratio per response, s_i = exp(sum_t log w_t / L_i) (or without / L_i), one clipped term each, the mean
+    over responses (Zheng et al. 2025, Eq. 5-7); the advantage of the response's first token."""
+    terms = []
+    for b in range(len(mask)):
+        L = int(mask[b].sum())
+        log_s = sum(logp[b, t] - old_logp[b, t] for t in range(L)) / (L if normalized else 1)
+        s, a = torch.exp(log_s), adv[b, 0]
+        terms.append(-torch.min(s * a, s.clamp(1 - clip, 1 + clip) * a))
+    return torch.stack(terms).mean()
+
+
+def ratio_batch():
+    mask, _ = batch([7, 1, 12, 5])
+    g = torch.Generator().manual_seed(4)
+    old = -torch.rand(mask.shape, generator=g) * mask
+    logp = (old + 0.05 * torch.randn(mask.shape, generator=g)) * mask
+    adv = torch.randn(len(mask), 1, generator=g) * mask           # one advantage per response, as a group's
+    return logp.requires_grad_(), old, adv, mask.float()
+
+
+@pytest.mark.parametrize("clip", [0.2, 0.01])
+def test_sequence_ratio_loss_and_gradient_are_gspo(clip):
+    logp, old, adv, mask = ratio_batch()
+    loss, _, _ = ma.clipped_policy_loss(logp, old, adv, mask, mask.bool(), clip, "sequence")
+    ref = gspo_loop(logp, old, adv, mask, clip)
+    assert torch.allclose(loss, ref, atol=1e-6)
+    assert torch.allclose(torch.autograd.grad(loss, logp)[0], torch.autograd.grad(ref, logp)[0], atol=1e-6)
+
+
+def test_macro_ratio_with_n_at_least_the_length_is_the_unnormalised_sequence_ratio_loss():
+    logp, old, adv, mask = ratio_batch()
+    for n in (12, 0):
+        loss, _, _ = ma.clipped_policy_loss(logp, old, adv, mask, ma.fixed_ngram_starts(mask, n), 0.2, "macro")
+        assert torch.allclose(loss, gspo_loop(logp, old, adv, mask, 0.2, normalized=False), atol=1e-6)
+
+
+def test_macro_ratio_at_n1_is_the_token_ratio():
+    logp, old, _, mask = ratio_batch()
+    adv = torch.randn(mask.shape, generator=torch.Generator().manual_seed(6)) * mask     # per-token advantages
+    starts = ma.fixed_ngram_starts(mask, 1)
+    macro, _, _ = ma.clipped_policy_loss(logp, old, adv, mask, starts, 0.2, "macro")
+    token, _, _ = ma.clipped_policy_loss(logp, old, adv, mask, starts, 0.2, "token")
+    assert torch.equal(macro, token)
+    assert torch.equal(torch.autograd.grad(macro, logp)[0], torch.autograd.grad(token, logp)[0])
+
+
+# --- ppo.py: --advantage group | mc, no critic -------------------------------------------------
+
+def ppo_args(tiny_models, out, **flags):
+    import ppo
+    return ppo.PPOArgs(sft_path=str(tiny_models / "sft"), rm_path=str(tiny_models / "rm"), output_dir=str(out),
+                       rollout_batch_size=4, mini_batch_size=2, max_prompt_len=16, max_response_len=8, n_eval_prompts=4,
+                       plot=False, **flags)
+
+
+def metrics_of(out):
+    import json
+    return [json.loads(line) for line in open(out / "metrics.jsonl")]
+
+
+@pytest.mark.launch
+def test_group_rollout_samples_each_prompt_k_times_in_adjacent_rows(tiny_models, tmp_path, monkeypatch):
+    """--rollout_batch_size 4 --group_size 2: two prompts, each twice, side by side (data.sample, spied on)."""
+    import data
+    import ppo
+    asked, sample = [], data.sample
+    monkeypatch.setattr(data, "sample", lambda model, tokenizer, prompts, *a, **k: asked.append(prompts) or
+                        sample(model, tokenizer, prompts, *a, **k))
+    ppo.main(ppo_args(tiny_models, tmp_path, steps=1, advantage="group", group_size=2))
+    prompts = asked[0]
+    assert len(prompts) == 4 and prompts[0] == prompts[1] != prompts[2] == prompts[3]
+
+
+@pytest.mark.launch
+@pytest.mark.parametrize("flags", [
+    {"advantage": "group"}, {"advantage": "group", "group_norm": "none", "ratio": "macro"},
+    {"advantage": "group", "group_norm": "loo", "ratio": "sequence", "kl_estimator": "k3"},
+    {"advantage": "mc", "mc_points": 2, "mc_rollouts": 2},
+    {"advantage": "mc", "mc_points": 0, "mc_rollouts": 1, "termination": "ppl", "ratio": "sequence"},
+    {"advantage": "mc", "mc_rollouts": 2, "termination": "parsing", "ratio": "macro", "lora_r": 4},
+    {"advantage": "group", "group_size": 2, "lora_r": 4, "termination": "randomized"},
+])
+def test_every_advantage_kind_runs_without_a_critic(tiny_models, tmp_path, flags):
+    import ppo
+    ppo.main(ppo_args(tiny_models, tmp_path, steps=1, **flags))
+    [row] = metrics_of(tmp_path)
+    assert all(v == v for v in row.values())                                       # no NaN
+    assert not {"loss/value", "value/explained_variance", "q/l2"} & row.keys()       # nothing of a critic
+    if flags["advantage"] == "mc":
+        cap = flags.get("mc_points", 4) or float("inf")
+        assert 1 <= row["mc/points"] <= min(cap, row["response/len"]) and row["time/mc"] > 0
+
+
+@pytest.mark.launch
+@pytest.mark.parametrize("kind", ["group", "mc"])
+def test_no_critic_is_checkpointed_and_a_resume_is_exact(tiny_models, tmp_path, kind):
+    import ppo
+    from stages import comparable
+    flags = {"advantage": kind, "mc_rollouts": 2, "mc_points": 2, "group_size": 2, "eval_every": 1000}
+    ppo.main(ppo_args(tiny_models, tmp_path / "whole", steps=4, **flags))
+    ppo.main(ppo_args(tiny_models, tmp_path / "split", steps=2, save_every=2, **flags))
+    checkpoint = tmp_path / "split" / "checkpoint"
+    state = torch.load(checkpoint / "trainer_state.pt", weights_only=False)
+    assert (checkpoint / "policy").exists() and not [p for p in checkpoint.iterdir() if "critic" in p.name]
+    assert "policy_opt" in state and not [k for k in state if "critic" in k]
+    ppo.main(ppo_args(tiny_models, tmp_path / "split", steps=4, resume=True, **flags))
+    whole, split = metrics_of(tmp_path / "whole"), metrics_of(tmp_path / "split")
+    assert len(split) == 4 and [comparable(r) for r in split] == [comparable(r) for r in whole]
+
+
+@pytest.mark.launch
+@pytest.mark.parametrize("kind", ["group", "mc"])
+def test_the_code_task_runs_its_programs_for_every_sample_and_continuation(tiny_models, tmp_path, kind):
+    """The execution reward (sandbox.py) scores the rollout and, under mc, every continuation."""
+    import ppo
+    ppo.main(ppo_args(tiny_models, tmp_path, steps=1, task="code", advantage=kind, group_size=2, mc_rollouts=2,
+                      mc_points=2))
+    [row] = metrics_of(tmp_path)
+    assert "reward/exec" in row and "reward/pass_rate" in row and "loss/value" not in row
+
+
+@pytest.mark.parametrize("flags,message", [
+    ({"advantage": "group", "group_size": 3}, "--group_size 3: at least 2 samples per prompt, and a divisor of "
+                                              "--rollout_batch_size 4"),
+    ({"advantage": "group", "group_size": 1}, "--group_size 1"),
+    ({"advantage": "mc", "mc_rollouts": 0}, "--mc_rollouts 0"),
+    ({"advantage": "mc", "critic_warmup": 2}, "no critic to warm up (--critic_warmup)"),
+    ({"advantage": "group", "reward": "segment"}, "not --reward segment"),
+    ({"advantage": "critic"}, "--advantage 'critic': choose from 'gae', 'group', 'mc'"),
+    ({"group_norm": "mean"}, "--group_norm 'mean': choose from 'std', 'none', 'loo'"),
+    ({"ratio": "seq"}, "--ratio 'seq': choose from 'token', 'macro', 'sequence'"),
+])
+def test_bad_settings_are_refused_at_start_naming_the_flag(tiny_models, tmp_path, flags, message):
+    import ppo
+    with pytest.raises(SystemExit) as stop:
+        ppo.resolve(ppo_args(tiny_models, tmp_path, **flags))
+    assert message in str(stop.value)
