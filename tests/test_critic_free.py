@@ -2,6 +2,7 @@
 macro-action starts (SPO-chain) and the sequence ratio (GSPO), each checked against a plain loop written from
 its paper."""
 import math
+import os
 
 import pytest
 import torch
@@ -340,3 +341,57 @@ def test_bad_settings_are_refused_at_start_naming_the_flag(tiny_models, tmp_path
     with pytest.raises(SystemExit) as stop:
         ppo.resolve(ppo_args(tiny_models, tmp_path, **flags))
     assert message in str(stop.value)
+
+
+@pytest.mark.launch
+def test_two_processes_hold_one_processs_groups_whole_and_stay_in_sync(tiny_models, tmp_path, monkeypatch):
+    """Under `accelerate launch` with 2 processes of 4 samples, group: each iteration's groups are those of one
+    process with 8 samples, every group whole on one rank (the ranks' prompts together are the one process's, in
+    order), and the advantages each rank computes on its own rows are those of all the rows at once. The sampled
+    responses differ (each process draws its own random numbers, as under gae); mc runs too. Both end in sync."""
+    import json
+    import subprocess
+    import data
+    import ppo
+    from stages import LAUNCH
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    flags = ["--sft_path", str(tiny_models / "sft"), "--rm_path", str(tiny_models / "rm"), "--mini_batch_size", "2",
+             "--max_prompt_len", "16", "--max_response_len", "8", "--n_eval_prompts", "4", "--eval_every", "1000",
+             "--plot", "false", "--steps", "2", "--group_size", "2", "--mc_rollouts", "2", "--mc_points", "2"]
+    lines = [["ppo.py", *flags, "--advantage", kind, "--rollout_batch_size", "4", "--output_dir", str(tmp_path / kind)]
+             for kind in ("group", "mc")]
+    proc = subprocess.run([*LAUNCH, "tests/critic_free_ranks.py", str(tmp_path), json.dumps(lines)], cwd=root,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    ranks = [torch.load(tmp_path / f"0.{r}.pt", weights_only=False) for r in (0, 1)]
+    asked, sample = [], data.sample           # one process, 8 samples: the same seed, the same prompt order
+    monkeypatch.setattr(data, "sample", lambda model, tokenizer, prompts, *a, **k: asked.append(list(prompts)) or
+                        sample(model, tokenizer, prompts, *a, **k))
+    ppo.main(ppo_args(tiny_models, tmp_path / "one", steps=2, advantage="group", group_size=2, rollout_batch_size=8,
+                      eval_every=1000))
+    for step in range(2):
+        assert ranks[0]["prompts"][step] + ranks[1]["prompts"][step] == asked[step]
+        (s0, a0), (s1, a1) = ranks[0]["groups"][step], ranks[1]["groups"][step]
+        assert torch.equal(ma.group_advantages(torch.cat([s0, s1]), 2), torch.cat([a0, a1]))
+    for i in (0, 1):
+        assert "2 process(es)" in (tmp_path / f"{i}.0.txt").read_text()
+        assert "ranks in sync: True" in (tmp_path / f"{i}.0.txt").read_text()
+
+
+def test_the_prepared_study_arms_parse_and_pair_each_with_its_tasks_ppo():
+    """bench/learning_efficiency.py's CRITIC_FREE: six arms a task, PPO first, every other paired with it by seed, each
+    command line one ppo.py parses, every arm at the task's KL target."""
+    import sys
+    from transformers import HfArgumentParser
+    import ppo
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench"))
+    import learning_efficiency as study
+    for name, h in study.CRITIC_FREE.items():
+        base, *arms = h.configs
+        assert base.is_ppo and len(arms) == 5 and all(a.partner == base.name and a.task == base.task for a in arms)
+        kinds = set()
+        for c in h.configs:
+            args = HfArgumentParser(ppo.PPOArgs).parse_args_into_dataclasses(c.argv("sft"))[0]
+            assert args.kl_target == float(study.CRITIC_FREE_KL[c.task][0])
+            kinds.add((args.advantage, args.ratio))
+        assert kinds == {("gae", "token"), ("group", "token"), ("group", "macro"), ("group", "sequence"), ("mc", "token")}
