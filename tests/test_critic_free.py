@@ -254,9 +254,9 @@ def test_macro_ratio_at_n1_is_the_token_ratio():
 
 def ppo_args(tiny_models, out, **flags):
     import ppo
-    return ppo.PPOArgs(sft_path=str(tiny_models / "sft"), rm_path=str(tiny_models / "rm"), output_dir=str(out),
-                       rollout_batch_size=4, mini_batch_size=2, max_prompt_len=16, max_response_len=8, n_eval_prompts=4,
-                       plot=False, **flags)
+    return ppo.PPOArgs(**{"sft_path": str(tiny_models / "sft"), "rm_path": str(tiny_models / "rm"), "output_dir": str(out),
+                          "rollout_batch_size": 4, "mini_batch_size": 2, "max_prompt_len": 16, "max_response_len": 8,
+                          "n_eval_prompts": 4, "plot": False, **flags})
 
 
 def metrics_of(out):
