@@ -6,7 +6,7 @@ Monte Carlo estimation point costs.
     python bench/critic_free_cost.py --recipe real --sft_path runs/smollm2/sft --rm_path runs/smollm2/rm --steps 3
 
 Arms, each the real ppo.py loop in a subprocess of its own, so that its peak RSS (VmHWM: loading and training) is
-its own: gae (MA-PPO n=5 and its critic), group (--group_size 4: a quarter of the prompts, 4 samples each) and mc
+its own (on a GPU also its peak allocated GPU memory): gae (MA-PPO n=5 and its critic), group (--group_size 4: a quarter of the prompts, 4 samples each) and mc
 (4 continuations from each of at most 1, 2 or 4 macro starts per response). Every arm scores --rollout_batch_size
 samples per iteration (mc scores its continuations on top). Held-out evaluation and the final report are left out.
 The table gives the median over the iterations after the first (warm-up). mc's cost per point is time/mc (sampling
@@ -70,8 +70,9 @@ def main():
               *RECIPES[cli.recipe][1]]
     samples = RECIPES[cli.recipe][0]
     print(f"\nrecipe {cli.recipe}, median of iterations 2..{cli.steps}\n")
-    print("| arm | iteration s | generate s | mc s | update s | points / response | mc s / point | peak RSS MB |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("| arm | iteration s | generate s | mc s | update s | points / response | mc s / point | peak RSS MB | "
+          "GPU peak GB |")
+    print("|---|---|---|---|---|---|---|---|---|")
     per_point = {}
     for i, (name, flags) in enumerate(ARMS):
         rows, peak = run_arm(common + flags, os.path.join(tmp, f"arm{i}"))
@@ -80,8 +81,9 @@ def main():
         if n_points:
             per_point[n_points] = med("time/mc")
         cost = f"{med('time/mc') / n_points:.3f}" if n_points else ""
+        gpu = f"{max(r['memory/peak_gb'] for r in rows):.2f}" if "memory/peak_gb" in rows[0] else "-"
         print(f"| {name} | {med('time/step'):.2f} | {med('time/generate'):.2f} | {med('time/mc'):.2f} | "
-              f"{med('time/update'):.2f} | {med('mc/points'):.2f} | {cost} | {peak:.0f} |", flush=True)
+              f"{med('time/update'):.2f} | {med('mc/points'):.2f} | {cost} | {peak:.0f} | {gpu} |", flush=True)
     if len(per_point) >= 2:
         (a, ta), (b, tb) = min(per_point.items()), max(per_point.items())
         print(f"\nmc: one more estimation point (4 continuations, sampled and scored) costs "
