@@ -51,6 +51,7 @@ class PPOArgs:
     kl_estimator: str = field(default="k1", metadata={"help": "per-token KL: k1 = logp - logp_ref | k3 = (r - 1) - log r, r = p_ref / p", "choices": ("k1", "k3")})
     kl_target: float = field(default=0.0, metadata={"help": "adaptive KL controller (Ziegler et al. 2019): per-sequence KL to hold; 0 = fixed --beta"})
     kl_horizon: int = field(default=10000, metadata={"help": "adaptive KL controller: its horizon in samples (larger = slower)"})
+    kl_penalty: str = field(default="reward", metadata={"help": "where the KL goes: reward (-beta * KL per token) | loss (beta * k3, GRPO)", "choices": ("reward", "loss")})
     clip: float = field(default=0.2, metadata={"help": "policy ratio clip range"})
     value_clip: float = field(default=0.2, metadata={"help": "value clip range"})
     gamma: float = field(default=1.0, metadata={"help": "discount"})
@@ -280,10 +281,11 @@ def advantages_of(args, token_rewards, response_mask, starts, values, points=Non
 
 
 def ppo_losses(logp, old_logp, values, old_values, advantages, returns, response_mask, starts, *,
-               clip=0.2, value_clip=0.2, ratio="token"):
-    """6. The clipped policy loss (token, macro or sequence ratio: `macro_actions.clipped_policy_loss`) and the
-    clipped value loss (None without a critic: `values` None), and their stats. Every tensor [B, R];
-    `response_mask` 1.0 on real response tokens, `starts` where macro actions begin."""
+               clip=0.2, value_clip=0.2, ratio="token", ref_logp=None, kl_coef=0.0):
+    """6. The clipped policy loss (token, macro or sequence ratio: `macro_actions.clipped_policy_loss`; with
+    `ref_logp`, --kl_penalty loss: plus `kl_coef` times the mean k3 to the reference) and the clipped value loss
+    (None without a critic: `values` None), and their stats. Every tensor [B, R]; `response_mask` 1.0 on real
+    response tokens, `starts` where macro actions begin."""
     pg_loss, ratios, log_ratio = ma.clipped_policy_loss(logp, old_logp, advantages, response_mask, starts, clip, ratio)
     vf_loss = None
     if values is not None:      # clipped value loss around the rollout's values (value clip 0.2, App. B.2 / Table 5)
@@ -292,6 +294,11 @@ def ppo_losses(logp, old_logp, values, old_values, advantages, returns, response
     stats = {"policy/clipfrac": ma.masked_mean(((ratios - 1).abs() > clip).float(), response_mask),
              "policy/approxkl": ma.masked_mean(0.5 * log_ratio ** 2, response_mask),
              "policy/ratio": ma.masked_mean(ratios, response_mask)}
+    if ref_logp is not None:    # GRPO (Shao et al. 2024, Eq. 4): k3 = e^u - u - 1, u = log pi_ref - log pi, in the loss
+        u = (ref_logp - logp) * response_mask
+        stats["loss/kl"] = ma.masked_mean(torch.exp(u) - u - 1, response_mask)
+        pg_loss = pg_loss + kl_coef * stats["loss/kl"]
+        stats["loss/kl"] = stats["loss/kl"].detach()
     return pg_loss, vf_loss, stats
 
 
@@ -308,12 +315,14 @@ class UpdateSettings:
     temperature: float = 0.8
 
 
-def ppo_update(policy, critic, batch, hp, *, train_policy, reused, generator, prompt_width, step, output_dir):
+def ppo_update(policy, critic, batch, hp, *, train_policy, reused, generator, prompt_width, step, output_dir,
+               kl_coef=0.0):
     """6. PPO epochs over minibatches: the clipped policy and value losses, the policy and the critic (their
     harness.Trained bundles; `critic` None under --advantage group / mc: no value loss) each stepping its own
     optimizer; value-only updates while not `train_policy` (the critic warm-up). `batch`: the rollout's tensors by
     name, rows first; `hp`: UpdateSettings; `reused`: step 2's (logprobs, values) with their graphs
-    (`fused_update`), or None: every minibatch runs its own forwards. Returns the stats of every minibatch."""
+    (`fused_update`), or None: every minibatch runs its own forwards; `kl_coef`: beta, with the batch's ref_logp
+    (--kl_penalty loss). Returns the stats of every minibatch."""
     trained = [t for t in (policy, critic) if t is not None]
     for t in trained:
         t.model.train()
@@ -342,7 +351,8 @@ def ppo_update(policy, critic, batch, hp, *, train_policy, reused, generator, pr
                     harness.release_freed_memory(b["ids"].device)        # the forwards' temporaries
                 pg_loss, vf_loss, s = ppo_losses(logp, b["old_logp"], values, b.get("old_values"), b["advantages"],
                                                  b.get("returns"), b["response_mask"], b["starts"], clip=hp.clip,
-                                                 value_clip=hp.value_clip, ratio=hp.ratio)
+                                                 value_clip=hp.value_clip, ratio=hp.ratio, ref_logp=b.get("ref_logp"),
+                                                 kl_coef=kl_coef)
                 losses = [pg_loss] + ([] if critic is None else [vf_loss])
                 harness.stop_unless_finite(policy.accelerator, f"loss at iteration {step}", output_dir, *losses)
                 scale = hp.grad_accum / group      # backward divides by grad_accum: a mean over the group
@@ -650,7 +660,7 @@ def main(args):
                 score = score + penalty
                 log_r = old_logp - ref_logp
                 kl = log_r if args.kl_estimator == "k1" else (torch.exp(-log_r) - 1) + log_r    # k1 or k3
-                kl_rewards = -beta * kl * response_mask
+                kl_rewards = -beta * kl * response_mask if args.kl_penalty == "reward" else torch.zeros_like(kl)
                 harness.stop_unless_finite(acc, f"reward at iteration {step}", args.output_dir, kl_rewards, score)
             with clock.phase("macro"):
                 # 4. Macro actions (§3.2.1): which response tokens begin one
@@ -679,10 +689,11 @@ def main(args):
                 # 6. PPO update: epochs over minibatches; value-only while the critic warms up
                 batch = {"ids": ids, "attention_mask": attention_mask, "old_logp": old_logp, "advantages": advantages,
                          "response_mask": response_mask, "starts": starts,
-                         **({} if critic is None else {"old_values": old_values, "returns": returns})}
+                         **({} if critic is None else {"old_values": old_values, "returns": returns}),
+                         **({"ref_logp": ref_logp} if args.kl_penalty == "loss" else {})}
                 stats = ppo_update(policy, critic, batch, s.update, train_policy=step >= args.critic_warmup,
                                    reused=(logp, values) if reuse else None, generator=generator, prompt_width=P,
-                                   step=step, output_dir=args.output_dir)
+                                   step=step, output_dir=args.output_dir, kl_coef=beta)
                 logp = values = None        # step 2's graphs (if reused) not kept into the next rollout
             # 7. Log (means over every process), evaluate on held-out prompts, checkpoint
             means = harness.mean_over_processes(acc, iteration_metrics(Iteration(

@@ -25,6 +25,7 @@ CHOICE_FLAGS = {
     ("ppo.py", "ratio"): ("token", "macro", "sequence"),
     ("ppo.py", "advantage"): ("gae", "group", "mc"),
     ("ppo.py", "group_norm"): ("std", "none", "loo"),
+    ("ppo.py", "kl_penalty"): ("reward", "loss"),
     ("ppo.py", "kl_estimator"): ("k1", "k3"),
     ("ppo.py", "report_to"): ("none", "tensorboard", "wandb"),
     ("reward_model.py", "unit"): ("sequence", "segment", "token"),

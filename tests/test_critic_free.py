@@ -250,6 +250,22 @@ def test_macro_ratio_at_n1_is_the_token_ratio():
     assert torch.equal(torch.autograd.grad(macro, logp)[0], torch.autograd.grad(token, logp)[0])
 
 
+def test_kl_in_the_loss_is_grpos_k3_term_with_its_gradient():
+    """--kl_penalty loss: the policy loss gains beta * the token mean of k3 = e^u - u - 1, u = log pi_ref - log pi
+    (Shao et al. 2024, Eq. 4), written here one token at a time."""
+    import ppo
+    logp, old, adv, mask = ratio_batch()
+    ref = old - 0.3 * torch.rand(mask.shape, generator=torch.Generator().manual_seed(8)) * mask
+    starts = mask.bool()
+    plain = ppo.ppo_losses(logp, old, None, None, adv, None, mask, starts)[0]
+    with_kl, _, stats = ppo.ppo_losses(logp, old, None, None, adv, None, mask, starts, ref_logp=ref, kl_coef=0.04)
+    k3 = [torch.exp(ref[b, t] - logp[b, t]) - (ref[b, t] - logp[b, t]) - 1
+          for b in range(len(mask)) for t in range(int(mask[b].sum()))]
+    expected = plain + 0.04 * torch.stack(k3).mean()
+    assert torch.allclose(with_kl, expected) and torch.allclose(stats["loss/kl"], torch.stack(k3).mean())
+    assert torch.allclose(torch.autograd.grad(with_kl, logp)[0], torch.autograd.grad(expected, logp)[0])
+
+
 # --- ppo.py: --advantage group | mc, no critic -------------------------------------------------
 
 def ppo_args(tiny_models, out, **flags):
@@ -285,6 +301,7 @@ def test_group_rollout_samples_each_prompt_k_times_in_adjacent_rows(tiny_models,
     {"advantage": "mc", "mc_points": 0, "mc_rollouts": 1, "termination": "ppl", "ratio": "sequence"},
     {"advantage": "mc", "mc_rollouts": 2, "termination": "parsing", "ratio": "macro", "lora_r": 4},
     {"advantage": "group", "group_size": 2, "lora_r": 4, "termination": "randomized"},
+    {"advantage": "group", "kl_penalty": "loss"}, {"advantage": "mc", "mc_rollouts": 2, "kl_penalty": "loss"},
 ])
 def test_every_advantage_kind_runs_without_a_critic(tiny_models, tmp_path, flags):
     import ppo
@@ -295,6 +312,22 @@ def test_every_advantage_kind_runs_without_a_critic(tiny_models, tmp_path, flags
     if flags["advantage"] == "mc":
         cap = flags.get("mc_points", 4) or float("inf")
         assert 1 <= row["mc/points"] <= min(cap, row["response/len"]) and row["time/mc"] > 0
+
+
+@pytest.mark.launch
+def test_kl_penalty_loss_takes_the_kl_out_of_the_rewards_and_into_the_loss(tiny_models, tmp_path):
+    """Iteration 2 (the policy has moved): under --kl_penalty reward the rewards hold -beta * KL beside the score,
+    under loss they hold the score alone and the loss logs its k3."""
+    import ppo
+    rows = {}
+    for where in ("reward", "loss"):
+        ppo.main(ppo_args(tiny_models, tmp_path / where, steps=2, advantage="group", kl_penalty=where, beta=0.5,
+                          policy_lr=0.05))
+        rows[where] = metrics_of(tmp_path / where)[1]
+    reward, loss = rows["reward"], rows["loss"]
+    assert reward["kl"] != 0 and loss["kl"] != 0 and "loss/kl" not in reward and loss["loss/kl"] > 0
+    assert reward["reward/total"] == pytest.approx(reward["reward/rm"] - 0.5 * reward["kl"], abs=1e-4)
+    assert loss["reward/total"] == pytest.approx(loss["reward/rm"], abs=1e-5)
 
 
 @pytest.mark.launch
