@@ -428,3 +428,22 @@ def test_the_prepared_study_arms_parse_and_pair_each_with_its_tasks_ppo():
             assert args.kl_target == float(study.CRITIC_FREE_KL[c.task][0])
             kinds.add((args.advantage, args.ratio))
         assert kinds == {("gae", "token"), ("group", "token"), ("group", "macro"), ("group", "sequence"), ("mc", "token")}
+
+
+@pytest.mark.launch
+@pytest.mark.parametrize("kind", ["group", "mc"])
+def test_one_minibatch_reuses_the_policys_scoring_forward_without_a_critic(tiny_models, tmp_path, monkeypatch, kind):
+    """One epoch over one minibatch: the update takes its rows of step 2's policy forward (there is no critic's);
+    the numbers of two iterations are those of separate forwards."""
+    import ppo
+    from stages import comparable
+
+    def run(out):
+        ppo.main(ppo_args(tiny_models, out, steps=2, mini_batch_size=4, advantage=kind, group_size=2, mc_rollouts=2))
+        return [comparable(r) for r in metrics_of(out)]
+
+    fused_update, taken = ppo.fused_update, []
+    monkeypatch.setattr(ppo, "fused_update", lambda *a: taken.append(fused_update(*a)) or taken[-1])
+    fused = run(tmp_path / "fused")
+    monkeypatch.setattr(ppo, "fused_update", lambda *a: False)
+    assert taken == [True, True] and fused == run(tmp_path / "separate")
