@@ -54,24 +54,24 @@ class EvalArgs:
     judge_model: str = field(default="gpt-4", metadata={"help": "llm: model name sent to the endpoint"})
     judge_key_env: str = field(default="OPENAI_API_KEY", metadata={"help": "llm: environment variable holding the API key"})
     judge_template: str = field(default="", metadata={"help": "llm: tldr | hh | webgpt (default: from --task; chitchat uses hh)", "choices": ("", "tldr", "hh", "webgpt")})
-    judge_timeout: float = field(default=60.0, metadata={"help": "llm: seconds per request"})
-    judge_retries: int = field(default=4, metadata={"help": "llm: retries with exponential backoff (1, 2, 4 ... s)"})
+    judge_timeout: float = field(default=60.0, metadata={"help": "llm: seconds per request", "metavar": "(0, inf)"})
+    judge_retries: int = field(default=4, metadata={"help": "llm: retries with exponential backoff (1, 2, 4 ... s)", "metavar": "[0, inf)"})
     judge_mode: str = field(default="text", metadata={"help": "llm: text (the template's answer format) | logprobs (one letter; its probability read from top_logprobs, for small judges)", "choices": ("text", "logprobs")})
-    judge_max_tokens: int = field(default=96, metadata={"help": "llm, text mode: the longest answer asked for (max_tokens)"})
-    judge_min_answered: float = field(default=0.5, metadata={"help": "llm: fewer usable verdicts than this fraction of the items is an error (exit 1)"})
-    n_prompts: int = field(default=256, metadata={"help": "held-out prompts evaluated"})
-    max_prompt_len: int = field(default=48, metadata={"help": "prompt tokens kept"})
-    max_response_len: int = field(default=0, metadata={"help": "generated tokens at most; 0 = the task's default (64 for count, else 32)"})
+    judge_max_tokens: int = field(default=96, metadata={"help": "llm, text mode: the longest answer asked for (max_tokens)", "metavar": "[1, inf)"})
+    judge_min_answered: float = field(default=0.5, metadata={"help": "llm: fewer usable verdicts than this fraction of the items is an error (exit 1)", "metavar": "[0, 1]"})
+    n_prompts: int = field(default=256, metadata={"help": "held-out prompts evaluated", "metavar": "[1, inf)"})
+    max_prompt_len: int = field(default=48, metadata={"help": "prompt tokens kept", "metavar": "[1, inf)"})
+    max_response_len: int = field(default=0, metadata={"help": "generated tokens at most; 0 = the task's default (64 for count, else 32)", "metavar": "[0, inf)"})
     chat_template: bool = field(default=False, metadata={"help": "render prompts with the tokenizer's own chat template (instruct models); off: the raw HH / TL;DR formats of the paper's base models. Use the same choice in every stage"})
-    temperature: float = field(default=0.8, metadata={"help": "sampling temperature"})
+    temperature: float = field(default=0.8, metadata={"help": "sampling temperature", "metavar": "(0, inf)"})
     ns: str = field(default="1,4,8,16", metadata={"help": "best_of_n: values of N"})
     temperatures: str = field(default="0.4,0.8,1.2", metadata={"help": "best_of_n: sampling temperatures"})
     runs: list[str] = field(default_factory=list, metadata={"help": "curves: LABEL=GLOB items, one run folder (metrics.jsonl) per seed"})
     metrics: str = field(default="eval/rm,eval/gold", metadata={"help": "curves: metrics plotted (adv/l2,q/l2 for Fig. 11)"})
     results: str = field(default="", metadata={"help": "passk: JSONL rows {policy, difficulty, n, correct} instead of sampling --policies"})
-    samples: int = field(default=10, metadata={"help": "passk: samples per problem (the estimator's n; at least the largest k)"})
+    samples: int = field(default=10, metadata={"help": "passk: samples per problem (the estimator's n; at least the largest k)", "metavar": "[1, inf)"})
     ks: str = field(default="1,5", metadata={"help": "passk: values of k"})
-    seed: int = field(default=1234, metadata={"help": "sampling and response-order seed"})
+    seed: int = field(default=1234, metadata={"help": "sampling and response-order seed", "metavar": "[0, inf)"})
     output_dir: str = field(default="runs/eval", metadata={"help": "where results are written"})
 
 
@@ -772,7 +772,7 @@ def main(argv=None):
         HfArgumentParser(EvalArgs).print_help()
         sys.exit(0 if not argv or argv[0] in ("-h", "--help") else f"error: unknown command {argv[0]!r}")
     args = HfArgumentParser(EvalArgs).parse_args_into_dataclasses(argv[1:])[0]
-    harness.check_choices(args)
+    harness.check_flags(args)
     unknown = [j for j in args.judges.split(",") if j not in JUDGES]
     if unknown:
         sys.exit(f"error: --judges {args.judges!r}: {unknown[0]!r} is not a judge; choose from {', '.join(JUDGES)}, "
