@@ -253,8 +253,8 @@ PPO = ["--rollout_batch_size", "8", "--mini_batch_size", "2", "--max_prompt_len"
 
 def zero_main(out):
     """Under a 2-process DeepSpeed launch of configs/zero2.yaml: --grad_accum 3 under ZeRO-2 and ZeRO-3 (sft.py and
-    reward_model.py 1 step, ppo.py 1 iteration of 4 minibatches), each with its checkpoint; then under ZeRO-2 sft.py
-    --bf16 at lr 1e-5: 1 step and --resume to 2, and 2 at once."""
+    reward_model.py 1 step, ppo.py 1 iteration of 4 minibatches), each with its checkpoint; then under ZeRO-2 ppo.py
+    --bf16 at lr 1e-5: 1 iteration and --resume to 2, and 2 at once."""
     from accelerate.state import AcceleratorState, GradientState
     from stages import run_stage
 
@@ -273,10 +273,12 @@ def zero_main(out):
         stage("ppo.py", *PPO, "--grad_accum", "3", "--sft_path", sft, "--rm_path", rm,
               "--output_dir", os.path.join(base, "ppo"))
     os.environ["ACCELERATE_DEEPSPEED_ZERO_STAGE"] = "2"
-    bf16 = [*TINY, "--bf16", "--lr", "1e-5", "--warmup_ratio", "0"]
-    stage("sft.py", *bf16, "--max_steps", "1", "--output_dir", os.path.join(out, "bf16_resumed"))
-    stage("sft.py", *bf16, "--max_steps", "2", "--output_dir", os.path.join(out, "bf16_resumed"), "--resume")
-    stage("sft.py", *bf16, "--max_steps", "2", "--output_dir", os.path.join(out, "bf16_whole"))
+    base = os.path.join(out, "zero2")
+    bf16 = [*PPO[:-2], "--bf16", "--policy_lr", "1e-5", "--critic_lr", "1e-5", "--sft_path", os.path.join(base, "sft"),
+            "--rm_path", os.path.join(base, "rm")]
+    stage("ppo.py", *bf16, "--steps", "1", "--output_dir", os.path.join(out, "bf16_resumed"))
+    stage("ppo.py", *bf16, "--steps", "2", "--output_dir", os.path.join(out, "bf16_resumed"), "--resume")
+    stage("ppo.py", *bf16, "--steps", "2", "--output_dir", os.path.join(out, "bf16_whole"))
 
 
 def adam_steps(shard):
@@ -326,14 +328,15 @@ def test_grad_accum_3_makes_the_adamw_steps_it_means_under_zero(zero_launch, zer
 
 @pytest.mark.launch
 def test_a_zero2_bf16_resume_keeps_the_fp32_master_weights_of_an_uninterrupted_run(zero_launch):
-    """1 + 1 steps at lr 1e-5 under bf16 end with the fp32 masters (and AdamW moments) of 2 at once: the resume
-    loads the masters saved in the shards instead of rebuilding them from the bf16 weights."""
-    for rank in (0, 1):
-        resumed, whole = (torch.load(zero_launch / run / "checkpoint" / "optimizer_shards" / f"optimizer.rank{rank}.pt",
-                                     weights_only=False) for run in ("bf16_resumed", "bf16_whole"))
-        masters = [(a, b) for a, b in zip(resumed["single_partition_of_fp32_groups"],
-                                          whole["single_partition_of_fp32_groups"])]
-        assert masters and all(torch.equal(a, b) for a, b in masters), rank
+    """ppo.py --bf16 at lr 1e-5, 1 + 1 iterations: the fp32 masters (and AdamW moments) of the policy and the critic
+    equal those of 2 at once; the resume loads the masters saved in the shards instead of rebuilding them from
+    the bf16 weights (which lost the updates below bf16's resolution: most of them at this lr)."""
+    for name in ("policy_opt", "critic_opt"):
+        for rank in (0, 1):
+            resumed, whole = (torch.load(zero_launch / run / "checkpoint" / "optimizer_shards" / f"{name}.rank{rank}.pt",
+                                         weights_only=False) for run in ("bf16_resumed", "bf16_whole"))
+            masters = list(zip(resumed["single_partition_of_fp32_groups"], whole["single_partition_of_fp32_groups"]))
+            assert masters and all(torch.equal(a, b) for a, b in masters), (name, rank)
 
 
 def fsdp_main(out):
