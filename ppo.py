@@ -2,14 +2,14 @@
 
     accelerate launch ppo.py --n 5       # builds (or reuses) runs/chitchat/{sft,rm}, then trains MA-PPO
 
-Read top to bottom: the arguments; the helpers, in the order of the steps they serve (the forwards and
-the `Scorer` of step 2, the terminations of step 4, the rewards of step 5, the losses and `ppo_update` of
-step 6, the metrics of step 7); the setup (derived settings, models, data, optimizers, the scorer); then
-`main()`, whose loop is the paper's Algorithm 1 as numbered steps: 1. rollout, 2. score, 3. rewards,
-4. macro actions, 5. advantages, 6. PPO update, 7. log; and `finish()`: the final policy and its report.
-The plumbing (accelerators, Ctrl-C / SIGTERM, checkpoints, the run log, building the default models)
-lives in harness.py, the held-out evaluation and the final report in evaluate.py, the macro-action math
-in macro_actions.py.
+Read top to bottom: the arguments; the helpers, in the order of the steps they serve (the forwards of
+step 2, the rewards of step 5, the losses and `ppo_update` of step 6, the metrics of step 7); the setup
+(derived settings, models, data, optimizers, the scorer); then `main()`, whose loop is the paper's
+Algorithm 1 as numbered steps: 1. rollout, 2. score, 3. rewards, 4. macro actions, 5. advantages, 6. PPO
+update, 7. log; and `finish()`: the final policy and its report. Elsewhere: the macro-action math
+(terminations, macro GAE, the clipped macro loss) in macro_actions.py, the score of step 2 in
+reward_model.py (`Scorer`) and segment_rewards.py, the plumbing (accelerators, Ctrl-C / SIGTERM,
+checkpoints, the run log, the default models) in harness.py, the held-out evaluation in evaluate.py.
 """
 import os
 import sys
@@ -182,52 +182,6 @@ def reference_logprobs(ref, accelerator, policy, ids, attention_mask, prompt_wid
         return response_logprobs(ref, ids, attention_mask, prompt_width, temperature, t1_entropy=t1_entropy)
     with harness.unwrap(accelerator, policy).disable_adapter():
         return response_logprobs(policy, ids, attention_mask, prompt_width, temperature, t1_entropy=t1_entropy)
-
-
-class Scorer:
-    """2. The sequence score of a rollout batch, of the one kind (`name`, logged as reward/<name>) chosen at setup:
-      exec     the program run against its tests (App. B.5): code tasks
-      gold     the task's gold judge reading the response: a verifiable reward
-      rm       the reward model's head at the last real token; a segment / token RM's score is e(x, y), the mean
-               of its segment rewards (Yin et al. 2025, Table 1's segment as bandit)
-      segment  a segment / token RM's rewards (Yin et al. 2025, §2): its head at each segment's last token,
-               normalized at its location, spread over the segment's tokens as `dense` rewards
-    `segment_settings` (`segment_rewards.segment_settings`): where the rollout's segments are cut, or None; `segment_rm`: the
-    reward model is a segment / token RM; `score_norm`: (mean, std) that standardize the RM's score, or None."""
-
-    def __init__(self, name, tokenizer, *, task=None, reward_model=None, segment_settings=None, segment_rm=False,
-                 seg_norm="regression", seg_interp="even", score_norm=None):
-        self.name, self.tokenizer, self.task, self.reward_model = name, tokenizer, task, reward_model
-        self.segment_settings, self.seg_norm, self.score_norm = segment_settings, seg_norm, score_norm
-        self.reads_segments = name == "segment" or (name == "rm" and segment_rm)
-        self.seg_interp = "bandit" if name == "rm" else seg_interp      # e(x, y) as one reward at the last token
-
-    def segments(self, response_ids, response_mask, sft_entropy):
-        """(starts, inside) [B, R] of the rollout's segments, cut as the RM's training cut its own (the SFT
-        entropy at temperature 1); (None, None) without segment settings."""
-        return sr.rollout_segments(self.segment_settings, response_ids, response_mask, self.tokenizer.eos_token_id,
-                                   sft_entropy)
-
-    def __call__(self, ids, attention_mask, prompt_width, rows, seg_starts=None, inside=None):
-        """(score [B], dense per-token rewards [B, R] or None, passed [B] (every test passed) or None, stats) of the
-        rollout [B, P + R]; `rows`: its problems (prompt, tests); `seg_starts`, `inside`: from `segments`."""
-        if self.name in ("exec", "gold"):
-            texts = self.tokenizer.batch_decode(ids[:, prompt_width:], skip_special_tokens=True)
-        if self.name == "exec":     # App. B.5: the compiler / test signal of running prefix + response
-            score, passed = map(torch.tensor, sandbox.execution_reward(rows, texts))
-            return score.to(ids.device), None, passed, {}
-        if self.name == "gold":     # a verifiable reward: the gold judge reads the whole response
-            return torch.tensor(data.gold(self.task, data.judged_prompts(rows), texts), device=ids.device), None, None, {}
-        head = rm.token_values(self.reward_model, ids, attention_mask)       # the RM's head at every position
-        dense, stats = None, {}
-        if self.reads_segments:                     # the head at each segment's end; e(x, y), their mean
-            dense, score, stats = sr.segment_rewards(head[:, prompt_width:], seg_starts, inside, self.segment_settings,
-                                                     self.seg_norm, self.seg_interp)
-        else:                                       # the head at the last real token
-            score = rm.last_token(head, attention_mask)
-        if self.score_norm is not None:     # Yin et al. 2025, §2.1: the RM's score over its calibration mean and std
-            score = (score - self.score_norm[0]) / self.score_norm[1]
-        return score, dense, None, stats
 
 
 def token_rewards_of(kl_rewards, score, response_mask, starts, agg="sum", dense=None, penalty=None, clip=0.0):
@@ -479,7 +433,7 @@ class Setup:
     critic: harness.Trained
     ref: object                     # the frozen SFT model; None under LoRA (the policy with its adapters off)
     reward_model: object            # frozen; None for code tasks
-    scorer: Scorer
+    scorer: rm.Scorer
     rows: list                      # training prompts (one row per prompt)
     eval_rows: list                 # held-out prompts
     segmenter: object               # a segment / token RM's held-out e(x, y) (segment_rewards.segmenter) or None
@@ -518,7 +472,7 @@ def setup(args, code_task, accelerators):
     score_norm = score_normalizer(acc, args.rm_path, reward_model, tokenizer, segmenter, task=args.task,
                                   chat_template=args.chat_template, max_prompt_len=args.max_prompt_len,
                                   max_response_len=args.max_response_len) if args.rm_norm else None
-    scorer = Scorer("exec" if code_task else args.reward, tokenizer, task=args.task, reward_model=reward_model,
+    scorer = rm.Scorer("exec" if code_task else args.reward, tokenizer, task=args.task, reward_model=reward_model,
                     segment_settings=settings, segment_rm=own is not None, seg_norm=args.seg_norm,
                     seg_interp=args.seg_interp, score_norm=score_norm)
     update = UpdateSettings(args.ppo_epochs, args.mini_batch_size, args.grad_accum, args.clip, args.value_clip,

@@ -7,7 +7,8 @@ The RM is `AutoModelForSequenceClassification(num_labels=1)` initialised from th
 its loss is -log sigmoid(r(x, y+) - r(x, y-)) (Ouyang et al. 2022, Eq. 1), its score the head's
 output at the last real token of prompt + response. Reported: held-out pairwise accuracy, and on
 tasks with a gold judge (chitchat, count) the agreement of the RM with it on pairs of SFT samples
-(the distribution PPO will show it). `score()` and `token_values()` are what ppo.py and evaluate.py use.
+(the distribution PPO will show it). `score()` and `token_values()` are what ppo.py and evaluate.py use;
+`Scorer` is ppo.py's step 2, one call whatever the score (the RM, a gold judge, running the program, a segment RM).
 
 `--unit segment` (Yin et al. 2025) reads the same head at the last token of each segment of the
 response (segments from the SFT model's entropy; `--unit token`: one token each), scores a response
@@ -25,6 +26,7 @@ import torch.nn.functional as F
 
 import data
 import harness
+import sandbox
 import segment_rewards as sr
 
 
@@ -184,6 +186,52 @@ def read_score_normalizer(rm_path):
     if std <= 0:
         sys.exit(f"error: {path}: field 'std' must be positive, got {std}")
     return mean, std
+
+
+class Scorer:
+    """ppo.py's step 2: the sequence score of a rollout batch, of the one kind (`name`, logged as reward/<name>) chosen at setup:
+      exec     the program run against its tests (App. B.5): code tasks
+      gold     the task's gold judge reading the response: a verifiable reward
+      rm       the reward model's head at the last real token; a segment / token RM's score is e(x, y), the mean
+               of its segment rewards (Yin et al. 2025, Table 1's segment as bandit)
+      segment  a segment / token RM's rewards (Yin et al. 2025, §2): its head at each segment's last token,
+               normalized at its location, spread over the segment's tokens as `dense` rewards
+    `segment_settings` (`segment_rewards.segment_settings`): where the rollout's segments are cut, or None; `segment_rm`: the
+    reward model is a segment / token RM; `score_norm`: (mean, std) that standardize the RM's score, or None."""
+
+    def __init__(self, name, tokenizer, *, task=None, reward_model=None, segment_settings=None, segment_rm=False,
+                 seg_norm="regression", seg_interp="even", score_norm=None):
+        self.name, self.tokenizer, self.task, self.reward_model = name, tokenizer, task, reward_model
+        self.segment_settings, self.seg_norm, self.score_norm = segment_settings, seg_norm, score_norm
+        self.reads_segments = name == "segment" or (name == "rm" and segment_rm)
+        self.seg_interp = "bandit" if name == "rm" else seg_interp      # e(x, y) as one reward at the last token
+
+    def segments(self, response_ids, response_mask, sft_entropy):
+        """(starts, inside) [B, R] of the rollout's segments, cut as the RM's training cut its own (the SFT
+        entropy at temperature 1); (None, None) without segment settings."""
+        return sr.rollout_segments(self.segment_settings, response_ids, response_mask, self.tokenizer.eos_token_id,
+                                   sft_entropy)
+
+    def __call__(self, ids, attention_mask, prompt_width, rows, seg_starts=None, inside=None):
+        """(score [B], dense per-token rewards [B, R] or None, passed [B] (every test passed) or None, stats) of the
+        rollout [B, P + R]; `rows`: its problems (prompt, tests); `seg_starts`, `inside`: from `segments`."""
+        if self.name in ("exec", "gold"):
+            texts = self.tokenizer.batch_decode(ids[:, prompt_width:], skip_special_tokens=True)
+        if self.name == "exec":     # App. B.5: the compiler / test signal of running prefix + response
+            score, passed = map(torch.tensor, sandbox.execution_reward(rows, texts))
+            return score.to(ids.device), None, passed, {}
+        if self.name == "gold":     # a verifiable reward: the gold judge reads the whole response
+            return torch.tensor(data.gold(self.task, data.judged_prompts(rows), texts), device=ids.device), None, None, {}
+        head = token_values(self.reward_model, ids, attention_mask)       # the RM's head at every position
+        dense, stats = None, {}
+        if self.reads_segments:                     # the head at each segment's end; e(x, y), their mean
+            dense, score, stats = sr.segment_rewards(head[:, prompt_width:], seg_starts, inside, self.segment_settings,
+                                                     self.seg_norm, self.seg_interp)
+        else:                                       # the head at the last real token
+            score = last_token(head, attention_mask)
+        if self.score_norm is not None:     # Yin et al. 2025, §2.1: the RM's score over its calibration mean and std
+            score = (score - self.score_norm[0]) / self.score_norm[1]
+        return score, dense, None, stats
 
 
 def main(args):
