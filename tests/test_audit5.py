@@ -134,6 +134,19 @@ def test_clip_gradients_returns_the_norm_and_clips_only_above_max_norm():
             assert torch.allclose(p.grad, g * scale, rtol=1e-5)
 
 
+@pytest.mark.launch
+def test_ppo_logs_the_gradient_norms_it_clips_with(tiny_models, tmp_path):
+    """--max_grad_norm 1e-3 on the tiny models: each step's norm before clipping is logged, well above the bound."""
+    from accelerate.state import AcceleratorState
+    import ppo
+    AcceleratorState._reset_state()
+    ppo.main(ppo.PPOArgs(sft_path=str(tiny_models / "sft"), rm_path=str(tiny_models / "rm"), output_dir=str(tmp_path),
+                         max_grad_norm=1e-3, steps=1, rollout_batch_size=4, mini_batch_size=2, max_response_len=8,
+                         n_eval_prompts=4, plot=False, task="count"))
+    row = json.loads(open(tmp_path / "metrics.jsonl").readline())
+    assert row["policy/grad_norm"] > 1e-3 and row["value/grad_norm"] > 1e-3, row
+
+
 # ---------------------------------------------------------------------------------------------
 # 8. accelerate's behaviour beyond its documented API, pinned
 # ---------------------------------------------------------------------------------------------
@@ -327,6 +340,15 @@ def test_grad_accum_3_makes_the_adamw_steps_it_means_under_zero(zero_launch, zer
                                weights_only=False)
             counts = adam_steps(shard)
             assert counts and set(counts) == {steps}, (run, name, rank, counts)
+
+
+@pytest.mark.launch
+@pytest.mark.parametrize("zero", ["2", "3"])
+def test_ppo_logs_each_models_gradient_norm_under_zero_as_elsewhere(zero_launch, zero):
+    """The norm before clipping, read from the DeepSpeed engine that clipped (harness.clip_gradients), logged under
+    the names a one-process run logs (test_ppo_logs_the_gradient_norms_it_clips_with)."""
+    row = json.loads(open(zero_launch / f"zero{zero}" / "ppo" / "metrics.jsonl").readline())
+    assert all(math.isfinite(row[k]) and row[k] > 0 for k in ("policy/grad_norm", "value/grad_norm")), row
 
 
 @pytest.mark.launch
