@@ -450,14 +450,22 @@ def in_range(value, interval):
 
 
 def check_ranges(args):
-    """Every numeric flag of a stage's arguments dataclass declares its range as its metavar ("metavar": "[1, inf)"
+    """Every numeric flag of a stage's arguments dataclass (and every number of a list flag such as "1,4,8")
+    declares its range as its metavar ("metavar": "[1, inf)"
     in the field's metadata, which HfArgumentParser hands to argparse: `--help` shows it as the flag's value): a
     value outside it stops the run at start, naming the flag, its value and its range, also when the dataclass
     was built in Python (instead of a ZeroDivisionError or an IndexError mid-run, or a silent misreading such
     as --n -5 run as 5)."""
     for f in dataclasses.fields(args):
         interval, value = f.metadata.get("metavar"), getattr(args, f.name)
-        if interval is not None and not in_range(value, interval):
+        if interval is None:
+            continue
+        numbers = value.split(",") if isinstance(value, str) else [value]     # a list flag: "1,4,8"
+        try:
+            inside = all(in_range(float(x), interval) for x in numbers)
+        except ValueError:
+            inside = False
+        if not inside:
             sys.exit(f"error: --{f.name} {value!r}: outside its range {interval}")
 
 
