@@ -40,7 +40,7 @@ class RMArgs:
     batch_size: int = field(default=32, metadata={"help": "preference pairs per process per micro-step", "metavar": "[1, inf)"})
     grad_accum: int = field(default=1, metadata={"help": "micro-steps per optimizer step", "metavar": "[1, inf)"})
     max_grad_norm: float = field(default=0.0, metadata={"help": "clip the gradients' global L2 norm to this (every engine alike); 0 = never", "metavar": "[0, inf)"})
-    lr: float = field(default=1e-3, metadata={"help": "peak learning rate (~5e-6 for Gemma-2B)", "metavar": "(0, inf)"})
+    lr: float = field(default=1e-3, metadata={"help": "peak learning rate (~5e-6 for Gemma-2B)", "metavar": "[0, inf)"})
     warmup_ratio: float = field(default=0.05, metadata={"help": "fraction of the steps spent warming up, then cosine decay", "metavar": "[0, 1]"})
     max_steps: int = field(default=200, metadata={"help": "optimizer steps; 0 = `epochs` passes over the RM split", "metavar": "[0, inf)"})
     epochs: float = field(default=1.0, metadata={"help": "passes over the RM split when max_steps is 0", "metavar": "(0, inf)"})

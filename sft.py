@@ -32,7 +32,7 @@ class SFTArgs:
     batch_size: int = field(default=32, metadata={"help": "examples per process per micro-step", "metavar": "[1, inf)"})
     grad_accum: int = field(default=1, metadata={"help": "micro-steps per optimizer step", "metavar": "[1, inf)"})
     max_grad_norm: float = field(default=0.0, metadata={"help": "clip the gradients' global L2 norm to this (every engine alike); 0 = never", "metavar": "[0, inf)"})
-    lr: float = field(default=2e-3, metadata={"help": "peak learning rate (the tiny model trains from scratch; ~1e-5 for Gemma-2B)", "metavar": "(0, inf)"})
+    lr: float = field(default=2e-3, metadata={"help": "peak learning rate (the tiny model trains from scratch; ~1e-5 for Gemma-2B)", "metavar": "[0, inf)"})
     warmup_ratio: float = field(default=0.05, metadata={"help": "fraction of the steps spent warming up, then cosine decay", "metavar": "[0, 1]"})
     weight_decay: float = field(default=0.0, metadata={"help": "AdamW weight decay", "metavar": "[0, inf)"})
     max_steps: int = field(default=400, metadata={"help": "optimizer steps; 0 = `epochs` passes over the SFT split", "metavar": "[0, inf)"})

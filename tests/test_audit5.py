@@ -261,9 +261,12 @@ def test_bf16_kl_is_exactly_0_at_the_first_iteration(tiny_models, tmp_path):
     from accelerate.state import AcceleratorState
     import ppo
     AcceleratorState._reset_state()         # this run's own mixed precision (as tests/launched_stages.py)
-    ppo.main(ppo.PPOArgs(sft_path=str(tiny_models / "sft"), rm_path=str(tiny_models / "rm"), output_dir=str(tmp_path),
-                         bf16=True, steps=1, rollout_batch_size=4, mini_batch_size=4, max_response_len=8,
-                         n_eval_prompts=4, plot=False, task="count"))
+    try:
+        ppo.main(ppo.PPOArgs(sft_path=str(tiny_models / "sft"), rm_path=str(tiny_models / "rm"), output_dir=str(tmp_path),
+                             bf16=True, steps=1, rollout_batch_size=4, mini_batch_size=4, max_response_len=8,
+                             n_eval_prompts=4, plot=False, task="count"))
+    finally:
+        AcceleratorState._reset_state()     # the next test's accelerator starts without bf16
     row = json.loads(open(tmp_path / "metrics.jsonl").readline())
     assert row["kl"] == 0.0
 
