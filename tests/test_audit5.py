@@ -380,7 +380,8 @@ def test_a_zero2_bf16_resume_keeps_the_fp32_master_weights_of_an_uninterrupted_r
 
 def fsdp_main(out):
     """Under a 2-process FSDP2 launch (tests/fsdp_cpu.py, --fsdp_reshard_after_forward false): whether each FSDP
-    module reshards after forward, before and after a generation inside harness.generation_model."""
+    module reshards after forward, before and after a generation inside harness.generation_model; then the
+    gradient norm harness.clip_gradients reports and clips to, against the whole gradient's."""
     import sft
     acc = harness.make_accelerator()
     tokenizer = sft.train_tokenizer(["the quick brown fox jumps over the lazy dog"] * 20, vocab_size=300)
@@ -397,12 +398,20 @@ def fsdp_main(out):
         unwrapped.generate(input_ids=torch.ones(1, 3, dtype=torch.long), max_new_tokens=3, do_sample=False,
                            pad_token_id=tokenizer.pad_token_id)
     result = {"before": before, "after": reshards(), "launch": acc.state.fsdp_plugin.reshard_after_forward}
+
+    def full_norm():     # every rank's shards of every gradient, gathered
+        return torch.cat([p.grad.full_tensor().flatten() for p in model.parameters() if p.grad is not None]).norm().item()
+    model.train()
+    acc.backward(model(input_ids=torch.ones(2, 4, dtype=torch.long), labels=torch.ones(2, 4, dtype=torch.long)).loss)
+    whole = full_norm()
+    result["norm"] = [harness.clip_gradients(acc, model, 0.0), whole]             # reported, nothing clipped
+    result["clipped"] = [harness.clip_gradients(acc, model, whole / 2), full_norm(), whole / 2]
     if acc.is_main_process:
         json.dump(result, open(os.path.join(out, "fsdp.json"), "w"))
 
 
 @pytest.mark.launch
-def test_fsdp2_gets_the_launchs_reshard_setting_back_after_generation(tmp_path):
+def test_fsdp2_gets_the_launchs_reshard_setting_back_after_generation_and_clips_the_whole_gradient(tmp_path):
     from test_scale import free_port
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", "configs/fsdp.yaml",
            "--fsdp_reshard_after_forward", "false", "--num_processes", "2", "--mixed_precision", "no",
@@ -413,6 +422,11 @@ def test_fsdp2_gets_the_launchs_reshard_setting_back_after_generation(tmp_path):
     result = json.load(open(tmp_path / "fsdp.json"))
     assert result["launch"] is False and result["before"] and not any(result["before"])
     assert result["after"] == result["before"]
+    # --max_grad_norm under FSDP2: the norm of the whole gradient (every rank's shards), clipped to the bound
+    reported, whole = result["norm"]
+    assert reported == pytest.approx(whole, rel=1e-5) and whole > 0
+    reported, after, bound = result["clipped"]
+    assert reported == pytest.approx(whole, rel=1e-5) and after == pytest.approx(bound, rel=1e-4)
 
 
 if __name__ == "__main__":
