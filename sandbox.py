@@ -895,7 +895,7 @@ def _join(cgroup_fds):
         os.close(fd)
 
 
-def _isolate(uid, cgroup_fds):
+def _isolate(uid, cgroup_fds, tmp_mb=64):
     """In the new namespaces, still root there: join the run's cgroup, a fresh session keyring, then a new
     root: a tmpfs holding only the standard library and the shared libraries read-only, /dev/null, /dev/zero,
     /dev/urandom and a private tmpfs /tmp with the working folder; then (as root on the host) the
@@ -940,7 +940,7 @@ def _isolate(uid, cgroup_fds):
         if os.path.islink(link):
             os.symlink(os.readlink(link), root + link)
     os.mkdir(root + "/tmp")
-    mount("tmpfs", root + "/tmp", "tmpfs", nosuid | nodev, "size=64m,mode=1777")
+    mount("tmpfs", root + "/tmp", "tmpfs", nosuid | nodev, f"size={tmp_mb}m,mode=1777")   # the inputs are here too
     os.mkdir(root + "/tmp/work", 0o700)
     os.chdir(root)
     if libc.syscall(155, b".", b".") != 0:                   # pivot_root(".", "."): the old root on top
@@ -984,7 +984,10 @@ DENIED_SYSCALLS = ("add_key", "request_key", "keyctl", "ptrace", "mount", "umoun
                    "io_setup", "io_destroy", "io_submit", "io_cancel", "io_getevents", "io_pgetevents",
                    "io_uring_enter", "io_uring_register", "pidfd_open", "pidfd_getfd", "pidfd_send_signal",
                    "statfs", "fstatfs", "ustat", "quotactl_fd", "clock_adjtime", "memfd_secret", "kcmp",
-                   "process_madvise", "process_mrelease")
+                   "process_madvise", "process_mrelease",
+                   # a memfd's inode number comes from one counter of the host's, which every memfd, shared
+                   # mapping and SysV segment of the host moves (the run's own files are in its /tmp instead)
+                   "memfd_create")
 # Calls that would make the host's disk work for a run (sync() wrote back 64 MiB of the trainer's dirty pages).
 # Everything a run may write is in memory (its tmpfs /tmp, memfds), where they do nothing: they return 0 untouched.
 PRETENDED_SYSCALLS = ("sync", "syncfs", "fsync", "fdatasync", "sync_file_range", "msync")
@@ -1012,8 +1015,8 @@ AF_NETLINK, NETLINK_KOBJECT_UEVENT = 16, 15
 # (counts the network namespaces the host has made: one per run, a training clock), SO_PEERPIDFD (a pidfd)
 SOL_SOCKET, HOST_COUNTER_SOCKOPTS = 1, (57, 71, 77)
 STATX_MNT_IDS = (0x1000, 0x4000)                             # statx's mount id and unique mount id (see NEWER_DENIED)
-# the hugetlb page pool is the host's: mmap MAP_HUGETLB, memfd_create MFD_HUGETLB, shmget SHM_HUGETLB
-MAP_HUGETLB, MFD_HUGETLB, SHM_HUGETLB = 0x40000, 4, 0o4000
+# the hugetlb page pool is the host's: mmap MAP_HUGETLB, shmget SHM_HUGETLB (memfd_create is denied)
+MAP_HUGETLB, SHM_HUGETLB = 0x40000, 0o4000
 F_SETFL = 4                                                  # O_DIRECT (open, openat, fcntl): reads from the host's
                                                              # disk past its cache, a lever on its I/O and a probe
 
@@ -1077,7 +1080,6 @@ def _seccomp():
     rules += [(eperm, number("getsockopt"), (1, eq, SOL_SOCKET, 0), (2, eq, option, 0)) for option in HOST_COUNTER_SOCKOPTS]
     rules += [(eperm, number("statx"), (3, masked_eq, bit, bit)) for bit in STATX_MNT_IDS]
     rules += [(eperm, number("mmap"), (3, masked_eq, MAP_HUGETLB, MAP_HUGETLB)),
-              (eperm, number("memfd_create"), (1, masked_eq, MFD_HUGETLB, MFD_HUGETLB)),
               (eperm, number("shmget"), (2, masked_eq, SHM_HUGETLB, SHM_HUGETLB))]
     direct = getattr(os, "O_DIRECT", 0)
     if direct:
@@ -1095,7 +1097,7 @@ def _set_limits(limits, rlimit_nproc=True, open_already=0):
     # limit to its hard one and ignore SIGXCPU, never pass the hard one (SIGKILL).
     cpu = max(1, -int(-limits["cpu_seconds"] // 1)) + 1
     memory, size, nproc = limits["memory_mb"] << 20, limits["output_bytes"], limits["processes"]
-    files = limits.get("open_files", 256) + open_already          # the inputs' memfds do not count
+    files = limits.get("open_files", 256) + open_already          # the inputs' files do not count
     for name, value in [(resource.RLIMIT_CPU, (cpu, cpu)), (resource.RLIMIT_AS, (memory, memory)),
                         (resource.RLIMIT_FSIZE, (size, size)), (resource.RLIMIT_CORE, (0, 0)),
                         (resource.RLIMIT_RTPRIO, (0, 0)),          # no real-time priority above the trainer's
@@ -1214,12 +1216,14 @@ def _start(argv):
     (fds the trainer opened)."""
     job = receive(sys.stdin.buffer)
     setup = job.pop("setup")
-    if argv[1] == "ns":
-        _isolate(setup["uid"], setup["cgroup"])
+    folder = "/tmp" if argv[1] == "ns" else None             # the run's own tmpfs: its own inode numbers
+    if folder:
+        _isolate(setup["uid"], setup["cgroup"], job["limits"]["memory_mb"])
     else:
         _join(setup["cgroup"])
-    stdin = ([_stdin_file(given if isinstance(given, str) else "\n".join(map(str, given))) for given in job["inputs"]]
-             if argv[0] == "--run" and not job.get("fn_name") else [])          # before the file size limit
+    stdin = ([_stdin_file(given if isinstance(given, str) else "\n".join(map(str, given)), folder)
+              for given in job["inputs"]] if argv[0] == "--run" and not job.get("fn_name") else [])
+    stdout = _scratch_file("stdout", folder) if argv[0] == "--run" else None   # both before the file size limit
     _set_limits(job["limits"], rlimit_nproc=not setup["cgroup"], open_already=len(stdin))
     if sys.platform.startswith("linux"):
         ctypes, libc = _libc()
@@ -1228,7 +1232,7 @@ def _start(argv):
         if not _seccomp() and _libseccomp() is not None:
             raise OSError("the seccomp filter did not load")
     _neutral_view()
-    return job, [int(fd) for fd in argv[2:]], stdin
+    return job, [int(fd) for fd in argv[2:]], stdin, stdout
 
 
 def _neutral_view():
@@ -1239,11 +1243,11 @@ def _neutral_view():
     sys.executable = sys._base_executable = os.path.join(sys.base_exec_prefix, "bin", "python3")
 
 
-def _stdin_file(text):
-    """A memfd holding one input, read from its start (None where there are no memfds: a StringIO then)."""
-    if not hasattr(os, "memfd_create"):
+def _stdin_file(text, folder=None):
+    """A file holding one input, read from its start (_scratch_file; None where there is none: a StringIO then)."""
+    if folder is None and not hasattr(os, "memfd_create"):
         return None
-    fd, data = os.memfd_create("stdin"), text.encode("utf-8", "surrogateescape")
+    fd, data = _scratch_file("stdin", folder), text.encode("utf-8", "surrogateescape")
     view = memoryview(data)
     while view:
         view = view[os.write(fd, view):]
@@ -1281,7 +1285,7 @@ def _program_child(argv):
     """--run: the program against each input; --serve: the program's function called over pipes. Only
     outputs and plain values leave this process; the verdict is not decided here."""
     import _json  # noqa: F401 - the report's encoder, loaded before the program can use up every fd
-    job, fds, stdin = _start(argv)
+    job, fds, stdin, stdout = _start(argv)
     report = os.fdopen(fds[0], "w", encoding="utf-8")
     try:
         code = compile(job["program"], "<program>", "exec")
@@ -1291,7 +1295,6 @@ def _program_child(argv):
         return
     channels = [os.fdopen(fd, mode) for fd, mode in zip(fds[1:], ("rb", "w"))]
     isolated = argv[1] == "ns"
-    stdout = None if argv[0] == "--serve" else _scratch_file("stdout")
     stderr = _quiet_stderr()
     _guard("/tmp" if isolated else os.path.realpath(os.getcwd()), job["limits"]["memory_mb"], isolated)
     if argv[0] == "--serve":
@@ -1315,8 +1318,11 @@ def _program_child(argv):
     report.flush()
 
 
-def _scratch_file(name):
-    """An fd of an empty file of this process (a memfd, else an unlinked file in the working folder)."""
+def _scratch_file(name, folder=None):
+    """An fd of an empty file of this process: unnamed in `folder` (the run's own tmpfs), else a memfd (its inode
+    number is drawn from a counter of the whole host), else an unlinked file in the working folder."""
+    if folder:
+        return os.open(folder, os.O_TMPFILE | os.O_RDWR, 0o600)
     if hasattr(os, "memfd_create"):
         return os.memfd_create(name)
     fd = os.open(f".{name}", os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
@@ -1435,7 +1441,7 @@ class _CandidateError(Exception):
 def _check_child(argv):
     """--check: the dataset's prompt and test code (trusted text only) and check(candidate), where
     candidate is a proxy to the program's process. Reports {ok} / {assertion} / an error."""
-    job, fds, _ = _start(argv)
+    job, fds, _, _ = _start(argv)
     report, calls, replies = os.fdopen(fds[0], "w"), os.fdopen(fds[1], "wb"), os.fdopen(fds[2], "r")
 
     def candidate(*args):

@@ -148,10 +148,10 @@ def test_no_forked_process_outlives_its_run():
 # ---------------------------------------------------------------- limits per run
 
 def test_memory_outside_the_address_space_is_charged_to_the_run():
-    """Up to 320 memfds of 1 MiB (below RLIMIT_FSIZE each, outside RLIMIT_AS) under a 128 MiB run, open-files
-    limit raised: the run's memory cgroup must stop it."""
+    """Up to 320 files of 1 MiB in its tmpfs /tmp (below RLIMIT_FSIZE each, outside RLIMIT_AS) under a 128 MiB run,
+    open-files limit raised, each held open: the run's memory (its cgroup, and its /tmp's size) must stop it."""
     need('cgroup')
-    program = ("import os\nfds = []\nfor i in range(320):\n    fd = os.memfd_create('m')\n"
+    program = ("import os\nfds = []\nfor i in range(320):\n    fd = os.open(f'/tmp/m{i}', os.O_RDWR | os.O_CREAT)\n"
                "    os.write(fd, b'x' * (1 << 20))\n    fds.append(fd)\nprint('held')\n")
     limits = sandbox.Limits(timeout=30, cpu_seconds=20, memory_mb=128, open_files=1024)   # memory, not fds, stops it
     r = sandbox.run(program, says("held"), limits)
@@ -244,7 +244,11 @@ def test_the_trainers_session_keyring_is_out_of_reach():
      "__import__('socket').socket(1).getsockopt(1, 71, 8) and 0"),
     ("getsockopt(SO_COOKIE): one counter for every socket of the host", "__import__('socket').socket(1).getsockopt(1, 57, 8) and 0"),
     ("clock_adjtime: the host's clock discipline", "min(0, libc.syscall(305, 0, ctypes.create_string_buffer(256)))"),
-    ("memfd_create(MFD_HUGETLB): the host's pool of huge pages", "min(0, libc.memfd_create(b'x', 4))"),
+    ("memfd_create: a memfd's inode number counts the memfds and shared memory the host has made",
+     "min(0, libc.memfd_create(b'x', 0))"),
+    ("mmap(MAP_HUGETLB): the host's pool of huge pages (here none: ENOMEM, not EPERM)",
+     "(setattr(libc.mmap, 'argtypes', [ctypes.c_void_p, ctypes.c_size_t] + [ctypes.c_int] * 3 + [ctypes.c_long]) "
+     "or libc.mmap(None, 2 << 20, 3, 0x40022, -1, 0)) and 0"),
     ("O_DIRECT: reads from the host's disk past its cache",
      "min(0, __import__('os').open(__import__('os').__file__, __import__('os').O_RDONLY | __import__('os').O_DIRECT))"),
 ])
@@ -430,6 +434,16 @@ def test_a_trickle_of_bytes_costs_the_trusted_side_a_bounded_number_of_reads(mon
     sandbox.run(program, says("x"), limits)
     bound = 2 * (sandbox.FREE_SMALL_READS + limits.timeout / sandbox.READ_PACE) + 10
     assert 20 < len(reads) <= bound, f"{len(reads)} reads (at most {bound:.0f})"
+
+
+def test_the_programs_stdin_and_stdout_are_files_of_its_own_tmp():
+    """A memfd's inode number comes from one counter of the host's: the program's fd 0 and fd 1 were memfds, and
+    their numbers rose by three every run (a training clock); pipes and sockets share another such counter (the
+    report pipe's number is still the host's: not closed). In the run's own tmpfs the numbers are its own."""
+    need("namespaces")
+    program = "import os\ntmp = os.stat('/tmp').st_dev\nprint(os.fstat(0).st_dev == tmp and os.fstat(1).st_dev == tmp)\n"
+    r = sandbox.run(program, {"inputs": ["1", "2"], "outputs": ["True", "True"]}, PATIENT)
+    assert r.outcome == "passed", r
 
 
 def test_nothing_of_the_trainer_is_in_the_programs_memory():
