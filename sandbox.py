@@ -232,7 +232,8 @@ class NotPlain(TypeError):
 # A subclass of a plain type (collections.Counter, defaultdict, OrderedDict, a named tuple, an IntEnum, a str
 # subclass) is sent as the plain value it holds, read through its base type's own C methods: plain Python and
 # APPS's harness compare a Counter equal to the expected dict. Its own methods (`==`, items, __iter__, __str__)
-# never run: what crosses is data, compared by the trusted side.
+# never run: what crosses is data, compared by the trusted side. collections' UserDict, UserList and UserString
+# (equal to the dict, list or str they wrap) cross as their `data`, encoded in turn.
 PLAIN_BASES = ((int, int.__int__), (float, float.__float__), (str, str.__str__),
                (list, lambda x: list(list.__iter__(x))), (tuple, lambda x: tuple(tuple.__iter__(x))),
                (dict, lambda x: dict(dict.items(x))))
@@ -244,6 +245,9 @@ def encode(x):
     kind = type(x)
     if kind not in (type(None), bool, int, float, str, list, tuple, dict):
         base, read = next(((b, r) for b, r in PLAIN_BASES if issubclass(kind, b)), (None, None))   # its real type
+        wrappers = sys.modules.get("collections")
+        if base is None and wrappers and issubclass(kind, (wrappers.UserDict, wrappers.UserList, wrappers.UserString)):
+            return encode(x.data)
         if base is None:
             raise NotPlain(f"a {kind.__name__} is not a plain value")
         kind, x = base, read(x)

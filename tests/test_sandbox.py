@@ -273,24 +273,29 @@ def test_plain_values_round_trip_and_anything_else_is_refused():
 
 
 def test_subclasses_of_plain_types_cross_as_the_values_they_hold():
-    """Counter, defaultdict, OrderedDict, a named tuple, an IntEnum, a str subclass: plain Python (and APPS's harness)
-    compares them equal to the expected dict, tuple, int or str, so the honest "count the characters" kata passes.
+    """Counter, defaultdict, OrderedDict, a named tuple, an IntEnum, a str subclass, a UserDict: plain Python (and
+    APPS's harness) compares them equal to the expected dict, tuple, int or str, so the honest "count the characters"
+    kata passes.
     What crosses is the value read through the base type's own methods, never the subclass's: a lying `items` or
     `__str__` changes nothing."""
     program = ("import collections, enum\nclass Level(enum.IntEnum):\n    HIGH = 2\nclass Name(str):\n"
                "    __str__ = lambda s: 'lie'\nPoint = collections.namedtuple('Point', 'x y')\n"
                "def f(kind, s):\n    return {'counter': collections.Counter, 'ordered': collections.OrderedDict.fromkeys,\n"
                "            'default': lambda s: collections.defaultdict(list, {c: [1] for c in s}),\n"
-               "            'named': lambda s: Point(s, len(s)), 'enum': lambda s: Level.HIGH, 'str': Name}[kind](s)\n")
+               "            'named': lambda s: Point(s, len(s)), 'enum': lambda s: Level.HIGH, 'str': Name,\n"
+               "            'user': lambda s: collections.UserDict({s: collections.UserList([1])})}[kind](s)\n")
     tests = {"fn_name": "f", "inputs": [["counter", "abca"], ["ordered", "ba"], ["default", "a"], ["named", "ab"],
-                                       ["enum", ""], ["str", "xy"]],
-             "outputs": [{"a": 2, "b": 1, "c": 1}, {"b": None, "a": None}, {"a": [1]}, ["ab", 2], 2, "xy"]}
+                                       ["enum", ""], ["str", "xy"], ["user", "k"]],
+             "outputs": [{"a": 2, "b": 1, "c": 1}, {"b": None, "a": None}, {"a": [1]}, ["ab", 2], 2, "xy", {"k": [1]}]}
     r = run(program, tests, PATIENT)
-    assert (r.outcome, r.passed) == ("passed", 6), r
-    wrong = dict(tests, outputs=[{"a": 1, "b": 1, "c": 1}, {"b": 1}, {"a": []}, ["ab", 3], 3, "lie"])
+    assert (r.outcome, r.passed) == ("passed", 7), r
+    wrong = dict(tests, outputs=[{"a": 1, "b": 1, "c": 1}, {"b": 1}, {"a": []}, ["ab", 3], 3, "lie", {"k": [2]}])
     r = run(program, wrong, PATIENT)
-    assert (r.outcome, r.passed, r.failed) == ("failed", 0, 6), r
+    assert (r.outcome, r.passed, r.failed) == ("failed", 0, 7), r
     assert sandbox.encode(collections.Counter("aab")) == {"dict": [["a", 2], ["b", 1]]}
+    check = {"entry_point": "count", "test": "def check(candidate):\n    assert candidate('aab') == {'a': 2, 'b': 1}\n"}
+    r = run("import collections\ndef count(s):\n    return collections.Counter(s)\n", check, PATIENT)
+    assert r.outcome == "passed", r                                     # HumanEval's check sees the dict too
 
 
 def test_ints_past_the_decimal_digit_limit_are_plain_values():
