@@ -232,8 +232,8 @@ class NotPlain(TypeError):
 # A subclass of a plain type (collections.Counter, defaultdict, OrderedDict, a named tuple, an IntEnum, a str
 # subclass) is sent as the plain value it holds, read through its base type's own C methods: plain Python and
 # APPS's harness compare a Counter equal to the expected dict. Its own methods (`==`, items, __iter__, __str__)
-# never run: what crosses is data, compared by the trusted side. collections' UserDict, UserList and UserString
-# (equal to the dict, list or str they wrap) cross as their `data`, encoded in turn.
+# never run. collections' UserDict, UserList and UserString (equal to the dict, list or str they wrap) cross as
+# their `data`, encoded in turn. Whatever the program's classes do, what crosses is data, compared by this side.
 PLAIN_BASES = ((int, int.__int__), (float, float.__float__), (str, str.__str__),
                (list, lambda x: list(list.__iter__(x))), (tuple, lambda x: tuple(tuple.__iter__(x))),
                (dict, lambda x: dict(dict.items(x))))
@@ -671,8 +671,11 @@ def _collect(caps, closers, deadline, over_budget=None):
                 if over_budget():
                     return data, False, over
                 checked = time.monotonic()
+            ready = selector.select(min(remaining, CPU_CHECK) if over_budget else remaining)
+            if not ready:                                    # a budget check's timeout: not a wakeup to pace
+                continue
             brought = 0
-            for key, _ in selector.select(min(remaining, CPU_CHECK) if over_budget else remaining):
+            for key, _ in ready:
                 try:
                     chunk = _read(key.fd)
                 except BlockingIOError:
@@ -787,16 +790,16 @@ def _run(program, tests, limits):
         stderr_fd = started[0][0].stderr.fileno()
         groups = [group for _, group, _ in started if group]
 
-        def over_budget():
+        def spent():                          # a child's cgroup has used the CPU budget
             return any((group.cpu_seconds() or 0.0) >= limits.cpu_seconds for group in groups)
-        over_budget = over_budget if groups else None
+        over_budget = spent if groups else None
         data, in_time, over = _collect(caps, closers, deadline, over_budget)
         cpu = 0.0                             # the most CPU time one child used, measured here: no limit the
         for proc, group, _ in started:        # child can touch decides its budget
             reaped = _reap(proc, deadline if in_time else 0, over_budget)   # else killed in _end
             in_time = in_time and reaped is not None
-            measured = group.cpu_seconds() if group else None
-            cpu = max(cpu, *[m for m in (reaped, measured) if m is not None], 0.0)
+            measured = [m for m in (reaped, group.cpu_seconds() if group else None) if m is not None]
+            cpu = max([cpu, *measured])
         codes = [proc.returncode for proc, _, _ in started]
         stderr = bytes(data[stderr_fd][:4000]).decode(errors="replace")
     finally:
