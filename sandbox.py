@@ -45,8 +45,9 @@ Isolation of the program's process, where the machine allows it (Linux as root; 
   counts of the kernel are not shared between runs) with no_new_privs, the parent-death signal re-armed;
   a seccomp filter (libseccomp through ctypes) denying keyrings, ptrace, mount, namespaces, bpf,
   perf_event_open, module / kexec loading, setsid / setpgid, sysinfo, sockets other than unix, inet,
-  inet6 and netlink (vsock is not confined by the network namespace), netlink's device events (the host's
-  uevents reach every network namespace of its user namespace) and more; new processes (one
+  inet6 and netlink (vsock is not confined by the network namespace), netlink other than NETLINK_ROUTE (the
+  host's device events reach every network namespace of its user namespace; sock_diag reads socket cookies)
+  and more; new processes (one
   process per run: its CPU time is the run's, threads included); whatever keeps state on an inode every
   run sees (flock, fcntl locks, leases and notifications, inotify, fanotify, futexes without
   FUTEX_PRIVATE_FLAG, page-cache probes), so concurrent runs cannot talk; counts kept for the whole host
@@ -1015,9 +1016,11 @@ RWF_NOWAIT = 8                                               # preadv2 that fail
 # reaches the hypervisor of a virtual machine), none is needed by a test program
 OTHER_SOCKET_FAMILIES = (3, 4, 5, 6, 7, 8, 9, 11, 12, 13, 14, 15)
 FIRST_OTHER_SOCKET_FAMILY = 17
-# netlink's device events (uevents): the kernel sends the host's to every network namespace owned by the host's user
-# namespace, these included (device changes, their global sequence number); no test program needs them
-AF_NETLINK, NETLINK_KOBJECT_UEVENT = 16, 15
+# netlink past NETLINK_ROUTE (which libc's getaddrinfo may use): device events (uevents: the kernel sends the host's
+# to every network namespace owned by the host's user namespace, these included, with their global sequence
+# number) and sock_diag (its dumps carry socket cookies, the host-wide counter SO_COOKIE reads); no test program
+# needs them
+AF_NETLINK, NETLINK_ROUTE = 16, 0
 # host-wide counters read through a socket: SO_COOKIE (one counter for every socket of the host), SO_NETNS_COOKIE
 # (counts the network namespaces the host has made: one per run, a training clock), SO_PEERPIDFD (a pidfd)
 SOL_SOCKET, HOST_COUNTER_SOCKOPTS = 1, (57, 71, 77)
@@ -1042,7 +1045,7 @@ def _seccomp():
     the filter can read), and syscalls newer than it knows; fcntl's locks, leases and notifications; futexes without
     FUTEX_PRIVATE_FLAG (keyed by inode and offset on a file's pages: the standard library's pages are every run's);
     madvise's page-out and preadv2's RWF_NOWAIT (page-cache probes); sockets other than unix, inet, inet6 and
-    netlink, netlink's device events (the host's) and the socket options that read host-wide counters; statx's
+    netlink, netlink other than NETLINK_ROUTE and the socket options that read host-wide counters; statx's
     mount ids; hugetlb pages; O_DIRECT. PRETENDED_SYSCALLS return 0 and do nothing. True where the filter is loaded
     (needs libseccomp.so.2 and no_new_privs or root)."""
     import ctypes
@@ -1083,7 +1086,7 @@ def _seccomp():
     rules += [(eperm, number("preadv2"), (5, masked_eq, RWF_NOWAIT, RWF_NOWAIT))]
     rules += [(eperm, socket, (0, eq, family, 0)) for family in OTHER_SOCKET_FAMILIES]
     rules += [(eperm, socket, (0, 5, FIRST_OTHER_SOCKET_FAMILY, 0)),            # SCMP_CMP_GE
-              (eperm, socket, (0, eq, AF_NETLINK, 0), (2, eq, NETLINK_KOBJECT_UEVENT, 0))]
+              (eperm, socket, (0, eq, AF_NETLINK, 0), (2, 1, NETLINK_ROUTE, 0))]           # SCMP_CMP_NE
     rules += [(eperm, number("getsockopt"), (1, eq, SOL_SOCKET, 0), (2, eq, option, 0)) for option in HOST_COUNTER_SOCKOPTS]
     rules += [(eperm, number("statx"), (3, masked_eq, bit, bit)) for bit in STATX_MNT_IDS]
     rules += [(eperm, number("mmap"), (3, masked_eq, MAP_HUGETLB, MAP_HUGETLB)),

@@ -228,6 +228,8 @@ def test_the_trainers_session_keyring_is_out_of_reach():
     ("socket(AF_VSOCK): past the network namespace, to a virtual machine's host", "min(0, libc.syscall(41, 40, 1, 0))"),
     # the kernel broadcasts the host's device events to every network namespace of the host's user namespace
     ("socket(AF_NETLINK, NETLINK_KOBJECT_UEVENT): the host's device events", "min(0, libc.syscall(41, 16, 3, 15))"),
+    ("socket(AF_NETLINK, NETLINK_SOCK_DIAG): its dumps carry socket cookies (a host-wide counter)",
+     "min(0, libc.syscall(41, 16, 3, 4))"),
     ("preadv2(RWF_NOWAIT): whether a page of os.py is cached (another run may have read it)",
      "__import__('os').preadv(__import__('os').open(__import__('os').__file__, 0), [bytearray(8)], 0, 8) * 0"),
     # counts the kernel keeps for the whole host, scoped by no namespace or uid: a run raises one in proportion to a
