@@ -44,15 +44,13 @@ Isolation of the program's process, where the machine allows it (Linux as root; 
 - a fresh session keyring; an unprivileged uid of its own (drawn at random from RUN_UIDS: per-user
   counts of the kernel are not shared between runs) with no_new_privs, the parent-death signal re-armed;
   a seccomp filter (libseccomp through ctypes) denying keyrings, ptrace, mount, namespaces, bpf,
-  perf_event_open, module / kexec loading, setsid / setpgid, sysinfo, sockets other than unix, inet,
-  inet6 and netlink (vsock is not confined by the network namespace), netlink other than NETLINK_ROUTE (the
-  host's device events reach every network namespace of its user namespace; sock_diag reads socket cookies)
-  and more; new processes (one
-  process per run: its CPU time is the run's, threads included); whatever keeps state on an inode every
-  run sees (flock, fcntl locks, leases and notifications, inotify, fanotify, futexes without
-  FUTEX_PRIVATE_FLAG, page-cache probes), so concurrent runs cannot talk; counts kept for the whole host
-  (asynchronous I/O slots, pidfds, mount ids, socket and network-namespace cookies, hugetlb pages) and the
-  host's disk (statfs, ustat, O_DIRECT; sync and fsync return 0 and do nothing);
+  perf_event_open, module / kexec loading, setsid / setpgid, sysinfo and more; new processes (one process
+  per run: its CPU time is the run's, threads included); whatever keeps state on an inode every run sees
+  (flock, fcntl locks, leases and notifications, inotify, fanotify, futexes without FUTEX_PRIVATE_FLAG,
+  page-cache probes), so concurrent runs cannot talk; counts kept for the whole host (asynchronous I/O
+  slots, pidfds, mount ids, the inode numbers of new memfds, pipes, sockets and message queues, hugetlb
+  pages; sockets also reach past the network namespace in some families, vsock and netlink) and the host's
+  disk (statfs, ustat, O_DIRECT; sync and fsync return 0 and do nothing);
 - the program's view: the child runs this module's code compiled by the trainer under a neutral name and
   sent on stdin, from the base interpreter (never a virtual environment's path, which stays in its memory),
   its uid and cgroup (open fds, never names) arrive with the job, and sys.argv, orig_argv, executable and
@@ -559,16 +557,15 @@ def isolation():
         layers += (["an unprivileged uid of its own per run (drawn at random: no per-user count shared between "
                     "runs), no_new_privs and the parent-death signal re-armed"] if drop else [])
         layers += (["seccomp filter: keyrings, ptrace, mount, namespaces, bpf, perf_event_open, module and kexec "
-                    "loading, setsid / setpgid, sysinfo, socket families past unix / inet / inet6 / netlink (vsock "
-                    "reaches a virtual machine's host) and more denied",
+                    "loading, setsid / setpgid, sysinfo and more denied",
                     "one process per run (seccomp: fork, vfork and clone without CLONE_THREAD denied): the run's CPU "
                     "time is one process's, threads included",
                     "nothing lockable or watchable shared between concurrent runs (seccomp: flock, fcntl record locks, "
                     "leases and notifications, inotify, fanotify, shared futexes, page-cache probes (mincore, fadvise, "
                     "readahead, cachestat, page-out, RWF_NOWAIT) denied)",
                     "no host-wide count a run can raise or read (seccomp: asynchronous I/O slots, pidfds, mount ids, "
-                    "socket and network-namespace cookies, hugetlb pages denied; syscalls newer than the filter answer "
-                    "ENOSYS)",
+                    "new memfds, pipes, sockets and message queues (their inode numbers), hugetlb pages denied; "
+                    "syscalls newer than the filter answer ENOSYS)",
                     "the host's disk out of reach (seccomp: sync, syncfs, fsync, fdatasync, sync_file_range and msync "
                     "return 0 and do nothing; statfs, ustat and O_DIRECT denied)"]
                    if seccomp else [])
@@ -995,7 +992,14 @@ DENIED_SYSCALLS = ("add_key", "request_key", "keyctl", "ptrace", "mount", "umoun
                    "process_madvise", "process_mrelease",
                    # a memfd's inode number comes from one counter of the host's, which every memfd, shared
                    # mapping and SysV segment of the host moves (the run's own files are in its /tmp instead)
-                   "memfd_create")
+                   "memfd_create",
+                   # so do a pipe's, a socket's and a message queue's, from another: every pipe and socket the host
+                   # makes moves it (a run made them to signal a concurrent run, which read it from its own). No
+                   # test program needs them (a FIFO in /tmp is a pipe with the run's own inode number); besides,
+                   # a socket reaches past the network namespace in some families (vsock: a virtual machine's
+                   # host; netlink: the host's device events, socket cookies) and reads host-wide counters
+                   # through its options (SO_COOKIE, SO_NETNS_COOKIE: one network namespace per run)
+                   "pipe", "pipe2", "socket", "socketpair", "mq_open")
 # Calls that would make the host's disk work for a run (sync() wrote back 64 MiB of the trainer's dirty pages).
 # Everything a run may write is in memory (its tmpfs /tmp, memfds), where they do nothing: they return 0 untouched.
 PRETENDED_SYSCALLS = ("sync", "syncfs", "fsync", "fdatasync", "sync_file_range", "msync")
@@ -1012,18 +1016,6 @@ CLONE_THREAD, CLONE_PIDFD, FUTEX_PRIVATE_FLAG = 0x00010000, 0x00001000, 128
 FCNTL_SHARED_STATE = (5, 6, 7, 36, 37, 38, 1024, 1025, 1026)
 MADV_COLD, MADV_PAGEOUT = 20, 21                             # evict pages of a file every run maps
 RWF_NOWAIT = 8                                               # preadv2 that fails unless the page is cached
-# socket families past unix, inet, inet6 and netlink: some are not confined by the network namespace (vsock
-# reaches the hypervisor of a virtual machine), none is needed by a test program
-OTHER_SOCKET_FAMILIES = (3, 4, 5, 6, 7, 8, 9, 11, 12, 13, 14, 15)
-FIRST_OTHER_SOCKET_FAMILY = 17
-# netlink past NETLINK_ROUTE (which libc's getaddrinfo may use): device events (uevents: the kernel sends the host's
-# to every network namespace owned by the host's user namespace, these included, with their global sequence
-# number) and sock_diag (its dumps carry socket cookies, the host-wide counter SO_COOKIE reads); no test program
-# needs them
-AF_NETLINK, NETLINK_ROUTE = 16, 0
-# host-wide counters read through a socket: SO_COOKIE (one counter for every socket of the host), SO_NETNS_COOKIE
-# (counts the network namespaces the host has made: one per run, a training clock), SO_PEERPIDFD (a pidfd)
-SOL_SOCKET, HOST_COUNTER_SOCKOPTS = 1, (57, 71, 77)
 STATX_MNT_IDS = (0x1000, 0x4000)                             # statx's mount id and unique mount id (see NEWER_DENIED)
 # the hugetlb page pool is the host's: mmap MAP_HUGETLB, shmget SHM_HUGETLB (memfd_create is denied)
 MAP_HUGETLB, SHM_HUGETLB = 0x40000, 0o4000
@@ -1044,10 +1036,9 @@ def _seccomp():
     thread, never a new process); clone3 and openat2 (ENOSYS: libc falls back to clone and openat, whose arguments
     the filter can read), and syscalls newer than it knows; fcntl's locks, leases and notifications; futexes without
     FUTEX_PRIVATE_FLAG (keyed by inode and offset on a file's pages: the standard library's pages are every run's);
-    madvise's page-out and preadv2's RWF_NOWAIT (page-cache probes); sockets other than unix, inet, inet6 and
-    netlink, netlink other than NETLINK_ROUTE and the socket options that read host-wide counters; statx's
-    mount ids; hugetlb pages; O_DIRECT. PRETENDED_SYSCALLS return 0 and do nothing. True where the filter is loaded
-    (needs libseccomp.so.2 and no_new_privs or root)."""
+    madvise's page-out and preadv2's RWF_NOWAIT (page-cache probes); statx's mount ids; hugetlb pages; O_DIRECT.
+    PRETENDED_SYSCALLS return 0 and do nothing. True where the filter is loaded (needs libseccomp.so.2 and
+    no_new_privs or root)."""
     import ctypes
     lib = _libseccomp()
     if lib is None:
@@ -1074,7 +1065,7 @@ def _seccomp():
         array = (Compare * len(compares))(*(Compare(*c) for c in compares)) if compares else None
         return lib.seccomp_rule_add_array(ctx, action, syscall, len(compares), array) == 0
 
-    clone, socket, fcntl = number("clone"), number("socket"), number("fcntl")
+    clone, fcntl = number("clone"), number("fcntl")
     rules = [(eperm, number(name)) for name in DENIED_SYSCALLS] + [(eperm, n) for n in NEWER_DENIED]
     rules += [(enosys, number("clone3")), (enosys, number("openat2"))] + [(enosys, n) for n in NEWER_UNKNOWN]
     rules += [(pretend, number(name)) for name in PRETENDED_SYSCALLS]
@@ -1084,10 +1075,6 @@ def _seccomp():
     rules += [(eperm, fcntl, (1, eq, cmd, 0)) for cmd in FCNTL_SHARED_STATE]
     rules += [(eperm, number("madvise"), (2, eq, advice, 0)) for advice in (MADV_COLD, MADV_PAGEOUT)]
     rules += [(eperm, number("preadv2"), (5, masked_eq, RWF_NOWAIT, RWF_NOWAIT))]
-    rules += [(eperm, socket, (0, eq, family, 0)) for family in OTHER_SOCKET_FAMILIES]
-    rules += [(eperm, socket, (0, 5, FIRST_OTHER_SOCKET_FAMILY, 0)),            # SCMP_CMP_GE
-              (eperm, socket, (0, eq, AF_NETLINK, 0), (2, 1, NETLINK_ROUTE, 0))]           # SCMP_CMP_NE
-    rules += [(eperm, number("getsockopt"), (1, eq, SOL_SOCKET, 0), (2, eq, option, 0)) for option in HOST_COUNTER_SOCKOPTS]
     rules += [(eperm, number("statx"), (3, masked_eq, bit, bit)) for bit in STATX_MNT_IDS]
     rules += [(eperm, number("mmap"), (3, masked_eq, MAP_HUGETLB, MAP_HUGETLB)),
               (eperm, number("shmget"), (2, masked_eq, SHM_HUGETLB, SHM_HUGETLB))]

@@ -248,6 +248,10 @@ def test_the_trainers_session_keyring_is_out_of_reach():
     ("clock_adjtime: the host's clock discipline", "min(0, libc.syscall(305, 0, ctypes.create_string_buffer(256)))"),
     ("memfd_create: a memfd's inode number counts the memfds and shared memory the host has made",
      "min(0, libc.memfd_create(b'x', 0))"),
+    ("pipe: a pipe's inode number counts the pipes and sockets the host has made", "len(__import__('os').pipe()) * 0"),
+    ("socketpair(AF_UNIX): the same counter", "len(__import__('socket').socketpair()) * 0"),
+    ("socket(AF_UNIX): the same counter", "min(0, libc.syscall(41, 1, 1, 0))"),
+    ("mq_open: a message queue's inode number, the same counter", "min(0, libc.syscall(240, b'q', 0o100 | 2, 0o600, None))"),
     ("mmap(MAP_HUGETLB): the host's pool of huge pages (here none: ENOMEM, not EPERM)",
      "(setattr(libc.mmap, 'argtypes', [ctypes.c_void_p, ctypes.c_size_t] + [ctypes.c_int] * 3 + [ctypes.c_long]) "
      "or libc.mmap(None, 2 << 20, 3, 0x40022, -1, 0)) and 0"),
@@ -440,12 +444,16 @@ def test_a_trickle_of_bytes_costs_the_trusted_side_a_bounded_number_of_reads(mon
 
 def test_the_programs_stdin_and_stdout_are_files_of_its_own_tmp():
     """A memfd's inode number comes from one counter of the host's: the program's fd 0 and fd 1 were memfds, and
-    their numbers rose by three every run (a training clock); pipes and sockets share another such counter (the
-    report pipe's number is still the host's: not closed). In the run's own tmpfs the numbers are its own."""
+    their numbers rose by three every run (a training clock). In the run's own tmpfs the numbers are its own (pipes
+    and sockets share another counter of the host's: the program may make none, and the report pipe's number is
+    still the host's, not closed). A FIFO in /tmp is a pipe with a number of the run's own."""
     need("namespaces")
     program = "import os\ntmp = os.stat('/tmp').st_dev\nprint(os.fstat(0).st_dev == tmp and os.fstat(1).st_dev == tmp)\n"
     r = sandbox.run(program, {"inputs": ["1", "2"], "outputs": ["True", "True"]}, PATIENT)
     assert r.outcome == "passed", r
+    fifo = ("import os\nos.mkfifo('/tmp/f')\nr = os.open('/tmp/f', os.O_RDONLY | os.O_NONBLOCK)\n"   # a pipe of its own
+            "w = os.open('/tmp/f', os.O_WRONLY)\nos.write(w, input().encode())\nprint(os.read(r, 9).decode())\n")
+    assert sandbox.run(fifo, {"inputs": ["ok"], "outputs": ["ok"]}, PATIENT).outcome == "passed"
 
 
 def test_nothing_of_the_trainer_is_in_the_programs_memory():
