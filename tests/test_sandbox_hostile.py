@@ -391,7 +391,7 @@ def test_the_hosts_disk_is_out_of_reach():
     assert r.outcome != "passed", r
 
 
-# A program spinning until it has used `seconds` of CPU (at most 10 s of wall clock), having first raised its soft CPU
+# A program spinning until it has used `seconds` of CPU (at most 25 s of wall clock), having first raised its soft CPU
 # limit to the hard one and / or ignored SIGXCPU through libc (its thread may not set Python handlers).
 def spinner(seconds, raise_soft=False, ignore_sigxcpu=False):
     program = CTYPES + "import resource, time\n"
@@ -399,7 +399,7 @@ def spinner(seconds, raise_soft=False, ignore_sigxcpu=False):
         program += "hard = resource.getrlimit(resource.RLIMIT_CPU)[1]\nresource.setrlimit(resource.RLIMIT_CPU, (hard, hard))\n"
     if ignore_sigxcpu:
         program += "libc.signal(24, ctypes.c_void_p(1))\n"                      # signal(SIGXCPU, SIG_IGN)
-    return program + (f"t = time.time()\nwhile time.process_time() < {seconds} and time.time() - t < 10:\n    pass\n"
+    return program + (f"t = time.time()\nwhile time.process_time() < {seconds} and time.time() - t < 25:\n    pass\n"
                       "print('done')\n")
 
 
