@@ -1000,7 +1000,7 @@ DENIED_SYSCALLS = ("add_key", "request_key", "keyctl", "ptrace", "mount", "umoun
                    # host; netlink: the host's device events, socket cookies) and reads host-wide counters
                    # through its options (SO_COOKIE, SO_NETNS_COOKIE: one network namespace per run)
                    "pipe", "pipe2", "socket", "socketpair", "mq_open")
-# Calls that would make the host's disk work for a run (sync() wrote back 64 MiB of the trainer's dirty pages).
+# Calls that would make the host's disk work for a run (sync() wrote back the host's dirty pages: a test's 8 MiB).
 # Everything a run may write is in memory (its tmpfs /tmp, memfds), where they do nothing: they return 0 untouched.
 PRETENDED_SYSCALLS = ("sync", "syncfs", "fsync", "fdatasync", "sync_file_range", "msync")
 # Syscalls newer than libseccomp 2.5 (it cannot name them): numbers from 424 on are the same on every architecture

@@ -343,7 +343,7 @@ def test_forked_workers_share_the_runs_cpu_budget():
 
 
 def test_a_run_cannot_make_the_host_write_back_its_dirty_pages(tmp_path):
-    """sync() and syncfs() need no privilege: one sample wrote back 64 MiB of the trainer's dirty pages. The test
+    """sync() and syncfs() need no privilege: a program wrote back the host's dirty pages. The test
     dirties 8 MiB of a file of its own, a program calls sync, syncfs, fsync, fdatasync, sync_file_range and msync on
     what it can reach, and the file's pages must still be dirty (cachestat: the kernel's count of a file's dirty
     pages). They return 0, as an honest program expects: everything a run may write is in memory."""
