@@ -94,8 +94,10 @@ def ngrams(tokens, n):
 
 
 def distinct_n(texts, n):
-    """Distinct-n of a set of replies (Li et al. 2016): distinct word n-grams over all the n-grams of all the
-    replies, in [0, 1]; 0.0 when the replies hold no n-gram at all (nothing said is not diversity)."""
+    """Distinct-n of a set of replies: distinct word n-grams over all the n-grams of all the replies, in [0, 1];
+    0.0 when the replies hold no n-gram at all (nothing said is not diversity). Li et al. 2016 divide by the
+    number of generated tokens instead: the same for n = 1; for n = 2 each reply has one pair fewer than words,
+    so ours is a little higher on short replies, and bounded by 1."""
     grams = [g for text in texts for g in ngrams(words(text), n)]
     return len(set(grams)) / len(grams) if grams else 0.0
 
@@ -117,7 +119,9 @@ def strict_sentiment(texts):
     """The chitchat gold judge with a price on repetition: d * (g + 1) - 1, with g the VADER score and d the
     reply's own distinct-2 (distinct word pairs over word pairs; 1 for a reply of fewer than two words). In
     [-1, 1] like g: equal to g for a reply that repeats no word pair, down to -1 as its pairs repeat, so one
-    positive word said over and over scores near -1, not near 1."""
+    positive word said over and over scores near -1, not near 1. What it does not price: a word said twice
+    ("love love": one pair, nothing repeated, 0.856 = g), a list of distinct positive words (0.959 = g), and
+    the same reply to every prompt (repetition across replies: distinct-n over the set reads that)."""
     def own_distinct_2(ws):
         pairs = ngrams(ws, 2)
         return len(set(pairs)) / len(pairs) if pairs else 1.0

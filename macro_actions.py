@@ -9,11 +9,30 @@ Every function here works on response-only, right-padded tensors of shape [B, T]
 A *termination* decides where macro actions begin (§3.2.1); `sigma_weights` says how the token
 values of a macro action combine into its value (App. D.1); `macro_rewards` builds the per-token
 rewards whose sum over a macro action is its reward R_tau (§3.3); `macro_advantages` runs GAE over
-macro actions and broadcasts the result back to the tokens (§3.3, Eq. 4-5). With one token per
-macro action this is exactly token-level PPO.
+macro actions and broadcasts the result back to the tokens (§3.3, Eq. 4-5); `termination_starts` picks a
+termination by name, and `clipped_policy_loss` is PPO's objective with token ratios or the macro ratio
+pi(omega) / pi_old(omega) (§3.3). With one token per macro action this is exactly token-level PPO.
 
 The file imports only torch at module level; spaCy / nltk / redbaron are imported lazily by
-`parsing_starts`, so the n-gram, perplexity, entropy and GAE parts can be copied anywhere.
+`parsing_starts`: copy it alone beside torch and you have MA-PPO (`python -m doctest macro_actions.py`):
+
+>>> import torch, macro_actions as ma
+>>> mask = torch.tensor([[1., 1, 1, 1, 1, 1, 1], [1, 1, 1, 0, 0, 0, 0]])     # two responses, 7 and 3 tokens
+>>> starts, _ = ma.termination_starts("fixed", mask, n=3)                      # §3.2.1: 3-grams
+>>> starts.int().tolist()
+[[1, 0, 0, 1, 0, 0, 1], [1, 0, 0, 0, 0, 0, 0]]
+>>> kl_rewards = -0.05 * 0.1 * mask                   # -beta * (logp - logp_ref) on every token
+>>> rewards = ma.macro_rewards(kl_rewards, torch.tensor([1.0, -1.0]), mask, starts)   # + the RM's score
+>>> values = torch.zeros_like(mask)                   # the critic's V(s_t)
+>>> advantages, returns = ma.macro_advantages(values, rewards, mask, starts)   # macro-level GAE (Eq. 4-5)
+>>> [round(a, 3) for a in advantages[0, ::3].tolist()]                        # one per macro action
+[0.869, 0.93, 0.995]
+>>> old_logp = -mask                                  # log pi_old of the sampled tokens
+>>> logp = (old_logp + 0.1 * mask).requires_grad_()   # the policy being trained
+>>> loss, ratios, _ = ma.clipped_policy_loss(logp, old_logp, advantages, mask, starts, ratio="macro")
+>>> [round(r, 3) for r in ratios[0, ::3].tolist()]    # pi(omega) / pi_old(omega), §3.3
+[1.35, 1.35, 1.105]
+>>> loss.backward()                                   # the clipped macro objective's gradient
 """
 import bisect
 import functools

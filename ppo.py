@@ -2,15 +2,16 @@
 
     accelerate launch ppo.py --n 5       # builds (or reuses) runs/chitchat/{sft,rm}, then trains MA-PPO
 
-Read top to bottom: the arguments; the helpers, in the order of the steps they serve (the forwards and
-the `Scorer` of step 2, the terminations of step 4, the rewards of step 5, the losses and `ppo_update` of
-step 6, the metrics of step 7); the setup (derived settings, models, data, optimizers, the scorer); then
-`main()`, whose loop is the paper's Algorithm 1 as numbered steps: 1. rollout, 2. score, 3. rewards,
-4. macro actions, 5. advantages, 6. PPO update, 7. log; and `finish()`: the final policy and its report.
-The plumbing (accelerators, Ctrl-C / SIGTERM, checkpoints, the run log, building the default models)
-lives in harness.py, the held-out evaluation and the final report in evaluate.py, the macro-action math
-in macro_actions.py.
+Read top to bottom: the arguments; the helpers, in the order of the steps they serve (the forwards of
+step 2, the rewards of step 5, the losses and `ppo_update` of step 6, the metrics of step 7); the setup
+(derived settings, models, data, optimizers, the scorer); then `main()`, whose loop is the paper's
+Algorithm 1 as numbered steps: 1. rollout, 2. score, 3. rewards, 4. macro actions, 5. advantages, 6. PPO
+update, 7. log; and `finish()`: the final policy and its report. Elsewhere: the macro-action math
+(terminations, macro GAE, the clipped macro loss) in macro_actions.py, the score of step 2 in
+reward_model.py (`Scorer`) and segment_rewards.py, the plumbing (accelerators, Ctrl-C / SIGTERM,
+checkpoints, the run log, the default models) in harness.py, the held-out evaluation in evaluate.py.
 """
+import contextlib
 import os
 import sys
 from dataclasses import asdict, dataclass, field
@@ -36,64 +37,65 @@ class PPOArgs:
     sft_args: str = field(default="", metadata={"help": "extra sft.py flags used when the default SFT model is built, e.g. '--max_steps 600'"})
     rm_args: str = field(default="", metadata={"help": "extra reward_model.py flags used when the default RM is built"})
     chat_template: bool = field(default=False, metadata={"help": "render prompts with the tokenizer's chat template (instruct models); same in every stage"})
-    max_prompt_len: int = field(default=48, metadata={"help": "prompt tokens kept (cut from the left, counted)"})
-    max_response_len: int = field(default=0, metadata={"help": "generated tokens at most; 0 = the task's default (64 for count, else 32)"})
+    max_prompt_len: int = field(default=48, metadata={"help": "prompt tokens kept (cut from the left, counted)", "metavar": "[1, inf)"})
+    max_response_len: int = field(default=0, metadata={"help": "generated tokens at most; 0 = the task's default (64 for count, else 32)", "metavar": "[0, inf)"})
     # --- the paper: macro actions (§3.2-3.3) -------------------------------------------------
-    n: int = field(default=5, metadata={"help": "--termination fixed: n-gram length; 1 = vanilla PPO, 0 = the whole response"})
+    n: int = field(default=5, metadata={"help": "--termination fixed: n-gram length; 1 = vanilla PPO, 0 = the whole response", "metavar": "[0, inf)"})
     termination: str = field(default="fixed", metadata={"help": "where macro actions start (§3.2.1): fixed | randomized | parsing | ppl | entropy | segment", "choices": ("fixed", "randomized", "parsing", "ppl", "entropy", "segment")})
-    cutoff: int = field(default=5, metadata={"help": "--termination parsing: the largest parse node kept as one macro action"})
-    entropy_threshold: float = field(default=2.0, metadata={"help": "--termination entropy: a token above this entropy (nats) starts a macro action"})
+    cutoff: int = field(default=5, metadata={"help": "--termination parsing: the largest parse node kept as one macro action", "metavar": "[1, inf)"})
+    entropy_threshold: float = field(default=2.0, metadata={"help": "--termination entropy: a token above this entropy (nats) starts a macro action", "metavar": "[0, inf)"})
     sigma: str = field(default="equal", metadata={"help": "macro value weights (App. D.1): equal | unit | position | first", "choices": ("equal", "unit", "position", "first")})
     reward_agg: str = field(default="sum", metadata={"help": "macro reward: sum (the paper) | mean | released (the released code's)", "choices": ("sum", "mean", "released")})
     ratio: str = field(default="token", metadata={"help": "policy ratio: token | macro (pi(omega) / pi_old(omega), §3.3) | sequence (GSPO)", "choices": ("token", "macro", "sequence")})
     # --- PPO (§2; Table 5) --------------------------------------------------------------------
-    beta: float = field(default=0.05, metadata={"help": "KL penalty coefficient (the first one under --kl_target)"})
+    beta: float = field(default=0.05, metadata={"help": "KL penalty coefficient (the first one under --kl_target)", "metavar": "[0, inf)"})
     kl_estimator: str = field(default="k1", metadata={"help": "per-token KL: k1 = logp - logp_ref | k3 = (r - 1) - log r, r = p_ref / p", "choices": ("k1", "k3")})
-    kl_target: float = field(default=0.0, metadata={"help": "adaptive KL controller (Ziegler et al. 2019): per-sequence KL to hold; 0 = fixed --beta"})
-    kl_horizon: int = field(default=10000, metadata={"help": "adaptive KL controller: its horizon in samples (larger = slower)"})
+    kl_target: float = field(default=0.0, metadata={"help": "adaptive KL controller (Ziegler et al. 2019): per-sequence KL to hold; 0 = fixed --beta", "metavar": "[0, inf)"})
+    kl_horizon: int = field(default=10000, metadata={"help": "adaptive KL controller: its horizon in samples (larger = slower)", "metavar": "[1, inf)"})
     kl_penalty: str = field(default="reward", metadata={"help": "where the KL goes: reward (-beta * KL per token) | loss (beta * k3, GRPO)", "choices": ("reward", "loss")})
-    clip: float = field(default=0.2, metadata={"help": "policy ratio clip range"})
-    value_clip: float = field(default=0.2, metadata={"help": "value clip range"})
-    gamma: float = field(default=1.0, metadata={"help": "discount"})
-    lam: float = field(default=0.95, metadata={"help": "GAE lambda"})
-    temperature: float = field(default=0.8, metadata={"help": "sampling temperature (the logprobs are taken at the same temperature)"})
-    top_k: int = field(default=0, metadata={"help": "top-k sampling, 0 = off (on: the logprobs no longer follow the sampling distribution)"})
-    top_p: float = field(default=1.0, metadata={"help": "nucleus sampling, 1 = off (on: the logprobs no longer follow the sampling distribution)"})
-    rollout_batch_size: int = field(default=32, metadata={"help": "samples per process per iteration (--advantage group: K of each prompt)"})
-    mini_batch_size: int = field(default=16, metadata={"help": "rollouts per PPO minibatch"})
-    grad_accum: int = field(default=1, metadata={"help": "minibatches per optimizer step (an iteration's remainder steps on its own)"})
-    ppo_epochs: int = field(default=1, metadata={"help": "passes over each rollout batch"})
-    steps: int = field(default=120, metadata={"help": "PPO iterations"})
-    policy_lr: float = field(default=3e-4, metadata={"help": "policy learning rate (~1e-6 for Gemma-2B)"})
-    critic_lr: float = field(default=1e-3, metadata={"help": "critic learning rate"})
-    warmup_steps: int = field(default=5, metadata={"help": "linear warmup iterations for both optimizers"})
-    critic_warmup: int = field(default=0, metadata={"help": "value-only updates for the first k iterations (the policy is not stepped)"})
+    clip: float = field(default=0.2, metadata={"help": "policy ratio clip range", "metavar": "(0, inf)"})
+    value_clip: float = field(default=0.2, metadata={"help": "value clip range", "metavar": "(0, inf)"})
+    gamma: float = field(default=1.0, metadata={"help": "discount", "metavar": "[0, 1]"})
+    lam: float = field(default=0.95, metadata={"help": "GAE lambda", "metavar": "[0, 1]"})
+    temperature: float = field(default=0.8, metadata={"help": "sampling temperature (the logprobs are taken at the same temperature)", "metavar": "(0, inf)"})
+    top_k: int = field(default=0, metadata={"help": "top-k sampling, 0 = off (on: the logprobs no longer follow the sampling distribution)", "metavar": "[0, inf)"})
+    top_p: float = field(default=1.0, metadata={"help": "nucleus sampling, 1 = off (on: the logprobs no longer follow the sampling distribution)", "metavar": "(0, 1]"})
+    rollout_batch_size: int = field(default=32, metadata={"help": "samples per process per iteration (--advantage group: K of each prompt)", "metavar": "[1, inf)"})
+    mini_batch_size: int = field(default=16, metadata={"help": "rollouts per PPO minibatch", "metavar": "[1, inf)"})
+    grad_accum: int = field(default=1, metadata={"help": "minibatches per optimizer step (an iteration's remainder steps on its own)", "metavar": "[1, inf)"})
+    max_grad_norm: float = field(default=0.0, metadata={"help": "clip each model's gradient L2 norm to this, every engine alike; 0 = never", "metavar": "[0, inf)"})
+    ppo_epochs: int = field(default=1, metadata={"help": "passes over each rollout batch", "metavar": "[1, inf)"})
+    steps: int = field(default=120, metadata={"help": "PPO iterations", "metavar": "[1, inf)"})
+    policy_lr: float = field(default=3e-4, metadata={"help": "policy learning rate (~1e-6 for Gemma-2B)", "metavar": "[0, inf)"})
+    critic_lr: float = field(default=1e-3, metadata={"help": "critic learning rate", "metavar": "[0, inf)"})
+    warmup_steps: int = field(default=5, metadata={"help": "linear warmup iterations for both optimizers", "metavar": "[0, inf)"})
+    critic_warmup: int = field(default=0, metadata={"help": "value-only updates for the first k iterations (the policy is not stepped)", "metavar": "[0, inf)"})
     whiten_advantages: bool = field(default=True, metadata={"help": "normalise advantages over the batch"})
-    missing_eos_penalty: float = field(default=0.0, metadata={"help": "added to the score of a response without EOS (e.g. -1)"})
+    missing_eos_penalty: float = field(default=0.0, metadata={"help": "added to the score of a response without EOS (e.g. -1)", "metavar": "(-inf, inf)"})
     # --- extensions: other scores, segment rewards (Yin et al. 2025) -------------------------
     reward: str = field(default="rm", metadata={"help": "the score: rm | gold (the task's judge) | segment (a segment RM's); code tasks run the program", "choices": ("rm", "gold", "segment")})
     rm_norm: bool = field(default=False, metadata={"help": "--reward rm: the RM's score standardized by its calibration mean and std"})
-    c_ent: float = field(default=0.0, metadata={"help": "segments at this SFT entropy (nats) instead of the RM's own c_ent; 0 = the RM's"})
+    c_ent: float = field(default=0.0, metadata={"help": "segments at this SFT entropy (nats) instead of the RM's own c_ent; 0 = the RM's", "metavar": "[0, inf)"})
     seg_norm: str = field(default="regression", metadata={"help": "--reward segment: normalizer: regression (the paper's) | global | last | none", "choices": ("regression", "global", "last", "none")})
     seg_interp: str = field(default="even", metadata={"help": "--reward segment: a segment's reward on its tokens: even | repeat | end | bandit", "choices": ("even", "repeat", "end", "bandit")})
-    reward_clip: float = field(default=10.0, metadata={"help": "--reward segment: per-token segment rewards clipped to [-c, c]; 0 = off"})
+    reward_clip: float = field(default=10.0, metadata={"help": "--reward segment: per-token segment rewards clipped to [-c, c]; 0 = off", "metavar": "[0, inf)"})
     # --- credit without a critic: group baselines, Monte Carlo values (SPO) -----------------
     advantage: str = field(default="gae", metadata={"help": "gae (the critic, the paper) | group (a group baseline) | mc (Monte Carlo values)", "choices": ("gae", "group", "mc")})
-    group_size: int = field(default=4, metadata={"help": "--advantage group: samples per prompt K; it divides --rollout_batch_size"})
+    group_size: int = field(default=4, metadata={"help": "--advantage group: samples per prompt K; it divides --rollout_batch_size", "metavar": "[2, inf)"})
     group_norm: str = field(default="std", metadata={"help": "--advantage group: std (GRPO) | none (Dr. GRPO) | loo (RLOO: leave-one-out)", "choices": ("std", "none", "loo")})
-    mc_rollouts: int = field(default=4, metadata={"help": "--advantage mc: continuations sampled from each estimation point"})
-    mc_points: int = field(default=4, metadata={"help": "--advantage mc: estimation points per response at most, evenly spaced; 0 = all"})
+    mc_rollouts: int = field(default=4, metadata={"help": "--advantage mc: continuations sampled from each estimation point", "metavar": "[1, inf)"})
+    mc_points: int = field(default=4, metadata={"help": "--advantage mc: estimation points per response at most, evenly spaced; 0 = all", "metavar": "[0, inf)"})
     # --- the run ------------------------------------------------------------------------------
     output_dir: str = field(default="", metadata={"help": "default runs/<task>/ppo_n<n>_fixed, or runs/<task>/ppo_<termination>"})
-    eval_every: int = field(default=20, metadata={"help": "held-out evaluation every k iterations"})
-    save_every: int = field(default=40, metadata={"help": "checkpoint every k iterations (also on Ctrl-C and SIGTERM)"})
-    n_eval_prompts: int = field(default=256, metadata={"help": "held-out prompts per evaluation"})
-    seed: int = field(default=1234, metadata={"help": "random seed"})
+    eval_every: int = field(default=20, metadata={"help": "held-out evaluation every k iterations", "metavar": "[1, inf)"})
+    save_every: int = field(default=40, metadata={"help": "checkpoint every k iterations (also on Ctrl-C and SIGTERM)", "metavar": "[1, inf)"})
+    n_eval_prompts: int = field(default=256, metadata={"help": "held-out prompts per evaluation", "metavar": "[1, inf)"})
+    seed: int = field(default=1234, metadata={"help": "random seed", "metavar": "[0, inf)"})
     resume: bool = field(default=False, metadata={"help": "continue from <output_dir>/checkpoint"})
     plot: bool = field(default=True, metadata={"help": "draw learning_curve.png in the final report (false: skip matplotlib)"})
     report_to: str = field(default="none", metadata={"help": "accelerate trackers: none | tensorboard | wandb", "choices": ("none", "tensorboard", "wandb")})
-    lora_r: int = field(default=0, metadata={"help": "LoRA rank for the policy and the critic (the reference: adapters off); 0 = full"})
-    lora_alpha: int = field(default=16, metadata={"help": "LoRA scale alpha (the update is scaled by alpha / r)"})
+    lora_r: int = field(default=0, metadata={"help": "LoRA rank for the policy and the critic (the reference: adapters off); 0 = full", "metavar": "[0, inf)"})
+    lora_alpha: int = field(default=16, metadata={"help": "LoRA scale alpha (the update is scaled by alpha / r)", "metavar": "(0, inf)"})
     lora_target_modules: str = field(default="all-linear", metadata={"help": "LoRA: all-linear, or module names separated by commas"})
     bf16: bool = field(default=False, metadata={"help": "bf16 mixed precision (GPUs)"})
     gradient_checkpointing: bool = field(default=False, metadata={"help": "recompute activations to save memory (GPUs)"})
@@ -153,7 +155,9 @@ def has_dropout(model):
     """Whether `model` drops anything in train mode: a Dropout module or a config's *dropout* rate above 0."""
     configs = [getattr(m, "config", None) for m in model.modules()]
     rates = [v for c in configs if hasattr(c, "__dict__") for k, v in vars(c).items() if "dropout" in k]
-    return (any(isinstance(m, torch.nn.modules.dropout._DropoutNd) and m.p > 0 for m in model.modules())
+    dropouts = (torch.nn.Dropout, torch.nn.Dropout1d, torch.nn.Dropout2d, torch.nn.Dropout3d, torch.nn.AlphaDropout,
+                torch.nn.FeatureAlphaDropout)
+    return (any(isinstance(m, dropouts) and m.p > 0 for m in model.modules())
             or any(isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0 for v in rates))
 
 
@@ -184,57 +188,13 @@ def policy_and_critic_forwards(policy, critic, ids, attention_mask, prompt_width
 def reference_logprobs(ref, accelerator, policy, ids, attention_mask, prompt_width, temperature, t1_entropy=False):
     """2. (log pi_ref of the response tokens, the SFT entropy at temperature 1 if `t1_entropy` else None):
     the frozen SFT model's, or under LoRA (ref None) the policy's with its adapters switched off, which
-    is the SFT model."""
+    is the SFT model. The reference computes as the policy does (`load_models`), so that before the first
+    update the KL is exactly 0: under --bf16 unsharded, fp32 weights under the same bf16 autocast."""
     if ref is not None:
-        return response_logprobs(ref, ids, attention_mask, prompt_width, temperature, t1_entropy=t1_entropy)
+        with accelerator.autocast() if not harness.is_sharded(accelerator) else contextlib.nullcontext():
+            return response_logprobs(ref, ids, attention_mask, prompt_width, temperature, t1_entropy=t1_entropy)
     with harness.unwrap(accelerator, policy).disable_adapter():
         return response_logprobs(policy, ids, attention_mask, prompt_width, temperature, t1_entropy=t1_entropy)
-
-
-class Scorer:
-    """2. The sequence score of a rollout batch, of the one kind (`name`, logged as reward/<name>) chosen at setup:
-      exec     the program run against its tests (App. B.5): code tasks
-      gold     the task's gold judge reading the response: a verifiable reward
-      rm       the reward model's head at the last real token; a segment / token RM's score is e(x, y), the mean
-               of its segment rewards (Yin et al. 2025, Table 1's segment as bandit)
-      segment  a segment / token RM's rewards (Yin et al. 2025, §2): its head at each segment's last token,
-               normalized at its location, spread over the segment's tokens as `dense` rewards
-    `segment_settings` (`segment_rewards.segment_settings`): where the rollout's segments are cut, or None; `segment_rm`: the
-    reward model is a segment / token RM; `score_norm`: (mean, std) that standardize the RM's score, or None."""
-
-    def __init__(self, name, tokenizer, *, task=None, reward_model=None, segment_settings=None, segment_rm=False,
-                 seg_norm="regression", seg_interp="even", score_norm=None):
-        self.name, self.tokenizer, self.task, self.reward_model = name, tokenizer, task, reward_model
-        self.segment_settings, self.seg_norm, self.score_norm = segment_settings, seg_norm, score_norm
-        self.reads_segments = name == "segment" or (name == "rm" and segment_rm)
-        self.seg_interp = "bandit" if name == "rm" else seg_interp      # e(x, y) as one reward at the last token
-
-    def segments(self, response_ids, response_mask, sft_entropy):
-        """(starts, inside) [B, R] of the rollout's segments, cut as the RM's training cut its own (the SFT
-        entropy at temperature 1); (None, None) without segment settings."""
-        return sr.rollout_segments(self.segment_settings, response_ids, response_mask, self.tokenizer.eos_token_id,
-                                   sft_entropy)
-
-    def __call__(self, ids, attention_mask, prompt_width, rows, seg_starts=None, inside=None):
-        """(score [B], dense per-token rewards [B, R] or None, passed [B] (every test passed) or None, stats) of the
-        rollout [B, P + R]; `rows`: its problems (prompt, tests); `seg_starts`, `inside`: from `segments`."""
-        if self.name in ("exec", "gold"):
-            texts = self.tokenizer.batch_decode(ids[:, prompt_width:], skip_special_tokens=True)
-        if self.name == "exec":     # App. B.5: the compiler / test signal of running prefix + response
-            score, passed = map(torch.tensor, sandbox.execution_reward(rows, texts))
-            return score.to(ids.device), None, passed, {}
-        if self.name == "gold":     # a verifiable reward: the gold judge reads the whole response
-            return torch.tensor(data.gold(self.task, data.judged_prompts(rows), texts), device=ids.device), None, None, {}
-        head = rm.token_values(self.reward_model, ids, attention_mask)       # the RM's head at every position
-        dense, stats = None, {}
-        if self.reads_segments:                     # the head at each segment's end; e(x, y), their mean
-            dense, score, stats = sr.segment_rewards(head[:, prompt_width:], seg_starts, inside, self.segment_settings,
-                                                     self.seg_norm, self.seg_interp)
-        else:                                       # the head at the last real token
-            score = rm.last_token(head, attention_mask)
-        if self.score_norm is not None:     # Yin et al. 2025, §2.1: the RM's score over its calibration mean and std
-            score = (score - self.score_norm[0]) / self.score_norm[1]
-        return score, dense, None, stats
 
 
 def token_rewards_of(kl_rewards, score, response_mask, starts, agg="sum", dense=None, penalty=None, clip=0.0):
@@ -313,6 +273,7 @@ class UpdateSettings:
     value_clip: float = 0.2
     ratio: str = "token"
     temperature: float = 0.8
+    max_grad_norm: float = 0.0
 
 
 def ppo_update(policy, critic, batch, hp, *, train_policy, reused, generator, prompt_width, step, output_dir,
@@ -322,7 +283,9 @@ def ppo_update(policy, critic, batch, hp, *, train_policy, reused, generator, pr
     optimizer; value-only updates while not `train_policy` (the critic warm-up). `batch`: the rollout's tensors by
     name, rows first; `hp`: UpdateSettings; `reused`: step 2's (logprobs, values) with their graphs
     (`fused_update`), or None: every minibatch runs its own forwards; `kl_coef`: beta, with the batch's ref_logp
-    (--kl_penalty loss). Returns the stats of every minibatch."""
+    (--kl_penalty loss). Each optimizer step clips its model's gradients to `hp.max_grad_norm`
+    (harness.clip_gradients, every engine alike). Returns the stats of every minibatch, each with the gradient
+    norms of the step its group took."""
     trained = [t for t in (policy, critic) if t is not None]
     for t in trained:
         t.model.train()
@@ -339,6 +302,7 @@ def ppo_update(policy, critic, batch, hp, *, train_policy, reused, generator, pr
             group = min(hp.grad_accum, n_minibatches - j // hp.grad_accum * hp.grad_accum)
             if j % hp.grad_accum == 0:
                 harness.start_accumulation([t.accelerator for t in trained], group)
+                grouped = []        # this group's minibatch stats, given the norms of its step at its end
             j += 1
             with (policy.accelerator.accumulate(policy.model) if critic is None else
                   harness.accumulate(policy.accelerator, policy.model, critic.accelerator, critic.model)):
@@ -356,15 +320,29 @@ def ppo_update(policy, critic, batch, hp, *, train_policy, reused, generator, pr
                 losses = [pg_loss] + ([] if critic is None else [vf_loss])
                 harness.stop_unless_finite(policy.accelerator, f"loss at iteration {step}", output_dir, *losses)
                 scale = hp.grad_accum / group      # backward divides by grad_accum: a mean over the group
-                for t, loss in zip(trained, losses):    # the two graphs are disjoint: one backward each
-                    if t is critic or train_policy:
-                        t.accelerator.backward(loss * scale)
-                        t.optimizer.step()
+                if train_policy:
+                    policy.accelerator.backward(pg_loss * scale)    # the two graphs are disjoint: one backward each
+                if critic is not None:
+                    critic.accelerator.backward(vf_loss * scale)
+                grouped.append({"loss/policy": pg_loss.detach(),
+                                **({} if critic is None else {"loss/value": vf_loss.detach()}), **s})
+                if trained[-1].accelerator.sync_gradients:       # the group's last minibatch: its step's gradients
+                    norms = {} if critic is None else {
+                        "value/grad_norm": harness.clip_gradients(critic.accelerator, critic.model, hp.max_grad_norm)}
+                    if train_policy:
+                        norms["policy/grad_norm"] = harness.clip_gradients(policy.accelerator, policy.model,
+                                                                           hp.max_grad_norm)
+                    stats += [{**g, **{k: torch.tensor(v) for k, v in norms.items()}} for g in grouped]
+                if train_policy:
+                    policy.optimizer.step()
+                if critic is not None:
+                    critic.optimizer.step()
+                for t in trained:
                     t.optimizer.zero_grad()
-            stats.append({"loss/policy": pg_loss.detach(), **({} if critic is None else {"loss/value": vf_loss.detach()}), **s})
-    for t in trained:       # the policy's warmup starts with it
-        if t is critic or train_policy:
-            t.scheduler.step()
+    if train_policy:        # the policy's warmup starts with it
+        policy.scheduler.step()
+    if critic is not None:
+        critic.scheduler.step()
     return stats
 
 
@@ -415,11 +393,12 @@ def iteration_metrics(it, score_name):
 def adaptive_beta(beta, kl, target, n, horizon):
     """7. The KL coefficient of the next iteration (Ziegler et al. 2019, §2.2): proportional control of the
     per-sequence KL towards `target`, the error clipped to +-20%, the step scaled by the `n` samples seen
-    out of a `horizon`. `target` 0 keeps `beta` fixed."""
+    out of a `horizon`, at most 1: beta moves by at most 20% per iteration and stays positive (with n above
+    5 x the horizon the formula's factor 1 - 0.2 n / horizon would flip its sign). `target` 0 keeps `beta` fixed."""
     if not target:
         return beta
     error = min(max(kl / target - 1, -0.2), 0.2)
-    return beta * (1 + error * n / horizon)
+    return beta * (1 + error * min(n / horizon, 1.0))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -434,7 +413,7 @@ def run_name(n, termination):
 def resolve(args):
     """Derived settings, in one place: default paths, and whether the task's score is running its code
     (returned: `code_task`)."""
-    harness.check_choices(args)
+    harness.check_flags(args)
     data.resolve_paths(args, run_name(args.n, args.termination))
     args.max_response_len = data.response_len(args.task, args.max_response_len)
     code_task = args.task in data.CODE_TASKS       # score = running the program; critic from SFT (App. B.2)
@@ -450,11 +429,13 @@ def resolve(args):
     if args.rm_norm and (code_task or args.reward != "rm"):
         sys.exit(f"error: --rm_norm normalizes the reward model's score under --reward rm, not --reward {args.reward}"
                  + (f" (task {args.task!r} runs its code)" if code_task else ""))
-    if args.kl_target < 0 or args.kl_horizon < 1:
-        sys.exit(f"error: --kl_target {args.kl_target} / --kl_horizon {args.kl_horizon}: a target >= 0 (0 = a fixed "
-                 "--beta) and a horizon of at least 1 sample")
-    if args.reward_clip < 0:
-        sys.exit(f"error: --reward_clip {args.reward_clip}: a bound (> 0) or 0 for none")
+    if args.kl_target and not args.beta:
+        sys.exit(f"error: --kl_target {args.kl_target} with --beta {args.beta}: the controller multiplies beta, so a "
+                 "beta of 0 never moves; start it above 0 (e.g. --beta 0.05)")
+    if args.reward_agg == "released" and args.sigma != "equal":
+        sys.exit(f"error: --reward_agg released with --sigma {args.sigma}: the released code weights each macro "
+                 "action's rewards with the sigma of its values, its own position weights largest on the first "
+                 "token (and unit crashes there); only --sigma equal reproduces it (docs/training.md)")
     if args.reward == "gold" and args.task not in data.GOLD_JUDGES:
         sys.exit(f"error: --reward gold needs a task with a gold judge ({', '.join(data.GOLD_JUDGES)}), not {args.task!r}")
     if args.advantage == "group" and (args.group_size < 2 or args.rollout_batch_size % args.group_size):
@@ -496,8 +477,11 @@ def load_models(sft_path, rm_path, critic_path, *, code_task, bf16=False, lora=N
     else:       # trained weights in fp32 (the master copy); --bf16 autocasts their forwards
         policy = AutoModelForCausalLM.from_pretrained(part("policy", sft_path), dtype=torch.float32)
         critic = Critic(rm.load_reward_model(part("critic", critic_path))[0]) if critic_path else None
+    # the reference in the precision the policy computes in: bf16 weights where the engine runs the policy's in
+    # bf16 (DeepSpeed, FSDP2's mixed precision), else fp32 weights under the policy's autocast (reference_logprobs)
+    ref_dtype = dtype if sharded else torch.float32
     with harness.loading_whole():
-        ref = None if lora else AutoModelForCausalLM.from_pretrained(sft_path, dtype=dtype).eval().requires_grad_(False)
+        ref = None if lora else AutoModelForCausalLM.from_pretrained(sft_path, dtype=ref_dtype).eval().requires_grad_(False)
     if gradient_checkpointing:
         policy.gradient_checkpointing_enable()
         if critic is not None:
@@ -541,7 +525,7 @@ class Setup:
     critic: harness.Trained | None  # None under --advantage group / mc: no critic at all
     ref: object                     # the frozen SFT model; None under LoRA (the policy with its adapters off)
     reward_model: object            # frozen; None for code tasks
-    scorer: Scorer
+    scorer: rm.Scorer
     rows: list                      # training prompts (one row per prompt)
     eval_rows: list                 # held-out prompts
     segmenter: object               # a segment / token RM's held-out e(x, y) (segment_rewards.segmenter) or None
@@ -584,11 +568,11 @@ def setup(args, code_task, accelerators):
     score_norm = score_normalizer(acc, args.rm_path, reward_model, tokenizer, segmenter, task=args.task,
                                   chat_template=args.chat_template, max_prompt_len=args.max_prompt_len,
                                   max_response_len=args.max_response_len) if args.rm_norm else None
-    scorer = Scorer("exec" if code_task else args.reward, tokenizer, task=args.task, reward_model=reward_model,
+    scorer = rm.Scorer("exec" if code_task else args.reward, tokenizer, task=args.task, reward_model=reward_model,
                     segment_settings=settings, segment_rm=own is not None, seg_norm=args.seg_norm,
                     seg_interp=args.seg_interp, score_norm=score_norm)
     update = UpdateSettings(args.ppo_epochs, args.mini_batch_size, args.grad_accum, args.clip, args.value_clip,
-                            args.ratio, args.temperature)
+                            args.ratio, args.temperature, args.max_grad_norm)
     sampling = evaluate.Sampling(args.task, args.max_prompt_len, args.max_response_len, args.temperature, args.top_k,
                                  args.top_p, args.seed)
     return Setup(tokenizer, harness.Trained(policy, acc, policy_opt, scheds[0]),
@@ -602,7 +586,8 @@ def setup(args, code_task, accelerators):
 
 def main(args):
     args, code_task = resolve(args)
-    acc, critic_acc = harness.make_accelerators(args.bf16, args.grad_accum, args.mini_batch_size, project_dir=args.output_dir,
+    acc, critic_acc = harness.make_accelerators(args.bf16, args.grad_accum, args.mini_batch_size, args.max_grad_norm,
+                                                project_dir=args.output_dir,
                                                 log_with=None if args.report_to == "none" else args.report_to)
     harness.start("ppo", args, acc, final=os.path.join("policy", "config.json"))
     log, world, rank = acc.print, acc.num_processes, acc.process_index

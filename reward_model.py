@@ -7,7 +7,8 @@ The RM is `AutoModelForSequenceClassification(num_labels=1)` initialised from th
 its loss is -log sigmoid(r(x, y+) - r(x, y-)) (Ouyang et al. 2022, Eq. 1), its score the head's
 output at the last real token of prompt + response. Reported: held-out pairwise accuracy, and on
 tasks with a gold judge (chitchat, count) the agreement of the RM with it on pairs of SFT samples
-(the distribution PPO will show it). `score()` and `token_values()` are what ppo.py and evaluate.py use.
+(the distribution PPO will show it). `score()` and `token_values()` are what ppo.py and evaluate.py use;
+`Scorer` is ppo.py's step 2, one call whatever the score (the RM, a gold judge, running the program, a segment RM).
 
 `--unit segment` (Yin et al. 2025) reads the same head at the last token of each segment of the
 response (segments from the SFT model's entropy; `--unit token`: one token each), scores a response
@@ -25,6 +26,7 @@ import torch.nn.functional as F
 
 import data
 import harness
+import sandbox
 import segment_rewards as sr
 
 
@@ -33,27 +35,28 @@ class RMArgs:
     task: str = field(default="chitchat", metadata={"help": "chitchat, count, tldr, tldr_carper, hh, webgpt, or a local json/jsonl/parquet file"})
     sft_path: str = field(default="", metadata={"help": "SFT checkpoint (save_pretrained folder) or HF model id to start from; default runs/<task>/sft"})
     output_dir: str = field(default="", metadata={"help": "where the reward model + tokenizer are saved; default runs/<task>/rm"})
-    max_prompt_len: int = field(default=48, metadata={"help": "prompt tokens kept (truncated from the left)"})
-    max_response_len: int = field(default=0, metadata={"help": "response tokens kept, EOS included; 0 = the task's default (64 for count, else 32)"})
-    batch_size: int = field(default=32, metadata={"help": "preference pairs per process per micro-step"})
-    grad_accum: int = field(default=1, metadata={"help": "micro-steps per optimizer step"})
-    lr: float = field(default=1e-3, metadata={"help": "peak learning rate (~5e-6 for Gemma-2B)"})
-    warmup_ratio: float = field(default=0.05, metadata={"help": "fraction of the steps spent warming up, then cosine decay"})
-    max_steps: int = field(default=200, metadata={"help": "optimizer steps; 0 = `epochs` passes over the RM split"})
-    epochs: float = field(default=1.0, metadata={"help": "passes over the RM split when max_steps is 0"})
-    eval_every: int = field(default=100, metadata={"help": "held-out accuracy every k steps"})
-    save_every: int = field(default=100, metadata={"help": "resumable checkpoint every k steps"})
-    n_eval: int = field(default=1024, metadata={"help": "held-out pairs for the pairwise accuracy"})
-    n_gold_prompts: int = field(default=256, metadata={"help": "tasks with a gold judge (chitchat, count): held-out prompts whose two SFT samples test RM-gold agreement (0 = skip)"})
+    max_prompt_len: int = field(default=48, metadata={"help": "prompt tokens kept (truncated from the left)", "metavar": "[1, inf)"})
+    max_response_len: int = field(default=0, metadata={"help": "response tokens kept, EOS included; 0 = the task's default (64 for count, else 32)", "metavar": "[0, inf)"})
+    batch_size: int = field(default=32, metadata={"help": "preference pairs per process per micro-step", "metavar": "[1, inf)"})
+    grad_accum: int = field(default=1, metadata={"help": "micro-steps per optimizer step", "metavar": "[1, inf)"})
+    max_grad_norm: float = field(default=0.0, metadata={"help": "clip the gradients' global L2 norm to this (every engine alike); 0 = never", "metavar": "[0, inf)"})
+    lr: float = field(default=1e-3, metadata={"help": "peak learning rate (~5e-6 for Gemma-2B)", "metavar": "[0, inf)"})
+    warmup_ratio: float = field(default=0.05, metadata={"help": "fraction of the steps spent warming up, then cosine decay", "metavar": "[0, 1]"})
+    max_steps: int = field(default=200, metadata={"help": "optimizer steps; 0 = `epochs` passes over the RM split", "metavar": "[0, inf)"})
+    epochs: float = field(default=1.0, metadata={"help": "passes over the RM split when max_steps is 0", "metavar": "(0, inf)"})
+    eval_every: int = field(default=100, metadata={"help": "held-out accuracy every k steps", "metavar": "[1, inf)"})
+    save_every: int = field(default=100, metadata={"help": "resumable checkpoint every k steps", "metavar": "[1, inf)"})
+    n_eval: int = field(default=1024, metadata={"help": "held-out pairs for the pairwise accuracy", "metavar": "[1, inf)"})
+    n_gold_prompts: int = field(default=256, metadata={"help": "tasks with a gold judge (chitchat, count): held-out prompts whose two SFT samples test RM-gold agreement (0 = skip)", "metavar": "[0, inf)"})
     bf16: bool = field(default=False, metadata={"help": "bf16 mixed precision (GPUs)"})
     gradient_checkpointing: bool = field(default=False, metadata={"help": "recompute activations to save memory (GPUs)"})
     chat_template: bool = field(default=False, metadata={"help": "render prompts with the tokenizer's own chat template (instruct models); off: the raw HH / TL;DR formats of the paper's base models. Use the same choice in every stage"})
     skip_bad_rows: bool = field(default=False, metadata={"help": "drop malformed dataset rows (and report how many) instead of stopping"})
-    seed: int = field(default=1234, metadata={"help": "random seed (data split seed is fixed at 1234)"})
+    seed: int = field(default=1234, metadata={"help": "random seed (data split seed is fixed at 1234)", "metavar": "[0, inf)"})
     resume: bool = field(default=False, metadata={"help": "continue from <output_dir>/checkpoint"})
     unit: str = field(default="sequence", metadata={"help": "what the head scores (Yin et al. 2025): sequence (the whole response, EOS included: the ordinary RM) | segment (entropy segments, each scored at its last token; a response's score e is their mean) | token (one token per segment). EOS belongs to no segment", "choices": ("sequence", "segment", "token")})
-    c_ent: float = field(default=6.0, metadata={"help": "--unit segment: a response token whose SFT next-token entropy (nats, temperature 1) exceeds c_ent starts a segment. 6.0 gives the tiny chitchat SFT model (median entropy 5.5 nats) segments of about 3 tokens; a pretrained model's entropies are far lower: check the logged mean segment length"})
-    n_calibration: int = field(default=1024, metadata={"help": "RM-split pairs whose chosen and rejected responses fit the score's mean and std (score_norm.json, every unit) and, --unit segment/token, the location normalizer"})
+    c_ent: float = field(default=6.0, metadata={"help": "--unit segment: a response token whose SFT next-token entropy (nats, temperature 1) exceeds c_ent starts a segment. 6.0 gives the tiny chitchat SFT model (median entropy 5.5 nats) segments of about 3 tokens; a pretrained model's entropies are far lower: check the logged mean segment length", "metavar": "[0, inf)"})
+    n_calibration: int = field(default=1024, metadata={"help": "RM-split pairs whose chosen and rejected responses fit the score's mean and std (score_norm.json, every unit) and, --unit segment/token, the location normalizer", "metavar": "[1, inf)"})
 
 
 SCORE_FILE = "score_norm.json"           # beside any RM's weights: the mean and std of its score (ppo.py --rm_norm)
@@ -186,11 +189,57 @@ def read_score_normalizer(rm_path):
     return mean, std
 
 
+class Scorer:
+    """ppo.py's step 2: the sequence score of a rollout batch, of the one kind (`name`, logged as reward/<name>) chosen at setup:
+      exec     the program run against its tests (App. B.5): code tasks
+      gold     the task's gold judge reading the response: a verifiable reward
+      rm       the reward model's head at the last real token; a segment / token RM's score is e(x, y), the mean
+               of its segment rewards (Yin et al. 2025, Table 1's segment as bandit)
+      segment  a segment / token RM's rewards (Yin et al. 2025, §2): its head at each segment's last token,
+               normalized at its location, spread over the segment's tokens as `dense` rewards
+    `segment_settings` (`segment_rewards.segment_settings`): where the rollout's segments are cut, or None; `segment_rm`: the
+    reward model is a segment / token RM; `score_norm`: (mean, std) that standardize the RM's score, or None."""
+
+    def __init__(self, name, tokenizer, *, task=None, reward_model=None, segment_settings=None, segment_rm=False,
+                 seg_norm="regression", seg_interp="even", score_norm=None):
+        self.name, self.tokenizer, self.task, self.reward_model = name, tokenizer, task, reward_model
+        self.segment_settings, self.seg_norm, self.score_norm = segment_settings, seg_norm, score_norm
+        self.reads_segments = name == "segment" or (name == "rm" and segment_rm)
+        self.seg_interp = "bandit" if name == "rm" else seg_interp      # e(x, y) as one reward at the last token
+
+    def segments(self, response_ids, response_mask, sft_entropy):
+        """(starts, inside) [B, R] of the rollout's segments, cut as the RM's training cut its own (the SFT
+        entropy at temperature 1); (None, None) without segment settings."""
+        return sr.rollout_segments(self.segment_settings, response_ids, response_mask, self.tokenizer.eos_token_id,
+                                   sft_entropy)
+
+    def __call__(self, ids, attention_mask, prompt_width, rows, seg_starts=None, inside=None):
+        """(score [B], dense per-token rewards [B, R] or None, passed [B] (every test passed) or None, stats) of the
+        rollout [B, P + R]; `rows`: its problems (prompt, tests); `seg_starts`, `inside`: from `segments`."""
+        if self.name in ("exec", "gold"):
+            texts = self.tokenizer.batch_decode(ids[:, prompt_width:], skip_special_tokens=True)
+        if self.name == "exec":     # App. B.5: the compiler / test signal of running prefix + response
+            score, passed = map(torch.tensor, sandbox.execution_reward(rows, texts))
+            return score.to(ids.device), None, passed, {}
+        if self.name == "gold":     # a verifiable reward: the gold judge reads the whole response
+            return torch.tensor(data.gold(self.task, data.judged_prompts(rows), texts), device=ids.device), None, None, {}
+        head = token_values(self.reward_model, ids, attention_mask)       # the RM's head at every position
+        dense, stats = None, {}
+        if self.reads_segments:                     # the head at each segment's end; e(x, y), their mean
+            dense, score, stats = sr.segment_rewards(head[:, prompt_width:], seg_starts, inside, self.segment_settings,
+                                                     self.seg_norm, self.seg_interp)
+        else:                                       # the head at the last real token
+            score = last_token(head, attention_mask)
+        if self.score_norm is not None:     # Yin et al. 2025, §2.1: the RM's score over its calibration mean and std
+            score = (score - self.score_norm[0]) / self.score_norm[1]
+        return score, dense, None, stats
+
+
 def main(args):
-    harness.check_choices(args)
+    harness.check_flags(args)
     data.resolve_paths(args, "rm")
     args.max_response_len = data.response_len(args.task, args.max_response_len)
-    accelerator = harness.make_accelerator(args.bf16, args.grad_accum, args.batch_size)
+    accelerator = harness.make_accelerator(args.bf16, args.grad_accum, args.batch_size, args.max_grad_norm)
     harness.start("rm", args, accelerator)
     log = accelerator.print
     source = harness.checkpoint_part(args.output_dir, "model") if args.resume else args.sft_path
