@@ -438,12 +438,9 @@ def resolve(args):
                  "token (and unit crashes there); only --sigma equal reproduces it (docs/training.md)")
     if args.reward == "gold" and args.task not in data.GOLD_JUDGES:
         sys.exit(f"error: --reward gold needs a task with a gold judge ({', '.join(data.GOLD_JUDGES)}), not {args.task!r}")
-    if args.advantage == "group" and (args.group_size < 2 or args.rollout_batch_size % args.group_size):
-        sys.exit(f"error: --group_size {args.group_size}: at least 2 samples per prompt, and a divisor of "
-                 f"--rollout_batch_size {args.rollout_batch_size} (the samples of a process: its prompts x K)")
-    if args.advantage == "mc" and (args.mc_rollouts < 1 or args.mc_points < 0):
-        sys.exit(f"error: --mc_rollouts {args.mc_rollouts} / --mc_points {args.mc_points}: at least 1 continuation "
-                 "per point, and a cap >= 0 (0 = every macro start)")
+    if args.advantage == "group" and args.rollout_batch_size % args.group_size:
+        sys.exit(f"error: --group_size {args.group_size}: a divisor of --rollout_batch_size {args.rollout_batch_size} "
+                 "(the samples of a process: its prompts x K)")
     if args.advantage != "gae" and (args.critic_warmup or args.reward == "segment"):
         sys.exit(f"error: --advantage {args.advantage} has no critic to warm up (--critic_warmup) and reads one score "
                  "per sample, not --reward segment's per-token rewards")

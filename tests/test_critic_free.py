@@ -359,10 +359,10 @@ def test_the_code_task_runs_its_programs_for_every_sample_and_continuation(tiny_
 
 
 @pytest.mark.parametrize("flags,message", [
-    ({"advantage": "group", "group_size": 3}, "--group_size 3: at least 2 samples per prompt, and a divisor of "
-                                              "--rollout_batch_size 4"),
-    ({"advantage": "group", "group_size": 1}, "--group_size 1"),
-    ({"advantage": "mc", "mc_rollouts": 0}, "--mc_rollouts 0"),
+    ({"advantage": "group", "group_size": 3}, "--group_size 3: a divisor of --rollout_batch_size 4"),
+    ({"advantage": "group", "group_size": 1}, "--group_size 1: outside its range [2, inf)"),
+    ({"advantage": "mc", "mc_rollouts": 0}, "--mc_rollouts 0: outside its range [1, inf)"),
+    ({"advantage": "mc", "mc_points": -1}, "--mc_points -1: outside its range [0, inf)"),
     ({"advantage": "mc", "critic_warmup": 2}, "no critic to warm up (--critic_warmup)"),
     ({"advantage": "group", "reward": "segment"}, "not --reward segment"),
     ({"advantage": "critic"}, "--advantage 'critic': choose from 'gae', 'group', 'mc'"),
