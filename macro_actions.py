@@ -487,19 +487,16 @@ def clipped_policy_loss(logp, old_logp, advantages, mask, starts, clip=0.2, rati
 
 
 # ---------------------------------------------------------------------------------------------
-# Credit without a critic: group baselines (GRPO, Dr. GRPO, RLOO), Monte Carlo macro values
-# (SPO-chain) and the sequence ratio (GSPO). A group is `group_size` consecutive samples of one
-# prompt: rows i*K .. i*K + K-1 of a batch of prompts x K.
+# Credit without a critic: group baselines (GRPO, Dr. GRPO, RLOO), Monte Carlo macro values (SPO-chain),
+# the sequence ratio (GSPO). A group: `group_size` consecutive samples of one prompt (rows i*K .. i*K+K-1).
 # ---------------------------------------------------------------------------------------------
 
 def group_advantages(scores, group_size, norm="std", eps=1e-6):
     """One advantage per sample [N] from the scores [N] of its group, for every token of its response:
-
     std   GRPO (Shao et al. 2024, §4.1.2): (R_i - mean) / std, the group's std with n - 1 (as TRL, OpenRLHF)
-    none  Dr. GRPO (Liu et al. 2025, §3.1): R_i - mean; no 1/std, which favours groups that nearly agree
+    none  Dr. GRPO (Liu et al. 2025, §3.1): R_i - mean (1/std would weigh nearly unanimous groups up)
     loo   RLOO (Ahmadian et al. 2024, §2.3): R_i - the mean of the other K - 1 = K / (K - 1) (R_i - mean)
-    A group whose scores tie (std < eps) tells no sample from another: 0 under every norm, exactly
-    (GRPO names no guard for its 0 / 0; Dr. GRPO's form gives 0 there)."""
+    A group whose scores tie (std < eps) tells no sample from another: exactly 0 (GRPO names no guard)."""
     if group_size < 2 or scores.numel() % group_size:
         raise ValueError(f"group_size {group_size}: groups of 2 or more that divide the {scores.numel()} samples")
     groups = scores.view(-1, group_size)                                 # [prompts, K]
@@ -524,10 +521,9 @@ def sequence_log_ratio(log_ratio, mask, length_normalized=True):
 
 
 def mc_points(starts, mask, max_points=0):
-    """Which macro starts get a Monte Carlo value (bool [B, T]): every one, or under a cap P > 0 the
-    row's K starts cut by order into P runs of (nearly) equal count, the first of each kept: evenly
-    spaced over the macro starts, the first one (the prompt's state) always. A start left out joins
-    the macro action before it for the advantage."""
+    """Which macro starts get a Monte Carlo value (bool [B, T]): all, or under a cap P > 0 the first of each
+    of P runs of (nearly) equal count that cut a row's starts in order: evenly spaced, the first (the
+    prompt's state) always. A start left out joins the macro action before it for the advantage."""
     starts = starts & mask.bool()
     if not max_points:
         return starts
@@ -551,6 +547,6 @@ def mc_advantages(values, rewards, mask, points):
     """SPO-chain advantages over macro actions (Guo et al. 2025, Eq. 2), on their tokens ([B, T]):
     A_k = R_k + V(s_{k+1}) - V(s_k), the last A_K = R_K - V(s_K); V the Monte Carlo values at the
     points (`mc_values`), R_k the macro action's rewards (`macro_rewards`: its KL rewards, the score at
-    the last token). Without KL: V(next start) - V(start), and the score - V(start) for the last.
-    This is macro GAE with gamma 1, lambda 0 and sigma `first`, the MC value in the critic's place."""
+    the last token). Without KL: V(next start) - V(start), the last the score - V(start): macro GAE with
+    gamma 1, lambda 0 and sigma `first`, the MC value in the critic's place."""
     return macro_advantages(values, rewards, mask, points, gamma=1.0, lam=0.0, sigma="first")[0]
