@@ -142,6 +142,22 @@ def make_accelerators(bf16, grad_accum, micro_batch_size, max_grad_norm=0.0, **k
     return accelerator, same_accumulation(Accelerator(gradient_accumulation_steps=grad_accum), grad_accum)
 
 
+def checkpoint_names(trained):
+    """The optimizers and schedules of `trained` ({name: Trained}) by their names in a checkpoint:
+    ({<name>_opt: optimizer}, {<name>_sched: schedule})."""
+    return ({f"{name}_opt": t.optimizer for name, t in trained.items()},
+            {f"{name}_sched": t.scheduler for name, t in trained.items()})
+
+
+def adamw_with_warmup(models, warmup_steps):
+    """An AdamW optimizer and a linear-warmup schedule (over `warmup_steps`) for each (model, learning rate) of
+    `models` (None for a model that is None), on the parameters that train (all of them, or LoRA's)."""
+    warmup = (lambda step: min(1.0, (step + 1) / max(1, warmup_steps)))
+    opts = [None if model is None else torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=lr)
+            for model, lr in models]
+    return opts, [None if opt is None else torch.optim.lr_scheduler.LambdaLR(opt, warmup) for opt in opts]
+
+
 @dataclasses.dataclass
 class Trained:
     """A model that trains, with what trains it: its accelerator, optimizer and learning-rate schedule."""
@@ -268,14 +284,23 @@ def loading_whole():
         AcceleratorState().deepspeed_plugin.set_deepspeed_weakref()
 
 
-def accumulate(accelerator, policy, critic_accelerator, critic):
-    """Gradient accumulation context for both models (one accelerator counts the steps once)."""
-    if critic_accelerator is accelerator:
-        return accelerator.accumulate(policy, critic)
+def accumulate(trained):
+    """Gradient accumulation context for the `trained` models (Trained bundles): each accelerator counts the
+    steps once, for all of its models."""
     stack = contextlib.ExitStack()
-    stack.enter_context(accelerator.accumulate(policy))
-    stack.enter_context(critic_accelerator.accumulate(critic))
+    for accelerator in dict.fromkeys(t.accelerator for t in trained):
+        stack.enter_context(accelerator.accumulate(*[t.model for t in trained if t.accelerator is accelerator]))
     return stack
+
+
+def has_dropout(model):
+    """Whether `model` drops anything in train mode: a Dropout module or a config's *dropout* rate above 0."""
+    configs = [getattr(m, "config", None) for m in model.modules()]
+    rates = [v for c in configs if hasattr(c, "__dict__") for k, v in vars(c).items() if "dropout" in k]
+    dropouts = (torch.nn.Dropout, torch.nn.Dropout1d, torch.nn.Dropout2d, torch.nn.Dropout3d, torch.nn.AlphaDropout,
+                torch.nn.FeatureAlphaDropout)
+    return (any(isinstance(m, dropouts) and m.p > 0 for m in model.modules())
+            or any(isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0 for v in rates))
 
 
 def start_accumulation(accelerators, group):
@@ -923,17 +948,18 @@ def rng_states(accelerator):
     return gather_object([rng_state()])
 
 
-def batch_indices(n_rows, batch_size, step, seed, rank=0, world=1):
+def batch_indices(n_rows, batch_size, step, seed, rank=0, world=1, repeats=1):
     """Row indices of this process's batch at micro-step `step`: a seeded permutation per epoch, so a
     resumed run sees exactly the batches an uninterrupted one would have. Every rank gets a full batch:
-    with fewer rows than batch_size x world, the permutation wraps around (rows repeat)."""
+    with fewer rows than batch_size x world, the permutation wraps around (rows repeat). `repeats`: each
+    index that many times in adjacent places (a group of samples of one prompt, all on this process)."""
     if n_rows < 1:
         raise ValueError("batch_indices: no rows to draw batches from")
     per_epoch = max(1, n_rows // (batch_size * world))
     epoch, k = divmod(step, per_epoch)
     order = torch.randperm(n_rows, generator=torch.Generator().manual_seed(seed + epoch))
     start = (k * world + rank) * batch_size
-    return order[torch.arange(start, start + batch_size) % n_rows].tolist()
+    return [i for i in order[torch.arange(start, start + batch_size) % n_rows].tolist() for _ in range(repeats)]
 
 
 def eval_batches(n_rows, batch_size, rank=0, world=1):

@@ -17,6 +17,7 @@ import sys
 from dataclasses import asdict, dataclass, field
 
 import torch
+from tqdm.auto import tqdm
 
 import data
 import evaluate
@@ -133,32 +134,9 @@ def response_logprobs(model, ids, attention_mask, prompt_width, temperature, wit
     return logp, entropy
 
 
-class Critic(torch.nn.Module):
-    """The reward model read at every position (critic initialised from the RM, App. B.2); a module
-    of its own so that DDP / FSDP wrap the forward that computes the values."""
-
-    def __init__(self, model):
-        super().__init__()
-        self.model = model
-
-    def forward(self, ids, attention_mask):
-        model = self.model.get_base_model() if harness.is_lora(self.model) else self.model   # LoRA layers inside
-        return rm.token_values(model, ids, attention_mask)
-
-
 def critic_values(critic, ids, attention_mask, prompt_width):
     """2, 6. V(s_t) for the state before each response token: the head at the preceding position [B, R]."""
     return critic(ids, attention_mask)[:, prompt_width - 1:-1]
-
-
-def has_dropout(model):
-    """Whether `model` drops anything in train mode: a Dropout module or a config's *dropout* rate above 0."""
-    configs = [getattr(m, "config", None) for m in model.modules()]
-    rates = [v for c in configs if hasattr(c, "__dict__") for k, v in vars(c).items() if "dropout" in k]
-    dropouts = (torch.nn.Dropout, torch.nn.Dropout1d, torch.nn.Dropout2d, torch.nn.Dropout3d, torch.nn.AlphaDropout,
-                torch.nn.FeatureAlphaDropout)
-    return (any(isinstance(m, dropouts) and m.p > 0 for m in model.modules())
-            or any(isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0 for v in rates))
 
 
 def fused_update(accelerator, policy, critic, batch_size, mini_batch_size, epochs, grad_accum):
@@ -170,7 +148,7 @@ def fused_update(accelerator, policy, critic, batch_size, mini_batch_size, epoch
     forwards because a row's forward does not depend on the other rows nor, without dropout, on
     train() / eval(). `critic` None: there is none (--advantage group / mc)."""
     return (epochs == 1 and mini_batch_size >= batch_size and grad_accum == 1 and not harness.is_sharded(accelerator)
-            and not has_dropout(policy) and not (critic is not None and has_dropout(critic)))
+            and not harness.has_dropout(policy) and not (critic is not None and harness.has_dropout(critic)))
 
 
 def policy_and_critic_forwards(policy, critic, ids, attention_mask, prompt_width, temperature, keep_graphs):
@@ -211,11 +189,12 @@ def token_rewards_of(kl_rewards, score, response_mask, starts, agg="sum", dense=
             + ma.macro_rewards(dense, penalty, response_mask, starts))
 
 
-def monte_carlo_values(s, args, prompt_ids, prompt_mask, response_ids, points, rows):
-    """5. --advantage mc: V(s) at each point of `points` [B, R] (0 elsewhere), the mean score of --mc_rollouts
-    continuations of the policy from there (SPO, Guo et al. 2025, §4): every point's in one generate call, scored
-    by the run's own scorer, a missing EOS penalized as in step 3. `s`: the Setup; `rows`: the rollout's rows."""
-    acc = s.policy.accelerator
+def monte_carlo_values(s, args, prompt_ids, prompt_mask, response_ids, starts, response_mask, rows):
+    """5. --advantage mc: (V(s) at each estimation point [B, R], 0 elsewhere; the points, bool [B, R]): at most
+    --mc_points of the macro `starts`, V the mean score of --mc_rollouts continuations of the policy from there
+    (SPO, Guo et al. 2025, §4): every point's in one generate call, scored by the run's own scorer, a missing EOS
+    penalized as in step 3. `s`: the Setup; `rows`: the rollout's rows."""
+    acc, points = s.policy.accelerator, ma.mc_points(starts, response_mask, args.mc_points)
     with harness.generation_model(acc, s.policy.model, args.gather_for_generation) as (model, synced):
         p_ids, p_mask, c_ids, c_mask = data.sample_continuations(
             model, s.tokenizer, prompt_ids, prompt_mask, response_ids, points, args.mc_rollouts, args.temperature,
@@ -225,7 +204,7 @@ def monte_carlo_values(s, args, prompt_ids, prompt_mask, response_ids, points, r
         score = s.scorer(torch.cat([p_ids, c_ids], 1), torch.cat([p_mask, c_mask], 1), p_ids.shape[1],
                          [rows[i] for i in which])[0]
     has_eos = ((c_ids == s.tokenizer.eos_token_id) & c_mask.bool()).any(-1)
-    return ma.mc_values(score + args.missing_eos_penalty * (~has_eos).float(), points, args.mc_rollouts)
+    return ma.mc_values(score + args.missing_eos_penalty * (~has_eos).float(), points, args.mc_rollouts), points
 
 
 def advantages_of(args, token_rewards, response_mask, starts, values, points=None):
@@ -276,17 +255,28 @@ class UpdateSettings:
     max_grad_norm: float = 0.0
 
 
+def minibatch_forwards(policy, critic, b, rows, reused, prompt_width, temperature):
+    """6. A minibatch's logprobs and values (None without a critic): its `rows` of step 2's forwards, graphs
+    and all, when the update reuses them (`reused`), else forwards of its own on the batch `b`."""
+    if reused is not None:
+        return reused[0][rows], None if critic is None else reused[1][rows]
+    logp, _ = response_logprobs(policy.model, b["ids"], b["attention_mask"], prompt_width, temperature)
+    values = None if critic is None else critic_values(critic.model, b["ids"], b["attention_mask"], prompt_width)
+    harness.release_freed_memory(b["ids"].device)        # the forwards' temporaries
+    return logp, values
+
+
 def ppo_update(policy, critic, batch, hp, *, train_policy, reused, generator, prompt_width, step, output_dir,
                kl_coef=0.0):
     """6. PPO epochs over minibatches: the clipped policy and value losses, the policy and the critic (their
     harness.Trained bundles; `critic` None under --advantage group / mc: no value loss) each stepping its own
     optimizer; value-only updates while not `train_policy` (the critic warm-up). `batch`: the rollout's tensors by
     name, rows first; `hp`: UpdateSettings; `reused`: step 2's (logprobs, values) with their graphs
-    (`fused_update`), or None: every minibatch runs its own forwards; `kl_coef`: beta, with the batch's ref_logp
-    (--kl_penalty loss). Each optimizer step clips its model's gradients to `hp.max_grad_norm`
-    (harness.clip_gradients, every engine alike). Returns the stats of every minibatch, each with the gradient
-    norms of the step its group took."""
+    (`fused_update`), or None; `kl_coef`: beta, with the batch's ref_logp (--kl_penalty loss). Each optimizer step
+    clips its model's gradients to `hp.max_grad_norm` (harness.clip_gradients, every engine alike). Returns the
+    stats of every minibatch, each with the gradient norms of the step its group took."""
     trained = [t for t in (policy, critic) if t is not None]
+    stepping = [(policy, "policy")] * train_policy + [(critic, "value")] * (critic is not None)   # model, its loss
     for t in trained:
         t.model.train()
     stats, n_rows = [], len(batch["ids"])
@@ -304,90 +294,30 @@ def ppo_update(policy, critic, batch, hp, *, train_policy, reused, generator, pr
                 harness.start_accumulation([t.accelerator for t in trained], group)
                 grouped = []        # this group's minibatch stats, given the norms of its step at its end
             j += 1
-            with (policy.accelerator.accumulate(policy.model) if critic is None else
-                  harness.accumulate(policy.accelerator, policy.model, critic.accelerator, critic.model)):
-                if reused is not None:      # the one minibatch: its rows of step 2's forwards, graphs and all
-                    logp, values = reused[0][mb], None if critic is None else reused[1][mb]
-                else:
-                    logp, _ = response_logprobs(policy.model, b["ids"], b["attention_mask"], prompt_width, hp.temperature)
-                    values = None if critic is None else critic_values(critic.model, b["ids"], b["attention_mask"],
-                                                                       prompt_width)
-                    harness.release_freed_memory(b["ids"].device)        # the forwards' temporaries
+            with harness.accumulate(trained):
+                logp, values = minibatch_forwards(policy, critic, b, mb, reused, prompt_width, hp.temperature)
                 pg_loss, vf_loss, s = ppo_losses(logp, b["old_logp"], values, b.get("old_values"), b["advantages"],
                                                  b.get("returns"), b["response_mask"], b["starts"], clip=hp.clip,
                                                  value_clip=hp.value_clip, ratio=hp.ratio, ref_logp=b.get("ref_logp"),
                                                  kl_coef=kl_coef)
-                losses = [pg_loss] + ([] if critic is None else [vf_loss])
-                harness.stop_unless_finite(policy.accelerator, f"loss at iteration {step}", output_dir, *losses)
+                losses = {"policy": pg_loss, **({} if critic is None else {"value": vf_loss})}
+                harness.stop_unless_finite(policy.accelerator, f"loss at iteration {step}", output_dir, *losses.values())
                 scale = hp.grad_accum / group      # backward divides by grad_accum: a mean over the group
-                if train_policy:
-                    policy.accelerator.backward(pg_loss * scale)    # the two graphs are disjoint: one backward each
-                if critic is not None:
-                    critic.accelerator.backward(vf_loss * scale)
-                grouped.append({"loss/policy": pg_loss.detach(),
-                                **({} if critic is None else {"loss/value": vf_loss.detach()}), **s})
+                for t, name in stepping:           # the two graphs are disjoint: one backward each
+                    t.accelerator.backward(losses[name] * scale)
+                grouped.append({**{f"loss/{name}": loss.detach() for name, loss in losses.items()}, **s})
                 if trained[-1].accelerator.sync_gradients:       # the group's last minibatch: its step's gradients
-                    norms = {} if critic is None else {
-                        "value/grad_norm": harness.clip_gradients(critic.accelerator, critic.model, hp.max_grad_norm)}
-                    if train_policy:
-                        norms["policy/grad_norm"] = harness.clip_gradients(policy.accelerator, policy.model,
-                                                                           hp.max_grad_norm)
-                    stats += [{**g, **{k: torch.tensor(v) for k, v in norms.items()}} for g in grouped]
-                if train_policy:
-                    policy.optimizer.step()
-                if critic is not None:
-                    critic.optimizer.step()
+                    norms = {f"{name}/grad_norm": torch.tensor(harness.clip_gradients(t.accelerator, t.model,
+                                                                                      hp.max_grad_norm))
+                             for t, name in stepping}
+                    stats += [{**g, **norms} for g in grouped]
+                for t, _ in stepping:
+                    t.optimizer.step()
                 for t in trained:
                     t.optimizer.zero_grad()
-    if train_policy:        # the policy's warmup starts with it
-        policy.scheduler.step()
-    if critic is not None:
-        critic.scheduler.step()
+    for t, _ in stepping:       # the policy's warmup starts with it
+        t.scheduler.step()
     return stats
-
-
-@dataclass
-class Iteration:
-    """7. The tensors of one iteration that its metrics read; B rollouts of R response tokens."""
-    score: torch.Tensor             # [B] the sequence score (RM, gold judge or execution)
-    passed: torch.Tensor | None     # [B] 1.0 where every test passed (code tasks), else None
-    token_rewards: torch.Tensor     # [B, R] per-token rewards: KL rewards and the score (macro_rewards)
-    kl: torch.Tensor                # [B, R] per-token KL estimate
-    entropy: torch.Tensor           # [B, R] the policy's entropy at each response token
-    response_mask: torch.Tensor     # [B, R] 1.0 on real response tokens
-    starts: torch.Tensor            # [B, R] bool, where a macro action begins
-    old_values: torch.Tensor | None     # [B, R] V(s_t) at rollout time; None without a critic
-    advantages: torch.Tensor        # [B, R] macro advantages before whitening
-    returns: torch.Tensor | None    # [B, R] the critic's targets; None without a critic
-    has_eos: torch.Tensor           # [B] bool, the response ended with EOS
-    parse_fallback: float           # share of rows whose parse fell back to n=1
-    update_stats: list              # one dict of losses and ratio stats per minibatch
-    score_stats: dict = field(default_factory=dict)      # the scorer's (--reward segment: segment counts, rewards)
-    points: torch.Tensor | None = None      # [B, R] bool, --advantage mc: where Monte Carlo values were estimated
-
-
-def iteration_metrics(it, score_name):
-    """7. The metrics of one Iteration (masked: no padding in any average); the score is logged as
-    reward/<score_name> (rm, gold, segment or exec)."""
-    m, starts = it.response_mask, it.starts
-    n_macro = starts.sum(-1).clamp(min=1).float()
-    lengths = m.sum(-1)
-    critic = {}
-    if it.returns is not None:      # the critic's: none under --advantage group / mc
-        var_r = ma.masked_mean((it.returns - ma.masked_mean(it.returns, m)) ** 2, m)
-        critic = {"value/explained_variance": 1 - ma.masked_mean((it.returns - it.old_values) ** 2, m) / var_r.clamp(min=1e-8),
-                  "q/l2": (it.returns ** 2 * m).sum(-1).sqrt().mean(), "q/l2_macro": (it.returns ** 2 * starts).sum(-1).sqrt().mean()}
-    return {f"reward/{score_name}": it.score.mean(),
-            **({"reward/pass_rate": it.passed.mean()} if it.passed is not None else {}),
-            "reward/total": it.token_rewards.sum(-1).mean(),
-            "kl": (it.kl * m).sum(-1).mean(), "entropy": ma.masked_mean(it.entropy, m), **critic,
-            # Fig. 11: L2 norms per response, over tokens (a macro counted once per token) and over macro actions
-            "adv/l2": (it.advantages ** 2 * m).sum(-1).sqrt().mean(),
-            "adv/l2_macro": (it.advantages ** 2 * starts).sum(-1).sqrt().mean(),
-            **({"mc/points": it.points.sum(-1).float().mean()} if it.points is not None else {}),
-            "macro/mean_len": (lengths / n_macro).mean(), "macro/parse_fallback": torch.tensor(it.parse_fallback),
-            "response/len": lengths.mean(), "response/eos_rate": it.has_eos.float().mean(),
-            **{k: torch.stack([s[k] for s in it.update_stats]).mean() for k in it.update_stats[0]}, **it.score_stats}
 
 
 def adaptive_beta(beta, kl, target, n, horizon):
@@ -469,11 +399,11 @@ def load_models(sft_path, rm_path, critic_path, *, code_task, bf16=False, lora=N
         critic = (harness.twin(reward_model) if shared else rm.load_reward_model(critic_path, bf16)[0]) if critic_path else None
         policy = harness.load_lora(policy, part("policy", "")) if resume_dir else harness.with_lora(policy, *lora, "CAUSAL_LM")
         if critic is not None:
-            critic = Critic(harness.load_lora(critic, part("critic", "")) if resume_dir else
+            critic = rm.Critic(harness.load_lora(critic, part("critic", "")) if resume_dir else
                             harness.with_lora(critic, *lora, "SEQ_CLS"))      # SEQ_CLS: the score head trains too
     else:       # trained weights in fp32 (the master copy); --bf16 autocasts their forwards
         policy = AutoModelForCausalLM.from_pretrained(part("policy", sft_path), dtype=torch.float32)
-        critic = Critic(rm.load_reward_model(part("critic", critic_path))[0]) if critic_path else None
+        critic = rm.Critic(rm.load_reward_model(part("critic", critic_path))[0]) if critic_path else None
     # the reference in the precision the policy computes in: bf16 weights where the engine runs the policy's in
     # bf16 (DeepSpeed, FSDP2's mixed precision), else fp32 weights under the policy's autocast (reference_logprobs)
     ref_dtype = dtype if sharded else torch.float32
@@ -501,16 +431,6 @@ def score_normalizer(accelerator, rm_path, reward_model, tokenizer, segmenter, *
     mean, std = rm.read_score_normalizer(rm_path)
     accelerator.print(f"[ppo] --rm_norm: the RM's score as (r - {mean:.4g}) / {std:.4g}")
     return mean, std
-
-
-def optimizers(policy, critic, policy_lr, critic_lr, warmup_steps):
-    """AdamW for the policy and for the critic (None without one), and their schedules: a linear warmup over
-    `warmup_steps`."""
-    trained = (lambda model: [p for p in model.parameters() if p.requires_grad])     # all of them, or LoRA's
-    warmup = (lambda step: min(1.0, (step + 1) / max(1, warmup_steps)))
-    opts = [None if model is None else torch.optim.AdamW(trained(model), lr=lr)
-            for model, lr in ((policy, policy_lr), (critic, critic_lr))]
-    return opts, [None if opt is None else torch.optim.lr_scheduler.LambdaLR(opt, warmup) for opt in opts]
 
 
 @dataclass
@@ -553,7 +473,7 @@ def setup(args, code_task, accelerators):
     eval_rows = data.with_chat_template(data.first_row_per_prompt(splits["test"])[:args.n_eval_prompts], tokenizer,
                                         args.chat_template)                # code rows carry their tests
     log(f"[ppo] {len(rows)} training prompts, {len(eval_rows)} held-out prompts, {acc.num_processes} process(es)")
-    opts, scheds = optimizers(policy, critic, args.policy_lr, args.critic_lr, args.warmup_steps)
+    opts, scheds = harness.adamw_with_warmup([(policy, args.policy_lr), (critic, args.critic_lr)], args.warmup_steps)
     if critic is None:
         log(f"[ppo] --advantage {args.advantage}: no critic (none built, trained, saved or resumed)")
         (policy, policy_opt), critic_opt = acc.prepare(policy, opts[0]), None
@@ -591,8 +511,7 @@ def main(args):
     s = setup(args, code_task, (acc, critic_acc))
     policy, critic, scorer, tokenizer = s.policy, s.critic, s.scorer, s.tokenizer
     trained = {name: t for name, t in (("policy", policy), ("critic", critic)) if t is not None}
-    optimizers = {f"{name}_opt": t.optimizer for name, t in trained.items()}    # by their names in a checkpoint
-    schedulers = {f"{name}_sched": t.scheduler for name, t in trained.items()}
+    optimizers, schedulers = harness.checkpoint_names(trained)      # {policy_opt: ...}, {policy_sched: ...}
     generator = torch.Generator().manual_seed(args.seed)       # minibatch order, randomized n-grams
     first_step, truncated, beta = 0, 0, args.beta
     if args.resume:     # optimizer states are per-rank shards under ZeRO: each rank restores its own
@@ -602,29 +521,26 @@ def main(args):
         log(f"[ppo] resumed at iteration {first_step}")
     run_log = harness.RunLog(acc, args.output_dir, first_step, args.report_to, asdict(args))
     prompts, sft_replies = [r["prompt"] for r in s.rows], {}     # sft_replies: the SFT model's diversity, measured once
-    K = args.group_size if args.advantage == "group" else 1      # samples per prompt, a group's in adjacent rows
-    from tqdm.auto import tqdm
     bar = tqdm(range(first_step, args.steps), desc=run_name(args.n, args.termination), disable=not acc.is_local_main_process)
     with harness.GracefulStop(acc, "ppo", "iteration", harness.checkpoint_dir(args.output_dir), first_step) as stop:
         for step in bar:
             clock = harness.Stopwatch()     # each phase's seconds; the freed heap handed back after the large ones
             # 1. Rollout: sample responses to this rank's prompts; logprobs under the sampling distribution
             with clock.phase("generate", release=acc.device):
-                idx = harness.batch_indices(len(prompts), args.rollout_batch_size // K, step, args.seed, rank, world)
-                idx = [i for i in idx for _ in range(K)]        # a group never spans two processes
+                K = args.group_size if args.advantage == "group" else 1     # a prompt's K samples in adjacent rows:
+                idx = harness.batch_indices(len(prompts), args.rollout_batch_size // K, step, args.seed, rank, world, K)
                 policy.model.eval()
                 with harness.generation_model(acc, policy.model, args.gather_for_generation) as (model, synced):
                     p_ids, p_mask, r_ids, r_mask, n_cut = data.sample(
                         model, tokenizer, [prompts[i] for i in idx], args.max_prompt_len, args.max_response_len,
                         args.temperature, args.top_k, args.top_p, synced_gpus=synced)
                 truncated += n_cut
-            P = p_ids.shape[1]
-            ids, attention_mask = torch.cat([p_ids, r_ids], 1), torch.cat([p_mask, r_mask], 1)    # [B, P + R]
-            response_mask = r_mask.float()                                                        # [B, R]
+            P, ids, attention_mask = p_ids.shape[1], torch.cat([p_ids, r_ids], 1), torch.cat([p_mask, r_mask], 1)
+            response_mask = r_mask.float()                       # [B, R]; ids, attention_mask [B, P + R]
             with clock.phase("forward", release=acc.device):
                 # 2. Score: the policy's logprobs and the critic's values V(s_t) (with their graphs when the update
                 # reuses these forwards), the reference logprobs, the sequence score
-                critic_model = None if critic is None else critic.model
+                critic_model = critic and critic.model      # None under --advantage group / mc
                 reuse = fused_update(acc, policy.model, critic_model, len(idx), args.mini_batch_size, args.ppo_epochs,
                                      args.grad_accum)
                 logp, entropy, values = policy_and_critic_forwards(policy.model, critic_model, ids, attention_mask, P,
@@ -655,8 +571,8 @@ def main(args):
             points = None
             if args.advantage == "mc":      # 5a. no critic: Monte Carlo values at (at most --mc_points) macro starts
                 with clock.phase("mc", release=acc.device):
-                    points = ma.mc_points(starts, response_mask, args.mc_points)
-                    old_values = monte_carlo_values(s, args, p_ids, p_mask, r_ids, points, [s.rows[i] for i in idx])
+                    old_values, points = monte_carlo_values(s, args, p_ids, p_mask, r_ids, starts, response_mask,
+                                                            [s.rows[i] for i in idx])
             with clock.phase("macro"):
                 # 5. Advantages (§3.3, Eq. 4-5): macro rewards R_tau, sigma-weighted macro values, macro GAE (or
                 # --advantage group / mc: a group baseline, SPO-chain)
@@ -664,21 +580,19 @@ def main(args):
                 token_rewards = token_rewards_of(kl_rewards, score, response_mask, starts, agg, dense, penalty,
                                                  args.reward_clip)
                 advantages, returns = advantages_of(args, token_rewards, response_mask, starts, old_values, points)
-                raw_adv = advantages
-                if args.whiten_advantages:
-                    advantages = masked_whiten(advantages, response_mask)
+                raw_adv = advantages        # logged as they are; the update reads them normalised over the batch
+                advantages = masked_whiten(advantages, response_mask) if args.whiten_advantages else advantages
             with clock.phase("update", release=acc.device):
                 # 6. PPO update: epochs over minibatches; value-only while the critic warms up
                 batch = {"ids": ids, "attention_mask": attention_mask, "old_logp": old_logp, "advantages": advantages,
-                         "response_mask": response_mask, "starts": starts,
-                         **({} if critic is None else {"old_values": old_values, "returns": returns}),
-                         **({"ref_logp": ref_logp} if args.kl_penalty == "loss" else {})}
+                         "response_mask": response_mask, "starts": starts, **({} if critic is None else {
+                             "old_values": old_values, "returns": returns}), **({"ref_logp": ref_logp} if args.kl_penalty == "loss" else {})}
                 stats = ppo_update(policy, critic, batch, s.update, train_policy=step >= args.critic_warmup,
                                    reused=(logp, values) if reuse else None, generator=generator, prompt_width=P,
                                    step=step, output_dir=args.output_dir, kl_coef=beta)
                 logp = values = None        # step 2's graphs (if reused) not kept into the next rollout
             # 7. Log (means over every process), evaluate on held-out prompts, checkpoint
-            means = harness.mean_over_processes(acc, iteration_metrics(Iteration(
+            means = harness.mean_over_processes(acc, evaluate.iteration_metrics(evaluate.Iteration(
                 score, passed, token_rewards, kl, entropy, response_mask, starts, None if critic is None else old_values,
                 raw_adv, returns, has_eos, fallback, stats, score_stats, points), scorer.name))
             metrics = {**harness.rounded(means), "step": step + 1, "beta": beta, "prompts/truncated": truncated,
@@ -703,7 +617,6 @@ def finish(args, s, truncated, beta, run_log):
     """After the last iteration: warnings, the rank-sync check, the final policy, the report. `s`: the run's
     Setup; `truncated`: prompts of this process that lost their beginning; `beta`: the KL coefficient the
     controller ended with."""
-    from transformers import AutoModelForCausalLM
     acc, sharded = s.policy.accelerator, harness.is_sharded(s.policy.accelerator)
     if truncated:
         acc.print(f"[ppo] warning: {truncated} prompts (this process) were longer than {args.max_prompt_len} "
@@ -718,15 +631,8 @@ def finish(args, s, truncated, beta, run_log):
     if acc.is_main_process:
         final = os.path.join(args.output_dir, "policy")
         harness.atomic_save(final, final_policy, s.tokenizer)
-        # the report reads the saved policy back: whole weights on one process, whatever the sharding; the
-        # SFT baseline on the same device and dtype, sampled the same way
-        dtype = torch.bfloat16 if args.bf16 else torch.float32
-        with harness.loading_whole():
-            policy = AutoModelForCausalLM.from_pretrained(final, dtype=dtype).to(acc.device).eval()
-            sft_model = AutoModelForCausalLM.from_pretrained(args.sft_path, dtype=dtype).to(acc.device).eval()
-        segmenter = sr.segmenter(None if args.task in data.CODE_TASKS else sr.read_segment_settings(args.rm_path),
-                                 sft_model, s.tokenizer.eos_token_id)
-        harness.release_freed_memory(acc.device, at_least=0)
+        policy, sft_model, segmenter = evaluate.report_models(final, args.sft_path, args.rm_path, args.task, args.bf16,
+                                                              s.tokenizer.eos_token_id, acc.device)
         evaluate.final_report(policy, sft_model, s.reward_model, s.tokenizer, s.eval_rows, run_log.path, s.sampling,
                               label=f"n={args.n}, {args.termination}", plot=args.plot, segmenter=segmenter)
     acc.wait_for_everyone()

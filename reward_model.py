@@ -91,6 +91,20 @@ def last_token(values, attention_mask):
     return values.gather(1, last.unsqueeze(1)).squeeze(1)
 
 
+class Critic(torch.nn.Module):
+    """The reward model read at every position (critic initialised from the RM, App. B.2); a module
+    of its own so that DDP / FSDP wrap the forward that computes the values."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+
+    def forward(self, ids, attention_mask):
+        model = self.model.get_base_model() if harness.is_lora(self.model) else self.model   # LoRA layers inside
+        return token_values(model, ids, attention_mask)
+
+
+
 @torch.no_grad()
 def score(model, tokenizer, prompts, responses, max_prompt_len=48, max_response_len=32, batch_size=64,
           segmenter=None):

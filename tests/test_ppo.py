@@ -8,6 +8,8 @@ import pytest
 import torch
 
 import data
+import evaluate
+import harness
 import macro_actions as ma
 import ppo
 import sandbox
@@ -117,11 +119,11 @@ def test_macro_level_norms_count_each_macro_action_once():
     response_mask = torch.ones(1, 4)
     starts = torch.tensor([[True, False, False, True]])
     adv, returns = torch.tensor([[2.0, 2.0, 2.0, 1.0]]), torch.tensor([[3.0, 3.0, 3.0, 0.0]])
-    it = ppo.Iteration(score=torch.zeros(1), passed=None, token_rewards=torch.zeros(1, 4), kl=torch.zeros(1, 4),
-                       entropy=torch.zeros(1, 4), response_mask=response_mask, starts=starts, old_values=torch.zeros(1, 4),
-                       advantages=adv, returns=returns, has_eos=torch.ones(1, dtype=torch.bool), parse_fallback=0.0,
-                       update_stats=[{"loss/policy": torch.tensor(0.0)}])
-    metrics = ppo.iteration_metrics(it, "rm")
+    it = evaluate.Iteration(score=torch.zeros(1), passed=None, token_rewards=torch.zeros(1, 4), kl=torch.zeros(1, 4),
+                            entropy=torch.zeros(1, 4), response_mask=response_mask, starts=starts, old_values=torch.zeros(1, 4),
+                            advantages=adv, returns=returns, has_eos=torch.ones(1, dtype=torch.bool),
+                            parse_fallback=0.0, update_stats=[{"loss/policy": torch.tensor(0.0)}])
+    metrics = evaluate.iteration_metrics(it, "rm")
     assert metrics["adv/l2"].item() == pytest.approx(13 ** 0.5) and metrics["adv/l2_macro"].item() == pytest.approx(5 ** 0.5)
     assert metrics["q/l2"].item() == pytest.approx(27 ** 0.5) and metrics["q/l2_macro"].item() == pytest.approx(3.0)
     assert metrics["macro/mean_len"].item() == pytest.approx(2.0) and "reward/rm" in metrics
@@ -173,13 +175,13 @@ def test_every_flag_runs_one_iteration(tiny_models, tmp_path, flags):
 def test_dropout_is_found_in_a_module_or_a_config(policy):
     """A model that drops anything in train mode is never fused: its update forward would differ from step 2's."""
     import copy
-    assert not ppo.has_dropout(policy)
+    assert not harness.has_dropout(policy)
     dropping = copy.deepcopy(policy)
     dropping.config.attention_dropout = 0.1
-    assert ppo.has_dropout(dropping)
+    assert harness.has_dropout(dropping)
     dropping.config.attention_dropout = 0.0
     dropping.model.layers[0].mlp.act_fn = torch.nn.Sequential(dropping.model.layers[0].mlp.act_fn, torch.nn.Dropout(0.1))
-    assert ppo.has_dropout(dropping)
+    assert harness.has_dropout(dropping)
 
 
 @pytest.mark.launch
