@@ -348,14 +348,8 @@ def resolve(args):
     args.max_response_len = data.response_len(args.task, args.max_response_len)
     code_task = args.task in data.CODE_TASKS       # score = running the program; critic from SFT (App. B.2)
     args.critic_path = args.critic_path or (args.sft_path if code_task else args.rm_path)
-    if code_task and "segment" in (args.reward, args.termination):
-        sys.exit(f"error: --reward / --termination segment need a reward model; {args.task!r} runs its code")
-    if args.reward == "segment" and args.lora_r:
-        sys.exit("error: --reward segment scores held-out responses with the frozen SFT model's segments; "
-                 "it has none under --lora_r (the reference is the policy with its adapters off)")
-    if args.c_ent and args.reward != "segment" and args.termination != "segment":
-        sys.exit("error: --c_ent sets the segments of --termination segment, or those a sequence RM is read on "
-                 "under --reward segment (bandit as segment)")
+    sr.check_flags(args.task, code_task, reward=args.reward, termination=args.termination, lora_r=args.lora_r,
+                   c_ent=args.c_ent)
     if args.rm_norm and (code_task or args.reward != "rm"):
         sys.exit(f"error: --rm_norm normalizes the reward model's score under --reward rm, not --reward {args.reward}"
                  + (f" (task {args.task!r} runs its code)" if code_task else ""))

@@ -316,6 +316,20 @@ def checked_segment_settings(rm_path, seg_norm="regression"):
     return settings
 
 
+def check_flags(task, code_task, *, reward, termination, lora_r, c_ent):
+    """ppo.py's segment flags that cannot go together, refused at start with the flags named: segments need a
+    reward model (not a code task's program), the frozen SFT model (not LoRA's adapters-off policy), and --c_ent
+    only where segments are read."""
+    if code_task and "segment" in (reward, termination):
+        sys.exit(f"error: --reward / --termination segment need a reward model; {task!r} runs its code")
+    if reward == "segment" and lora_r:
+        sys.exit("error: --reward segment scores held-out responses with the frozen SFT model's segments; "
+                 "it has none under --lora_r (the reference is the policy with its adapters off)")
+    if c_ent and reward != "segment" and termination != "segment":
+        sys.exit("error: --c_ent sets the segments of --termination segment, or those a sequence RM is read on "
+                 "under --reward segment (bandit as segment)")
+
+
 def segment_settings(own, rm_path, sft_path, *, reward, termination, c_ent, seg_norm, lora_r, log):
     """ppo.py's segments (read in its step 2), or None when it reads none: a segment / token RM's `own`
     settings (its segment_reward.json, or None) under --reward segment or --termination segment, and under
