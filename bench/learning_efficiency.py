@@ -53,6 +53,8 @@ import subprocess
 import sys
 import time
 
+import numpy
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 import data  # noqa: E402
@@ -410,22 +412,6 @@ def bootstrap_parity(base_runs, runs, metric, window, draws=2000, seed=0):
     return {"ppo_steps": point[0], "steps": point[1], "low": pct(0.025), "high": pct(0.975), "never": never}
 
 
-def per_seed_verdicts(base_runs, runs, key):
-    """Per seed, the verdicts (evaluate.compare: "A" this run wins, "B" loses, "E" ties) of `runs`' final
-    per-prompt `key` scores against the same seed's baseline run; seeds without a partner are left out."""
-    by_seed = {r["seed"]: r for r in base_runs}
-    return [evaluate.compare(r["final"][key], by_seed[r["seed"]]["final"][key]) for r in runs if r["seed"] in by_seed]
-
-
-def final_gap(base_runs, runs, key):
-    """The final policies' mean per-prompt `key` score, this run minus the same seed's baseline run:
-    (mean, 95% t half-width) over the seeds both have, and their count."""
-    by_seed = {r["seed"]: r for r in base_runs}
-    mean = lambda xs: sum(xs) / len(xs)                                                  # noqa: E731
-    gaps = [mean(r["final"][key]) - mean(by_seed[r["seed"]]["final"][key]) for r in runs if r["seed"] in by_seed]
-    return (*t_interval(gaps), len(gaps)) if gaps else None
-
-
 def paired_gap(base_runs, runs, metric):
     """First-half mean of `metric`, this run minus the same seed's baseline run: (mean, 95% t half-width)."""
     by_seed = {r["seed"]: r for r in base_runs}
@@ -433,15 +419,127 @@ def paired_gap(base_runs, runs, metric):
                        for r in runs if r["seed"] in by_seed])
 
 
-def bootstrap_win_rate(per_seed, draws=2000, seed=0):
-    """per_seed: [verdicts of one seed] -> evaluate.win_rate pooled over seeds (ties half), 95% bootstrap
-    interval over seeds."""
-    rng = random.Random(seed)
+# ---------------------------------------------------------------- one KL, the matching rule, the margin, verdicts
+# One KL everywhere: the mean per-sequence KL from the SFT model (the frozen reference, k1 summed over the response)
+# over the training batches of the KL_WINDOW iterations up to a point; 80 samples in the real runs, where one
+# iteration's 16 are noisy and sometimes negative. Records made before the trace was kept have only their evaluation
+# rows: one batch at that iteration (run_kl says so with has_trace). The records hold no held-out KL.
+KL_WINDOW = 5
+MATCH = 1.2       # two runs are at matched KL when the larger final KL is at most 1.2 times the smaller
+MARGIN = 0.05     # gold: a difference whose 90% interval lies inside +-MARGIN is "level" (two one-sided tests)
+DRAWS = 4000      # seed-then-prompt bootstrap draws (seeded: the same tables every time)
+T_95 = {1: 6.314, 2: 2.920, 3: 2.353, 4: 2.132, 5: 2.015, 6: 1.943, 7: 1.895, 8: 1.860, 9: 1.833, 10: 1.812}
+T_80 = {1: 1.376, 2: 1.061, 3: 0.978, 4: 0.941, 5: 0.920, 6: 0.906, 7: 0.896, 8: 0.889, 9: 0.883, 10: 0.879}
 
-    def rate(seeds):
-        return evaluate.win_rate([v for verdicts in seeds for v in verdicts])["win_rate"]
-    values = sorted(rate([rng.choice(per_seed) for _ in per_seed]) for _ in range(draws))
-    return rate(per_seed), values[int(0.025 * draws)], values[min(draws - 1, int(0.975 * draws))]
+
+def has_trace(record):
+    return bool(record.get("trace"))
+
+
+def run_kl(record, step=None):
+    """The study's KL of a run at `step` (its end when None): the mean of the trace's KLs of the KL_WINDOW
+    iterations up to it; without a trace, the evaluation row's one batch."""
+    trace = [t["kl"] for t in record.get("trace", []) if step is None or t["step"] <= step][-KL_WINDOW:]
+    if trace:
+        return sum(trace) / len(trace)
+    return next(r for r in reversed(record["rows"]) if step is None or r["step"] == step)["kl"]
+
+
+def kl_rows(record):
+    """A record's evaluation rows with "kl" replaced by run_kl at each one (the curves read against KL)."""
+    return [{**r, "kl": run_kl(record, r["step"])} for r in record["rows"]]
+
+
+def kl_matched(a, b, tolerance=MATCH):
+    """Two runs' final KLs are matched: both positive and the larger at most `tolerance` times the smaller."""
+    return min(a, b) > 0 and max(a, b) <= tolerance * min(a, b)
+
+
+def seed_prompt_draws(units, stat, draws=DRAWS, seed=0):
+    """The seed-then-prompt bootstrap. `units`: one array [runs, prompts] per seed (the runs of a seed answered the
+    same held-out prompts under one sampling seed). Each draw resamples the seeds with replacement, then the prompts
+    of each drawn seed (the same columns for all its runs); stat(picked seed indices, drawn arrays) per draw."""
+    rng = numpy.random.default_rng(seed)
+    out = []
+    for _ in range(draws):
+        picked = rng.integers(len(units), size=len(units))
+        out.append(stat(picked, [units[i][:, rng.integers(units[i].shape[1], size=units[i].shape[1])] for i in picked]))
+    return numpy.array(out)
+
+
+def verdict(mean, se, seeds, margin=MARGIN):
+    """A difference, its standard error and the seeds behind it -> its 95% interval (t with seeds - 1 degrees of
+    freedom), the 90% interval of the two one-sided tests against +-margin, the minimum detectable effect (80% power,
+    5% two-sided) and the one word the rules allow: "ahead" / "behind" (the 95% interval leaves out 0), "level"
+    (the 90% interval inside the margin; "ahead, within the margin" when both hold), else "undecided"."""
+    if seeds < 2 or se != se:
+        return {"mean": mean, "seeds": seeds, "verdict": "one seed: no verdict"}
+    t975, t95, t80 = T_975.get(seeds - 1, 1.96), T_95.get(seeds - 1, 1.645), T_80.get(seeds - 1, 0.842)
+    low, high, low90, high90 = mean - t975 * se, mean + t975 * se, mean - t95 * se, mean + t95 * se
+    level = -margin < low90 and high90 < margin
+    word = "ahead" if low > 0 else "behind" if high < 0 else "level" if level else "undecided"
+    if word in ("ahead", "behind") and level:
+        word += ", within the margin"
+    return {"mean": mean, "se": se, "seeds": seeds, "ci95": (low, high), "ci90": (low90, high90),
+            "mde": (t975 + t80) * se, "margin": margin, "verdict": word}
+
+
+def paired_units(base_runs, runs, key, win=False):
+    """Per seed both have, this run against the baseline's on the final per-prompt `key` scores: [1, prompts] of
+    differences, or of win values (1 a win, 0.5 a tie, 0 a loss)."""
+    by_seed = {r["seed"]: r for r in base_runs}
+    units = []
+    for r in runs:
+        if r["seed"] in by_seed:
+            a, b = numpy.array(r["final"][key], float), numpy.array(by_seed[r["seed"]]["final"][key], float)
+            units.append(((a > b) + 0.5 * (a == b) if win else a - b)[None, :])
+    return units
+
+
+def mean_of_units(picked, drawn):
+    """The mean over seeds of each seed's mean (over its rows and prompts)."""
+    return float(numpy.mean([u.mean() for u in drawn]))
+
+
+def compare(units, seed=0):
+    """verdict() of the mean over seeds of `units` (paired_units), its SE from the seed-then-prompt bootstrap;
+    None without a seed."""
+    if not units:
+        return None
+    mean = mean_of_units(None, units)
+    se = float(seed_prompt_draws(units, mean_of_units, seed=seed).std(ddof=1)) if len(units) > 1 else float("nan")
+    return verdict(mean, se, len(units))
+
+
+def win_rate(base_runs, runs, key):
+    """This run's final policies against the same seed's baseline: (win rate, 95% low, high), ties half, the mean
+    over seeds of each seed's rate, the interval from the seed-then-prompt bootstrap's SE; None without a seed."""
+    c = compare(paired_units(base_runs, runs, key, win=True))
+    return c and (c["mean"], *c.get("ci95", (None, None)))
+
+
+def equal_kl_fit(runs, seed=0):
+    """MA-PPO minus PPO at equal KL: the least-squares fit of each run's mean final score on log(final KL), a
+    MA-PPO indicator and one intercept per seed (the runs of a seed share prompts and sampling seed), over `runs`
+    [(seed, is MA-PPO, final KL, per-prompt scores)] of the seeds that have both methods; the indicator's
+    coefficient with verdict(), its SE from the seed-then-prompt bootstrap, and the slope per unit of log KL."""
+    by_seed = {}
+    for s, ma, kl, scores in runs:
+        by_seed.setdefault(s, []).append((float(ma), math.log(kl), scores))
+    by_seed = {s: v for s, v in by_seed.items() if len({ma for ma, _, _ in v}) == 2}
+    if len(by_seed) < 2:
+        return None
+    xs = [numpy.array([(ma, lkl) for ma, lkl, _ in v]) for v in by_seed.values()]
+    units = [numpy.array([scores for _, _, scores in v], float) for v in by_seed.values()]
+
+    def fit(picked, drawn):
+        rows = [(*xs[i][r], *(numpy.arange(len(drawn)) == j)) for j, i in enumerate(picked) for r in range(len(xs[i]))]
+        y = [u[r].mean() for u in drawn for r in range(len(u))]
+        coef = numpy.linalg.lstsq(numpy.array(rows, float), numpy.array(y), rcond=None)[0]
+        return coef[0], coef[1]
+    d, slope = fit(range(len(units)), units)
+    se = float(seed_prompt_draws(units, lambda p, u: fit(p, u)[0], seed=seed).std(ddof=1))
+    return {**verdict(float(d), se, len(units)), "slope": float(slope), "runs": sum(len(u) for u in units)}
 
 
 # ---------------------------------------------------------------- runs
@@ -846,7 +944,7 @@ def fmt_parity(p):
 
 
 def fmt_win(win):
-    return f"{win[0]:.1%} [{win[1]:.1%}, {win[2]:.1%}]"
+    return f"{win[0]:.1%}" + (f" [{win[1]:.1%}, {win[2]:.1%}]" if win[1] is not None else "")
 
 
 def report(args, hypothesis, records):
@@ -866,18 +964,23 @@ def report(args, hypothesis, records):
             lines.append(f"| {config.label} | 0 | not run yet | | | | | | |")
             continue
         rows = [r["rows"] for r in runs]
-        finals = {m: t_interval([rr[-1][m] for rr in rows]) for m in (score, second, "kl") if m in rows[0][-1]}
+        finals = {m: t_interval([rr[-1][m] for rr in rows]) for m in (score, second) if m in rows[0][-1]}
+        finals["kl"] = t_interval([run_kl(r) for r in runs])
         early = t_interval([first_half_mean(rr, score) for rr in rows])    # learning speed before saturation
         parity = {m: bootstrap_parity([r["rows"] for r in base_runs], rows, m, args.smooth)
                   for m in (score, second) if base_runs and config is not base and m in rows[0][-1]}
-        per_seed = per_seed_verdicts(base_runs, runs, base.win_key) if config is not base else []
-        win = bootstrap_win_rate(per_seed) if per_seed else None
+        win = win_rate(base_runs, runs, base.win_key) if config is not base else None
         result[config.name] = {"label": config.label, "seeds": [r["seed"] for r in runs], "final": finals,
                                "first_half": early, "parity": parity, "gold_win_rate_vs_ppo": win}
         lines.append(f"| {config.label} | {len(runs)} | " + " | ".join(fmt(*finals[m]) if m in finals else "-"
-                                                                        for m in (score, second, "kl"))
+                                                                        for m in (score, second))
+                     + f" | {fmt(*finals['kl'])}{'' if all(map(has_trace, runs)) else ' *'}"
                      + f" | {fmt(*early)} | {fmt_parity(parity.get(score))} | {fmt_parity(parity.get(second))} | "
                      + (fmt_win(win) if win else "-") + " |")
+    done = [r for c in h.configs for r in records.get(c.name, []) if r]
+    lines += ["", f"KL: each run's mean per-sequence KL from the SFT model over its last {KL_WINDOW} iterations' training "
+              "batches" + ("" if all(map(has_trace, done)) else "; * runs recorded without a trace: the last iteration's "
+                           "batch alone") + f". Win rates: ties half, 95% intervals from a seed-then-prompt bootstrap."]
     sft = committed_sft_record(args, base)
     if sft:
         sft_mean = sum(sft["final"][base.win_key]) / len(sft["final"][base.win_key])
@@ -909,13 +1012,6 @@ def report(args, hypothesis, records):
     return lines, result
 
 
-def final_kl(record, last=5):
-    """A run's KL from the SFT model at its end: the mean per-sequence KL of its last `last` iterations (one
-    batch's KL is noisy: 16 samples in the real runs); the last evaluation's for records without a trace."""
-    trace = [r["kl"] for r in record.get("trace", [])][-last:]
-    return sum(trace) / len(trace) if trace else record["rows"][-1]["kl"]
-
-
 def steps_to_reach(rows, metric, threshold):
     """The first evaluated iteration whose `metric` is at least `threshold`, or None."""
     return next((r["step"] for r in rows if r.get(metric, float("-inf")) >= threshold), None)
@@ -927,57 +1023,117 @@ def held_at(config):
     return f"KL {target}" if target is not None else f"beta {config.flag('--beta', '0.05')}"
 
 
+def fmt_cmp(c, pct=False):
+    """A compare() result: "+0.007 [-0.089, +0.103]" (a win rate: "50.5% [46.7%, 54.3%]")."""
+    f = (lambda x: f"{x:.1%}") if pct else (lambda x: f"{x:+.3f}")
+    return f(c["mean"]) + (f" [{f(c['ci95'][0])}, {f(c['ci95'][1])}]" if "ci95" in c else "")
+
+
+def fmt_verdict(c):
+    """The difference, its 95% interval, the 90% interval of the equivalence test, the minimum detectable effect
+    and the verdict word, as every verdict line prints them."""
+    if "ci95" not in c:
+        return f"{c['mean']:+.3f} over {c['seeds']} seed: {c['verdict']}"
+    return (f"{fmt_cmp(c)} over {c['seeds']} seeds (90% [{c['ci90'][0]:+.3f}, {c['ci90'][1]:+.3f}] against "
+            f"±{c['margin']:g}; detectable effect {c['mde']:.3f}): **{c['verdict']}**")
+
+
+def distinct_runs(runs):
+    """`runs` [(seed, is MA-PPO, ...,  per-prompt scores)] without a repeat: a controlled run whose KL stayed below
+    both targets is the same run at both (beta moved alike), and PPO at the recipe's beta is `real`'s PPO again."""
+    seen, out = set(), []
+    for run in runs:
+        key = (run[0], run[1], tuple(run[-1]))
+        if key not in seen:
+            seen.add(key)
+            out.append(run)
+    return out
+
+
 def matched_kl_table(args, h, records, result):
-    """Each MA-PPO configuration against the PPO held at the same KL target (its partner), paired by seed:
-    the final KLs (within 20% of each other, or the level is not matched), the final policies' mean score and
-    its gap, the win rate, and the iterations each needs to reach the score thresholds `h.matched_kl`."""
+    """Each MA-PPO configuration against its partner PPO, paired by seed: final KLs (run_kl) and how many pairs are
+    within MATCH of each other, the final policies' mean score, MA-PPO minus PPO and the win rate (seed-then-prompt
+    bootstrap), the iterations to the thresholds `h.matched_kl`; every pair by seed; then the comparison at equal
+    KL two ways over every run of the hypothesis: the fit of score on log KL, and the matched pairs alone."""
     base = h.configs[0]
     key, metric = base.win_key, base.metrics[0]
     done = {c.name: [r for r in records.get(c.name, []) if r] for c in h.configs}
     n_prompts = next((len(r["final"][key]) for runs in done.values() for r in runs), 0)
     by_beta = any(c.flag("--kl_target") is None for c in h.configs)
-    lines = ["", f"At matched KL: each method held at the same per-sequence KL target by the adaptive controller"
-             + (" (KL), or at a fixed beta chosen per method (beta). " if by_beta else ". ") +
-             f"Final KL: the mean of the last 5 iterations; final {key}: the final policies' mean on {n_prompts} held-out "
-             f"prompts (one sampling seed), and MA-PPO minus PPO paired by seed (95% t-interval); iterations to reach "
-             f"{metric} " + " / ".join(map(str, h.matched_kl)) + " (median over seeds, the seeds that reach it).", ""]
-    lines += [f"| held at | configuration | seeds | final KL | final mean {key} | minus PPO's, same seed | win rate vs "
-              f"PPO [95% CI] | iterations to {metric} " + " / ".join(map(str, h.matched_kl)) + " |", "|---" * 8 + "|"]
-    verdicts = []
+    lines = ["", "Each method held by the adaptive controller at a KL target" + (" (KL) or at a fixed beta chosen per "
+             "method (beta)" if by_beta else "") + f". KL: each run's mean per-sequence KL over the training batches "
+             f"of its last {KL_WINDOW} iterations. A pair (one seed, MA-PPO and its PPO) is at matched KL when the "
+             f"larger final KL is at most {MATCH:g} times the smaller. Final {key}: the final policies' mean on "
+             f"{n_prompts} held-out prompts (one sampling seed); MA-PPO minus PPO and the win rate paired by seed, "
+             "95% intervals from a seed-then-prompt bootstrap (t with seeds - 1 degrees of freedom on its standard "
+             f"error); iterations to reach {metric} " + " / ".join(map(str, h.matched_kl))
+             + " (median over seeds, the seeds that reach it).", ""]
+    lines += [f"| held at | configuration | seeds | final KL | pairs at matched KL | final mean {key} | minus PPO's, same "
+              f"seed [95% CI] | win rate vs PPO [95% CI] | iterations to {metric} " + " / ".join(map(str, h.matched_kl))
+              + " |", "|---" * 9 + "|"]
+    by_seed_lines = ["", f"Every pair by seed: final KL and final mean {key}, PPO / MA-PPO.", "",
+                     "| MA-PPO | PPO | seed | final KL | larger / smaller | matched | final mean " + key
+                     + " | MA-PPO minus PPO |", "|---" * 8 + "|"]
+    verdicts, fit_runs, matched_units = [], [], {}
     for config in h.configs:
         runs = done[config.name]
+        fit_runs += [(r["seed"], not config.is_ppo, run_kl(r), r["final"][key]) for r in runs if has_trace(r)]
         if not runs:
-            lines.append(f"| {held_at(config)} | {config.label} | 0 | not run yet | | | | |")
+            lines.append(f"| {held_at(config)} | {config.label} | 0 | not run yet | | | | | |")
             continue
         partner = done.get(config.partner, []) if config.partner else []
-        kls = t_interval([final_kl(r) for r in runs])
+        kls = t_interval([run_kl(r) for r in runs])
         score = t_interval([sum(r["final"][key]) / len(r["final"][key]) for r in runs])
-        gap = final_gap(partner, runs, key) if partner else None
-        per_seed = per_seed_verdicts(partner, runs, key) if partner else []
-        win = bootstrap_win_rate(per_seed) if per_seed else None
+        gap = compare(paired_units(partner, runs, key)) if partner else None
+        win = win_rate(partner, runs, key) if partner else None
+        ppo_of = {r["seed"]: r for r in partner}
+        pairs = [(r, ppo_of[r["seed"]]) for r in runs if r["seed"] in ppo_of]
+        n_matched = sum(kl_matched(run_kl(r), run_kl(p)) for r, p in pairs)
         reach = []
         for threshold in h.matched_kl:
             at = sorted(s for s in (steps_to_reach(r["rows"], metric, threshold) for r in runs) if s is not None)
             reach.append(f"{statistics.median(at):g} ({len(at)}/{len(runs)})" if at else f"never (0/{len(runs)})")
         entry = result.setdefault(config.name, {})
-        entry["matched_kl"] = {"held_at": held_at(config), "final_kl": kls, "final_mean": score,
-                               "gap_vs_ppo": gap, "win_rate": win, "reach": dict(zip(map(str, h.matched_kl), reach))}
-        lines.append(f"| {held_at(config)} | {config.label} | {len(runs)} | {fmt(*kls)} | {fmt(*score)} | "
-                     + (f"{fmt(*gap[:2])} ({gap[2]} paired)" if gap else "-") + " | " + (fmt_win(win) if win else "-")
+        entry["matched_kl"] = {"held_at": held_at(config), "final_kl": kls, "final_mean": score, "gap_vs_ppo": gap,
+                               "win_rate": win, "reach": dict(zip(map(str, h.matched_kl), reach))}
+        lines.append(f"| {held_at(config)} | {config.label} | {len(runs)} | {fmt(*kls)} | "
+                     + (f"{n_matched} of {len(pairs)}" if partner else "-") + f" | {fmt(*score)} | "
+                     + (fmt_cmp(gap) if gap else "-") + " | " + (fmt_win(win) if win else "-")
                      + " | " + " / ".join(reach) + " |")
+        for r, p in pairs:
+            a, b = run_kl(p), run_kl(r)
+            ok = kl_matched(a, b)
+            g = numpy.array(r["final"][key], float) - numpy.array(p["final"][key], float)
+            by_seed_lines.append(f"| {held_at(config)} | {held_at(next(c for c in h.configs if c.name == config.partner))}"
+                                 f" | {r['seed']} | {a:.2f} / {b:.2f} | "
+                                 + (f"{max(a, b) / min(a, b):.2f}" if min(a, b) > 0 else "-")
+                                 + f" | {'yes' if ok else 'no'} | {numpy.mean(p['final'][key]):.3f} / "
+                                 f"{numpy.mean(r['final'][key]):.3f} | {g.mean():+.3f} |")
+            if ok:
+                matched_units.setdefault(r["seed"], {})[tuple(g)] = g
         if gap:
-            base_kl = t_interval([final_kl(r) for r in partner])[0]
-            ratio = kls[0] / base_kl if base_kl else float("inf")
-            entry["matched_kl"]["kl_ratio"] = ratio
-            matched = abs(ratio - 1) <= 0.2
-            sign = ("ahead" if gap[0] - gap[1] > 0 else "behind" if gap[0] + gap[1] < 0 else "level (the interval "
-                    "holds 0)") if gap[2] > 1 else "one seed: no interval"
+            entry["matched_kl"].update(pairs_matched=n_matched, pairs=len(pairs))
             ppo_at = held_at(next(c for c in h.configs if c.name == config.partner))
             level = held_at(config) + ("" if ppo_at == held_at(config) else f" (PPO at {ppo_at})")
-            verdicts.append(f"- {level}: final KL {kls[0]:.2f} against PPO's {base_kl:.2f} "
-                            f"(ratio {ratio:.2f}: {'matched' if matched else 'NOT matched, more than 20% apart'}); "
-                            f"MA-PPO minus PPO {key} {fmt(*gap[:2])} over {gap[2]} seed{'s' if gap[2] != 1 else ''}: {sign}.")
-    return lines + ([""] + verdicts if verdicts else [])
+            at = ("at matched KL on every pair" if n_matched == len(pairs) else
+                  f"NOT at matched KL ({n_matched} of {len(pairs)} pairs within {MATCH:g}x)")
+            verdicts.append(f"- {level}: final KL {kls[0]:.2f} against PPO's {t_interval([run_kl(p) for p in partner])[0]:.2f}, "
+                            f"{at}; MA-PPO minus PPO {key} " + fmt_verdict(gap) + ".")
+    fit = equal_kl_fit(distinct_runs(fit_runs))
+    units = [numpy.array(list(v.values())) for _, v in sorted(matched_units.items())]
+    pooled = compare(units)
+    result["equal_kl"] = {"fit": fit, "matched_pairs": pooled and {**pooled, "pairs": sum(len(u) for u in units)}}
+    summary = ["", f"At equal KL, over every run of this hypothesis (a repeated run counted once; margin ±{MARGIN:g} "
+               f"{key}, decided by the 90% interval; detectable effect: the true difference these seeds find 80% of "
+               "the time):", ""]
+    if fit:
+        summary.append(f"- fit of each run's final mean {key} on log final KL, a MA-PPO term and one intercept per seed "
+                       f"({fit['runs']} runs of {fit['seeds']} seeds; slope {fit['slope']:+.3f} {key} per unit of log KL): "
+                       f"MA-PPO minus PPO " + fmt_verdict(fit) + ".")
+    if pooled:
+        summary.append(f"- the pairs at matched KL alone ({sum(len(u) for u in units)} pair(s) of {len(units)} seed(s), each "
+                       f"seed's pairs averaged): MA-PPO minus PPO " + fmt_verdict(pooled) + ".")
+    return lines + ([""] + verdicts if verdicts else []) + by_seed_lines + (summary if fit or pooled else [])
 
 
 # the fixed-beta runs shown beside each matched-KL hypothesis in its reward-against-KL picture
@@ -999,10 +1155,10 @@ def score_at_kl(rows, kl, metric=GOLD_CURVE):
 
 
 def gaps_at_kl(base_runs, runs, kl):
-    """MA-PPO minus PPO at the KL `kl` (score_at_kl), paired by seed: [(seed, PPO's, MA-PPO's)] for the
+    """MA-PPO minus PPO at the KL `kl` (score_at_kl on kl_rows), paired by seed: [(seed, PPO's, MA-PPO's)] for the
     seeds whose two runs both passed through `kl`."""
     by_seed = {r["seed"]: r for r in base_runs}
-    pairs = [(r["seed"], score_at_kl(by_seed[r["seed"]]["rows"], kl), score_at_kl(r["rows"], kl))
+    pairs = [(r["seed"], score_at_kl(kl_rows(by_seed[r["seed"]]), kl), score_at_kl(kl_rows(r), kl))
              for r in runs if r["seed"] in by_seed]
     return [(seed, b, o) for seed, b, o in pairs if b is not None and o is not None]
 
@@ -1030,14 +1186,18 @@ def kl_points_table(args, hypothesis, records, result):
     ppo_name, ma_name = FIXED_BETA_PAIR[hypothesis]
     fixed = load_records(args, (ppo_name, ma_name))
     labels = {c.name: c.label for c in (*HYPOTHESES[FRONTIER_WITH[hypothesis]].configs, *h.configs)}
-    sources = [(f"{labels[ma_name]} vs {labels[ppo_name]}, fixed beta", fixed[ppo_name], fixed[ma_name])]
+    traced = all(map(has_trace, fixed[ppo_name] + fixed[ma_name]))
+    sources = [(f"{labels[ma_name]} vs {labels[ppo_name]}, fixed beta", fixed[ppo_name], fixed[ma_name])] if traced else []
     sources += [(f"{c.label} vs {labels[c.partner]}", [r for r in records.get(c.partner, []) if r],
                  [r for r in records.get(c.name, []) if r]) for c in h.configs if c.partner]
-    lines = ["", f"Read at the same KL: each run's {GOLD_CURVE} against the KL of its iteration at every evaluation, "
+    lines = ["", f"Read at the same KL: each run's {GOLD_CURVE} against its KL (run_kl: the last {KL_WINDOW} iterations' "
+             "batches) at every evaluation, "
              "sorted by KL and interpolated linearly, read at each KL below; MA-PPO minus PPO paired by seed where both "
              "runs passed through that KL (95% t-interval over the pairs; `all` averages the pairs of each seed over "
              "every row and gives one gap per seed: the runs of one seed share their sampling seeds, and a run whose KL "
-             "stayed below both targets repeats its run at the other target).", "",
+             "stayed below both targets repeats its run at the other target)."
+             + ("" if traced else f" The fixed-beta pair ({ma_name} against {ppo_name}) is left out: its records keep no "
+                "trace, so their KL would be one batch's."), "",
              "| pair | " + " | ".join(f"KL {k}: pairs, PPO / MA-PPO, MA-PPO minus PPO" for k in h.kl_points) + " |",
              "|---" * (len(h.kl_points) + 1) + "|"]
     pooled = {k: [] for k in h.kl_points}
@@ -1090,13 +1250,13 @@ def kl_frontier(args, hypothesis, records):
     for config, record in runs:
         method, controlled = frontier_method(config)
         colour = colours.setdefault(method, f"C{len(colours)}")
-        points = [(r["kl"], r[metric]) for r in record["rows"] if metric in r]
+        points = [(r["kl"], r[metric]) for r in kl_rows(record) if metric in r]
         ax.scatter(*zip(*points), color=colour, marker="^" if controlled else "o", s=16, alpha=0.6,
                    label=f"{method}, " + ("KL controller" if controlled else "fixed beta"))
     handles, labels = ax.get_legend_handles_labels()
     unique = dict(zip(labels, handles))
     ax.legend(unique.values(), unique.keys(), fontsize=7)
-    ax.set_xlabel("per-sequence KL from the SFT model (the iteration's batch)")
+    ax.set_xlabel(f"per-sequence KL from the SFT model (the last {KL_WINDOW} iterations' batches; one batch without a trace)")
     ax.set_ylabel(metric)
     ax.set_title(f"{hypothesis}: every evaluation of every run")
     fig.tight_layout()
@@ -1115,17 +1275,18 @@ def final_table(h, records, result):
     base_runs = [r for r in records.get(base.name, []) if r]
     n_prompts = next((len(r["final"][key]) for c in h.configs for r in records.get(c.name, []) if r), 0)
     lines = ["", f"The final policies on {n_prompts} held-out prompts (mean {key} per seed, then over seeds), "
-             "and this minus PPO's, paired by seed (95% t-intervals):", "",
-             f"| configuration | seeds | final mean {key} | minus PPO's, same seed | seeds paired |", "|---" * 5 + "|"]
+             "and this minus PPO's, paired by seed (95% interval from a seed-then-prompt bootstrap):", "",
+             f"| configuration | seeds | final mean {key} | minus PPO's, same seed [95% CI] | seeds paired |",
+             "|---" * 5 + "|"]
     for config in h.configs:
         runs = [r for r in records.get(config.name, []) if r]
         if not runs:
             continue
         score = t_interval([sum(r["final"][key]) / len(r["final"][key]) for r in runs])
-        gap = final_gap(base_runs, runs, key) if config is not base else None
+        gap = compare(paired_units(base_runs, runs, key)) if config is not base else None
         result[config.name]["final_policies"] = {"mean": score, "gap_vs_ppo": gap}
-        lines.append(f"| {config.label} | {len(runs)} | {fmt(*score)} | " + (fmt(*gap[:2]) if gap else "-")
-                     + f" | {gap[2] if gap else '-'} |")
+        lines.append(f"| {config.label} | {len(runs)} | {fmt(*score)} | " + (fmt_cmp(gap) if gap else "-")
+                     + f" | {gap['seeds'] if gap else '-'} |")
     return lines
 
 
@@ -1135,19 +1296,20 @@ def paired_table(h, records, result):
     win_key = h.configs[0].win_key
     labels = {c.name: c.label for c in h.configs}
     lines = ["", f"Paired by seed with PPO under the same change: first-half mean {score}, this minus that "
-             f"PPO (95% t-interval), and the {win_key} win rate of the final policies against it.", "",
+             f"PPO (95% t-interval over seeds), and the {win_key} win rate of the final policies against it (95% "
+             "interval from a seed-then-prompt bootstrap).", "",
              "| configuration | against | seeds | first-half mean gap | win rate [95% CI] |", "|---" * 5 + "|"]
     for config in h.configs[1:]:
         if config.is_ppo:
             continue
         runs, others = ([r for r in records.get(k, []) if r] for k in (config.name, config.partner))
-        per_seed = per_seed_verdicts(others, runs, win_key)
-        if not per_seed:
+        seeds = len(paired_units(others, runs, win_key))
+        if not seeds:
             continue
-        gap, win = paired_gap(others, runs, score), bootstrap_win_rate(per_seed)
-        result[config.name]["paired"] = {"against": config.partner, "seeds": len(per_seed), "first_half_gap": gap,
+        gap, win = paired_gap(others, runs, score), win_rate(others, runs, win_key)
+        result[config.name]["paired"] = {"against": config.partner, "seeds": seeds, "first_half_gap": gap,
                                          "win_rate": win}
-        lines.append(f"| {config.label} | {labels[config.partner]} | {len(per_seed)} | {fmt(*gap)} | {fmt_win(win)} |")
+        lines.append(f"| {config.label} | {labels[config.partner]} | {seeds} | {fmt(*gap)} | {fmt_win(win)} |")
     return lines
 
 
@@ -1175,7 +1337,7 @@ def early_table(h, records, result):
             continue
         at_first = [r["rows"][0] for r in runs]
         entry = {"first_step": first, "score_at_first": t_interval([x[score] for x in at_first]),
-                 "kl_at_first": t_interval([x["kl"] for x in at_first]),
+                 "kl_at_first": t_interval([run_kl(r, first) for r in runs]),
                  "macro_len": t_interval([r["rows"][-1]["macro/mean_len"] for r in runs]),
                  "response_len": t_interval([r["rows"][-1]["response/len"] for r in runs])}
         cells = [fmt(*entry["score_at_first"]), fmt(*entry["kl_at_first"]), f"{entry['macro_len'][0]:.1f}",

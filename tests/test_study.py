@@ -1,9 +1,11 @@
 """bench/learning_efficiency.py: the study's statistics, checked by hand."""
 import argparse
+import math
 import os
 import subprocess
 import sys
 
+import numpy
 import pytest
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench"))
@@ -51,12 +53,96 @@ def test_bootstrap_parity_interval_covers_the_point_and_counts_never():
     assert 0.6 < mixed["never"] < 0.9          # reached only when both draws are the good run: ~3/4 never
 
 
-def test_bootstrap_win_rate_pools_seeds_with_ties_half():
-    seed1 = ["A"] * 6 + ["E"] * 2 + ["B"] * 2                 # 7 of 10
-    seed2 = ["A"] * 2 + ["B"] * 8                             # 2 of 10
-    rate, low, high = study.bootstrap_win_rate([seed1, seed2], draws=400)
-    assert rate == pytest.approx((8 + 1) / 20) and low <= rate <= high
-    assert low == pytest.approx(0.2) and high == pytest.approx(0.7)   # all-seed-2 and all-seed-1 draws
+def final_run(seed, scores):
+    return {"seed": seed, "final": {"gold": scores}}
+
+
+def test_win_rate_is_the_mean_of_each_seeds_rate_with_ties_half():
+    ppo = [final_run(1, [0.5] * 10), final_run(2, [0.5] * 10)]
+    ma = [final_run(1, [0.9] * 6 + [0.5] * 2 + [0.1] * 2),          # 7 of 10
+          final_run(2, [0.9] * 2 + [0.1] * 8)]                      # 2 of 10
+    rate, low, high = study.win_rate(ppo, ma, "gold")
+    assert rate == pytest.approx(0.45) and low < 0.45 < high
+    assert study.win_rate(ppo, ma[:1], "gold") == (pytest.approx(0.7), None, None)     # one seed: no interval
+
+
+def test_the_seed_then_prompt_bootstrap_counts_prompt_noise_that_seeds_alone_miss():
+    """Three seeds with the same mean gap but noisy prompts: resampling seeds alone would give a zero-width
+    interval; resampling each drawn seed's prompts gives the prompts' standard error (sd / sqrt(prompts * seeds))."""
+    rng = numpy.random.default_rng(7)
+    noise = rng.normal(0, 0.3, 400)
+    units = [(noise - noise.mean())[None, :] + 0.1 for _ in range(3)]
+    draws = study.seed_prompt_draws(units, study.mean_of_units, draws=2000)
+    assert numpy.ptp([u.mean() for u in units]) == pytest.approx(0, abs=1e-12)
+    assert draws.std() == pytest.approx(noise.std() / (400 * 3) ** 0.5, rel=0.15)
+    assert (study.seed_prompt_draws(units, study.mean_of_units, draws=50) ==
+            study.seed_prompt_draws(units, study.mean_of_units, draws=50)).all()       # seeded: the same tables
+
+
+def test_a_seeds_runs_are_resampled_on_the_same_prompts():
+    """The runs of one seed answered the same prompts: a draw picks the same columns for all of them, so two runs
+    that are equal stay equal in every draw."""
+    unit = numpy.array([[0.0, 1.0, 2.0, 3.0], [0.0, 1.0, 2.0, 3.0]])
+    assert all(d == 0 for d in study.seed_prompt_draws([unit], lambda p, u: u[0][0].sum() - u[0][1].sum(), draws=20))
+
+
+def test_verdict_words_come_only_from_the_interval_and_the_margin_by_hand():
+    """6 seeds: t(5) 2.571 (95%), 2.015 (90%), 0.920 (80% power); margin 0.05."""
+    ahead = study.verdict(0.1, 0.02, 6)
+    assert ahead["ci95"] == (pytest.approx(0.1 - 2.571 * 0.02), pytest.approx(0.1 + 2.571 * 0.02))
+    assert ahead["verdict"] == "ahead" and ahead["mde"] == pytest.approx((2.571 + 0.920) * 0.02)
+    assert study.verdict(-0.1, 0.02, 6)["verdict"] == "behind"
+    level = study.verdict(0.01, 0.015, 6)                # 90%: 0.01 +- 0.030, inside +-0.05
+    assert level["verdict"] == "level" and level["ci90"][1] == pytest.approx(0.01 + 2.015 * 0.015)
+    assert study.verdict(0.01, 0.03, 6)["verdict"] == "undecided"       # holds 0, reaches past the margin
+    assert study.verdict(0.03, 0.005, 6)["verdict"] == "ahead, within the margin"
+    assert study.verdict(0.01, float("nan"), 1)["verdict"] == "one seed: no verdict"
+    assert study.verdict(0.0, 0.02, 3)["mde"] == pytest.approx((4.303 + 1.061) * 0.02)   # fewer seeds, larger
+
+
+def test_paired_comparison_matches_seeds_and_prompts_by_hand():
+    ppo = [final_run(1, [0.5, 0.5, 0.5]), final_run(2, [0.1, 0.9, 0.5])]
+    ma = [final_run(2, [0.2, 0.2, 0.5]), final_run(1, [0.9, 0.1, 0.5]), final_run(3, [1, 1, 1])]   # 3: no partner
+    units = study.paired_units(ppo, ma, "gold")
+    assert [u.tolist() for u in units] == [[[0.1, -0.7, 0.0]], [[0.4, -0.4, 0.0]]]
+    assert [u.tolist() for u in study.paired_units(ppo, ma, "gold", win=True)] == [[[1, 0, 0.5]], [[1, 0, 0.5]]]
+    c = study.compare(units)
+    assert c["mean"] == pytest.approx((-0.2 + 0.0) / 2) and c["seeds"] == 2
+
+
+def test_the_one_kl_is_the_mean_of_the_last_five_iterations_batches_by_hand():
+    record = {"trace": [{"step": s, "kl": float(s)} for s in range(1, 11)],
+              "rows": [{"step": 5, "kl": 5.0, "eval/gold": 0.1}, {"step": 10, "kl": 10.0, "eval/gold": 0.2}]}
+    assert study.run_kl(record) == 8.0 and study.run_kl(record, 5) == 3.0 and study.run_kl(record, 2) == 1.5
+    assert [r["kl"] for r in study.kl_rows(record)] == [3.0, 8.0]
+    old = {"rows": record["rows"]}                                  # made before the trace was kept: one batch
+    assert study.run_kl(old) == 10.0 and study.run_kl(old, 5) == 5.0 and not study.has_trace(old)
+
+
+def test_matched_kl_is_decided_per_pair_and_both_ways():
+    assert study.kl_matched(1.0, 1.2) and study.kl_matched(1.2, 1.0)
+    assert not study.kl_matched(1.0, 1.21) and not study.kl_matched(1.21, 1.0)
+    assert not study.kl_matched(-0.1, -0.1) and not study.kl_matched(0.0, 0.0)
+
+
+def test_the_equal_kl_fit_recovers_a_known_difference_by_hand():
+    """Each run's gold = its seed's level + 0.1 log KL - 0.03 for MA-PPO (no noise): the fit returns -0.03 and
+    the slope 0.1 exactly, whatever KL each run ended at; a seed with one method only is left out."""
+    runs = []
+    for seed, level in ((1, 0.4), (2, 0.5), (3, 0.45)):
+        for ma, kl in ((False, 0.5), (False, 1.3), (True, 0.7), (True, 2.0)):
+            runs.append((seed, ma, kl, [level + 0.1 * math.log(kl) - 0.03 * ma] * 8))
+    runs.append((4, False, 1.0, [0.9] * 8))
+    fit = study.equal_kl_fit(runs)
+    assert fit["mean"] == pytest.approx(-0.03) and fit["slope"] == pytest.approx(0.1)
+    assert fit["seeds"] == 3 and fit["runs"] == 12 and fit["se"] == pytest.approx(0, abs=1e-9)
+    assert study.equal_kl_fit(runs[:4]) is None                     # one seed: no fit
+
+
+def test_a_repeated_run_is_counted_once():
+    a, b = (1, False, 0.7, [0.1, 0.2]), (1, False, 1.5, [0.1, 0.2])      # the same run under two targets
+    assert study.distinct_runs([a, b, (1, True, 0.7, [0.1, 0.2]), (2, False, 0.7, [0.1, 0.2])]) == [
+        a, (1, True, 0.7, [0.1, 0.2]), (2, False, 0.7, [0.1, 0.2])]
 
 
 def test_every_hypothesis_starts_with_its_baseline_and_names_are_unique():
@@ -163,7 +249,6 @@ def test_paired_comparisons_match_seeds_by_hand():
                 "final": {"gold": gold}}
     ppo = [run(1, [1, 1, 9, 9], [0.5, 0.5, 0.5]), run(2, [2, 2, 9, 9], [0.1, 0.9, 0.5])]
     ma = [run(2, [1, 1, 0, 0], [0.2, 0.2, 0.5]), run(1, [2, 2, 0, 0], [0.9, 0.1, 0.5]), run(3, [5, 5, 5, 5], [1, 1, 1])]
-    assert study.per_seed_verdicts(ppo, ma, "gold") == [["A", "B", "E"], ["A", "B", "E"]]   # seed 3 has no partner
     gap, half = study.paired_gap(ppo, ma, "eval/rm")                             # seed 2: 1 - 2, seed 1: 2 - 1
     assert gap == 0.0 and half == pytest.approx(12.706)   # sd sqrt(2) over 2 seeds
 
@@ -214,10 +299,10 @@ def test_the_real_study_reports_its_final_policies_paired_by_seed_by_hand():
                "real_n5_sigma_first": []}
     lines, result = study.report(argparse.Namespace(smooth=1), "real", records)
     assert result["real_n1"]["final_policies"] == {"mean": (0.4, pytest.approx(12.706 * 0.1)), "gap_vs_ppo": None}
-    mean, half, seeds = result["real_n5"]["final_policies"]["gap_vs_ppo"]        # seed 1: 0.3 - 0.3, seed 2: 0.9 - 0.5
-    assert (mean, seeds) == (pytest.approx(0.2), 2) and half == pytest.approx(12.706 * 0.2)
+    gap = result["real_n5"]["final_policies"]["gap_vs_ppo"]        # seed 1: 0.3 - 0.3, seed 2: 0.9 - 0.5
+    assert (gap["mean"], gap["seeds"]) == (pytest.approx(0.2), 2) and gap["ci95"][0] < 0.2 < gap["ci95"][1]
     assert result["real_n5"]["final_policies"]["mean"][0] == pytest.approx(0.4)
-    assert "| MA-PPO (n=5) | 3 | 0.400 ± 1.138 | 0.200 ± 2.541 | 2 |" in lines
+    assert f"| MA-PPO (n=5) | 3 | 0.400 ± 1.138 | +0.200 [{gap['ci95'][0]:+.3f}, {gap['ci95'][1]:+.3f}] | 2 |" in lines
     assert "final_policies" not in study.report(argparse.Namespace(smooth=1), "count", {
         "count_n1": [run(1, [1.0])], "count_n5": [run(1, [0.0])]})[1]["count_n5"]       # only where it is asked
 
@@ -272,22 +357,28 @@ def test_matched_kl_pairs_each_method_with_ppo_at_its_own_target_by_hand(tmp_pat
     args = argparse.Namespace(smooth=1, results_dir=str(tmp_path), report_only=True)
     lines, result = study.report(args, "real_kl", records)
     m = result[n5.name]["matched_kl"]
-    assert m["final_kl"][0] == pytest.approx(0.8) and m["kl_ratio"] == pytest.approx(0.8 / 0.7)   # last 5: 26-30
-    assert m["gap_vs_ppo"][0] == pytest.approx(0.0) and m["gap_vs_ppo"][2] == 2      # seed 1: +0.1, seed 2: -0.1
+    assert m["final_kl"][0] == pytest.approx(0.8) and (m["pairs_matched"], m["pairs"]) == (2, 2)   # last 5: 26-30
+    assert m["gap_vs_ppo"]["mean"] == pytest.approx(0.0) and m["gap_vs_ppo"]["seeds"] == 2   # seed 1: +0.1, 2: -0.1
     assert m["reach"] == {"0.4": "10 (2/2)", "0.5": "10 (2/2)", "0.6": "15 (2/2)"}   # median of 10 and 20
     assert result[n1.name]["matched_kl"]["reach"]["0.5"] == "30 (1/2)"
     assert result[n1.name]["matched_kl"]["reach"]["0.6"] == "never (0/2)"
     assert result["sft"]["final_mean"] == pytest.approx(0.2)
-    assert result[n5_high.name]["matched_kl"]["gap_vs_ppo"][0] == 1.0                # against PPO at 1.5
+    assert result[n5_high.name]["matched_kl"]["gap_vs_ppo"]["mean"] == 1.0          # against PPO at 1.5
     verdicts = [line for line in lines if line.startswith(("- KL ", "- beta "))]
-    assert "(ratio 1.14: matched)" in verdicts[0] and "level (the interval holds 0)" in verdicts[0]
-    assert "NOT matched" in verdicts[1] and "one seed: no interval" in verdicts[1]
-    # the beta pair: MA-PPO's final KL 0.85 against PPO's 0.8, seed by seed +0.3 and +0.1
+    assert "at matched KL on every pair" in verdicts[0] and verdicts[0].endswith(
+        f"detectable effect {m['gap_vs_ppo']['mde']:.3f}): **{m['gap_vs_ppo']['verdict']}**.")
+    assert "NOT at matched KL (0 of 1 pairs within 1.2x)" in verdicts[1] and "one seed: no verdict" in verdicts[1]
+    # the beta pair: seed 1 at 1.0 / 0.9 (matched), seed 2 at 0.6 / 0.8 (1.33 apart); gaps +0.3 and +0.1
     b = result[n5_beta.name]["matched_kl"]
-    assert b["held_at"] == f"beta {n5_beta.flag('--beta')}" and b["kl_ratio"] == pytest.approx(0.85 / 0.8)
-    assert b["gap_vs_ppo"][0] == pytest.approx(0.2) and b["gap_vs_ppo"][2] == 2
+    assert b["held_at"] == f"beta {n5_beta.flag('--beta')}" and (b["pairs_matched"], b["pairs"]) == (1, 2)
+    assert b["gap_vs_ppo"]["mean"] == pytest.approx(0.2) and b["gap_vs_ppo"]["seeds"] == 2
     assert verdicts[2].startswith(f"- beta {n5_beta.flag('--beta')} (PPO at beta {n1_beta.flag('--beta')}): "
-                                  "final KL 0.85 against PPO's 0.80 (ratio 1.06: matched)")
+                                  "final KL 0.85 against PPO's 0.80, NOT at matched KL (1 of 2 pairs within 1.2x)")
+    assert f"| {study.held_at(n5_beta)} | {study.held_at(n1_beta)} | 2 | 0.60 / 0.80 | 1.33 | no | 0.400 / 0.500 | +0.100 |" in lines
+    # at equal KL over every run: the matched pairs alone are KL 0.7's two seeds and the beta pair's seed 1
+    assert result["equal_kl"]["matched_pairs"]["pairs"] == 3 and result["equal_kl"]["matched_pairs"]["seeds"] == 2
+    assert result["equal_kl"]["matched_pairs"]["mean"] == pytest.approx(((0.1 + 0.3) / 2 - 0.1) / 2)
+    assert result["equal_kl"]["fit"]["seeds"] == 2
     assert f"| beta {n1_beta.flag('--beta')} | PPO (n=1), beta" in "\n".join(lines)
 
 
@@ -307,8 +398,10 @@ def test_the_kl_reading_pairs_fixed_beta_and_controlled_runs_by_seed_and_pools_t
     each KL point where both runs passed through it, and `all` averaging each seed's pairs into one gap per seed."""
     args = argparse.Namespace(smooth=1, results_dir=str(tmp_path), report_only=True)
 
-    def run(seed, points):
-        return {"seed": seed, "rows": [{"step": 5 * i, "kl": k, "eval/gold": g} for i, (k, g) in enumerate(points, 1)]}
+    def run(seed, points, traced=True):      # the 5 iterations up to each evaluation at its KL: run_kl is that KL
+        trace = [{"step": 5 * i - j, "kl": k} for i, (k, _) in enumerate(points, 1) for j in (4, 3, 2, 1, 0)]
+        return {"seed": seed, "rows": [{"step": 5 * i, "kl": 9.0, "eval/gold": g} for i, (_, g) in enumerate(points, 1)],
+                **({"trace": trace} if traced else {})}
     for name, seed, points in (("real_n1", 1, [(0.0, 0.2), (2.0, 0.6)]), ("real_n5", 1, [(0.0, 0.1), (2.0, 0.3)]),
                                ("real_n1", 2, [(0.6, 0.5), (0.8, 0.5)]), ("real_n5", 2, [(0.0, 0.0), (3.0, 0.9)])):
         study.write_record(study.record_path(args, name, seed), run(seed, points))
@@ -329,6 +422,12 @@ def test_the_kl_reading_pairs_fixed_beta_and_controlled_runs_by_seed_and_pools_t
     assert at["all"]["0.5"]["pairs"] == 2
     assert at["all"]["0.5"]["gap"][0] == pytest.approx((((0.15 - 0.3) + (0.6 - 0.325)) / 2 + 0.1) / 2)
     assert any(line.startswith("| all, one gap per seed | 2, ") for line in lines)
+    # the fixed-beta runs recorded without a trace have no run_kl: left out, and the table says so
+    for name, seed, points in (("real_n1", 1, [(0.0, 0.2), (2.0, 0.6)]), ("real_n5", 1, [(0.0, 0.1), (2.0, 0.3)])):
+        study.write_record(study.record_path(args, name, seed), run(seed, points, traced=False))
+    result = {}
+    lines = study.kl_points_table(args, "real_kl", records, result)
+    assert fixed not in result["at_kl"] and "The fixed-beta pair (real_n5 against real_n1) is left out" in lines[1]
 
 
 def test_the_kl_picture_gives_each_method_one_colour_and_marks_the_controller(tmp_path):
@@ -341,7 +440,7 @@ def test_the_kl_picture_gives_each_method_one_colour_and_marks_the_controller(tm
     args = argparse.Namespace(results_dir=str(tmp_path))
 
     def record(name):
-        study.write_record(study.record_path(args, name, 1), {"rows": [{"kl": 0.5, "eval/gold": 0.4}]})
+        study.write_record(study.record_path(args, name, 1), {"rows": [{"step": 5, "kl": 0.5, "eval/gold": 0.4}]})
     record("real_n1")
     assert study.kl_frontier(args, "real_kl", {}) is None and not os.path.exists(tmp_path / "real_kl.png")
     record("real_kl_n1_0.7")
