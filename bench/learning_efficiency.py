@@ -1118,7 +1118,8 @@ def matched_kl_table(args, h, records, result):
             at = ("at matched KL on every pair" if n_matched == len(pairs) else
                   f"NOT at matched KL ({n_matched} of {len(pairs)} pairs within {MATCH:g}x)")
             verdicts.append(f"- {level}: final KL {kls[0]:.2f} against PPO's {t_interval([run_kl(p) for p in partner])[0]:.2f}, "
-                            f"{at}; MA-PPO minus PPO {key} " + fmt_verdict(gap) + ".")
+                            f"{at}; MA-PPO minus PPO {key} " + fmt_verdict(gap)
+                            + ("" if n_matched == len(pairs) else ", at the KLs these runs ended at, not at equal KL") + ".")
     fit = equal_kl_fit(distinct_runs(fit_runs))
     units = [numpy.array(list(v.values())) for _, v in sorted(matched_units.items())]
     pooled = compare(units)
@@ -1287,6 +1288,18 @@ def final_table(h, records, result):
         result[config.name]["final_policies"] = {"mean": score, "gap_vs_ppo": gap}
         lines.append(f"| {config.label} | {len(runs)} | {fmt(*score)} | " + (fmt_cmp(gap) if gap else "-")
                      + f" | {gap['seeds'] if gap else '-'} |")
+    by_seed = {r["seed"]: r for r in base_runs}
+    lines += ["", f"By seed: final KL (run_kl; * one batch, no trace) and final mean {key}, this against PPO's, and the "
+              "win rate against PPO's on the same prompts.", "",
+              f"| configuration | seed | final KL, PPO / this | final mean {key}, PPO / this | win rate vs PPO |",
+              "|---" * 5 + "|"]
+    for config in h.configs[1:]:
+        for r in (r for r in records.get(config.name, []) if r and r["seed"] in by_seed):
+            p = by_seed[r["seed"]]
+            star = "" if has_trace(r) and has_trace(p) else " *"
+            lines.append(f"| {config.label} | {r['seed']} | {run_kl(p):.2f} / {run_kl(r):.2f}{star} | "
+                         f"{numpy.mean(p['final'][key]):.3f} / {numpy.mean(r['final'][key]):.3f} | "
+                         f"{fmt_win(win_rate([p], [r], key))} |")
     return lines
 
 
