@@ -190,6 +190,7 @@ def segment_betas(task, prefix):
 # LoRA adapters and the gold reward (the recipe of docs/real_models.md), 30 iterations of 16 prompts. The study
 # builds its SFT and RM into REAL_MODELS first (the recipe's steps, prompts of 96 tokens in every stage).
 REAL_MODELS = ("runs/smollm2/sft", "runs/smollm2/rm")
+REAL_KL10_MODELS = ("runs/smollm2_kl10/sft", "runs/smollm2_kl10/rm")    # real_kl10's own build, every arm on it
 REAL_STAGE_FLAGS = ("--chat_template", "--max_prompt_len", "96")
 REAL_SFT_FLAGS = ("--max_steps", "6", "--batch_size", "8", "--lr", "2e-5", "--eval_every", "6", "--n_eval", "64")
 REAL_RM_FLAGS = ("--max_steps", "4", "--batch_size", "8", "--lr", "3e-5", "--eval_every", "4", "--n_eval", "64",
@@ -200,11 +201,15 @@ REAL_PPO_FLAGS = (*REAL_STAGE_FLAGS, "--lora_r", "16", "--reward", "gold", "--ro
 REAL_WIN_PROMPTS = 64
 
 
-def real(name, label, flags, partner=None):
+def real(name, label, flags, partner=None, model="smollm2"):
     """One configuration of the real-model study: `flags` after the recipe's (its own win); MA-PPO's partner
-    is the recipe's PPO unless given."""
+    is the recipe's PPO unless given; `model` its SFT / RM build (a key of the study's `models`)."""
     return Config(f"real_{name}", label, (*flags[:2], *REAL_PPO_FLAGS, *flags[2:]), "chitchat",
-                  None if flags[:2] == ("--n", "1") else (partner or "real_n1"), ("eval/gold", "eval/rm"), "smollm2")
+                  None if flags[:2] == ("--n", "1") else (partner or "real_n1"), ("eval/gold", "eval/rm"), model)
+
+
+def is_real(config):
+    return (config.model or "").startswith("smollm2")
 
 
 # Matched KL: PPO and MA-PPO held at the same per-sequence KL from the SFT model by ppo.py's adaptive controller
@@ -257,6 +262,11 @@ def beta_pairs(ppo_beta, ma_betas):
                    for b in ma_betas)
 
 
+# The headline pair again on 10 seeds (the detectable effect near 0.07 gold at this spread), every arm on one SFT /
+# RM build of its own (REAL_KL10_MODELS) and its own SFT record; prepared with the margin stated, not run yet.
+REAL_KL10 = (real("kl10_n1_beta0.05", "PPO (n=1), beta 0.05", ("--n", "1", "--beta", REAL_KL_PPO_BETA), model="smollm2_kl10"),
+             real("kl10_n5_beta0.077", "MA-PPO (n=5), beta 0.077", ("--n", "5", "--beta", "0.077"), "real_kl10_n1_beta0.05",
+                  model="smollm2_kl10"))
 REAL_KL = (*(c for level in REAL_KL_LEVELS for c in kl_pair("chitchat", level, "kl_", real, REAL_KL_CONTROL)),
            *beta_pairs(REAL_KL_PPO_BETA, REAL_KL_MA_BETAS),
            *(c for ppo_beta, ma_betas in REAL_KL_LOW for c in beta_pairs(ppo_beta, ma_betas)))
@@ -326,8 +336,9 @@ HYPOTHESES = {
     "segment_beta": Hypothesis(
         "The segment quick start on chitchat at a larger beta: does a KL coefficient scaled to the dense rewards keep "
         "the replies from collapsing (distinct-2 at least half the SFT model's) while gold_strict rises?",
-        segment_betas("chitchat", "segment_")),
-    "segment_count_beta": Hypothesis("The same beta sweep on count", segment_betas("count", "segment_count_")),
+        segment_betas("chitchat", "segment_"), final_table=True),
+    "segment_count_beta": Hypothesis("The same beta sweep on count", segment_betas("count", "segment_count_"),
+                                     final_table=True),
     "real": Hypothesis(
         "A real pretrained LM (SmolLM2-135M-Instruct, LoRA, gold reward): does MA-PPO learn faster than PPO?",
         (real("n1", "PPO (n=1)", ("--n", "1")), real("n5", "MA-PPO (n=5)", ("--n", "5")),
@@ -335,13 +346,16 @@ HYPOTHESES = {
     "real_kl": Hypothesis(
         "The real model at matched KL: does MA-PPO beat PPO for the same distance from the SFT model?",
         REAL_KL, final_table=True, matched_kl=(0.4, 0.5, 0.6), kl_points=(0.5, 1.0, 1.5)),
+    "real_kl10": Hypothesis(
+        "real_kl's headline pair on 10 seeds and one SFT / RM build: MA-PPO against PPO at equal KL, margin ±0.05 gold",
+        REAL_KL10, final_table=True, matched_kl=(0.4, 0.5, 0.6), kl_points=(0.5, 1.0, 1.5)),
     "kl": Hypothesis("Chitchat (the baseline's setting) at matched KL: MA-PPO against PPO at the same KL",
                      tiny_kl("chitchat"), matched_kl=(0.0, 1.0, 2.0), kl_points=(4.0, 6.0, 8.0)),
     "kl_count": Hypothesis("Count (where MA-PPO led early) at matched KL: MA-PPO against PPO at the same KL",
                            tiny_kl("count"), matched_kl=(0.3, 0.5, 0.7), kl_points=(0.4, 0.6, 0.8)),
 }
 # `all` runs every hypothesis but the real model's (they need requirements-slow.txt and 30-40 minutes a run).
-OPTIONAL = ("real", "real_kl")
+OPTIONAL = ("real", "real_kl", "real_kl10")
 MATCHED_KL = {c.name for h in HYPOTHESES.values() if h.matched_kl for c in h.configs}
 TIE = 1e-9
 T_975 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262, 10: 2.228}
@@ -515,7 +529,10 @@ def win_rate(base_runs, runs, key):
     """This run's final policies against the same seed's baseline: (win rate, 95% low, high), ties half, the mean
     over seeds of each seed's rate, the interval from the seed-then-prompt bootstrap's SE; None without a seed."""
     c = compare(paired_units(base_runs, runs, key, win=True))
-    return c and (c["mean"], *c.get("ci95", (None, None)))
+    if not c:
+        return None
+    low, high = c.get("ci95", (None, None))
+    return c["mean"], low if low is None else max(low, 0.0), high if high is None else min(high, 1.0)   # a rate
 
 
 def equal_kl_fit(runs, seed=0):
@@ -559,7 +576,7 @@ def final_eval_args(args, run_dir, config):
     """evaluate.py's settings for a run's final scores: the held-out prompts, one sampling seed, the run's
     models and the prompt format it trained on (its --chat_template and --max_prompt_len)."""
     sft_path, rm_path = args.models[config.models_key]
-    n_prompts = min(args.win_prompts, REAL_WIN_PROMPTS) if config.model == "smollm2" else args.win_prompts
+    n_prompts = min(args.win_prompts, REAL_WIN_PROMPTS) if is_real(config) else args.win_prompts
     return evaluate.EvalArgs(task=config.task, n_prompts=n_prompts, seed=args.seed_eval,
                              output_dir=os.path.join(run_dir, "eval"), sft_path=sft_path, rm_path=rm_path,
                              chat_template="--chat_template" in config.flags,
@@ -645,7 +662,9 @@ def sft_record(args, config):
 
 
 def sft_record_name(config):
-    return "real_sft" if config.model == "smollm2" else f"{config.task}_sft"
+    if is_real(config):        # real_sft, or real_kl10_sft for real_kl10's own build
+        return "real_sft" if config.model == "smollm2" else f"real_{config.model.split('_', 1)[1]}_sft"
+    return f"{config.task}_sft"
 
 
 def committed_sft_record(args, config):
@@ -734,7 +753,7 @@ def build_flags(args, task):
 def build_task_models(args, todo):
     """The SFT model and sequence RM of every embedded task in `todo` that has none yet (the code task: no
     RM), with the flags ppo.py would build them with, before the SFT record that needs them."""
-    for task in dict.fromkeys(c.task for c, _ in todo if c.model != "smollm2"):
+    for task in dict.fromkeys(c.task for c, _ in todo if not is_real(c)):
         sft_path, rm_path = args.models[task]
         sft_args, rm_args = build_flags(args, task)
         missing = lambda path: not os.path.exists(os.path.join(ROOT, path, "config.json"))
@@ -798,13 +817,13 @@ def real_model_stages(models, gguf):
 
 
 def build_real_models(args, todo):
-    """The real model's SFT and RM (args.models["smollm2"]), once, before its first run."""
-    if not any(c.model == "smollm2" for c, _ in todo):
-        return
-    missing = [p for p in args.models["smollm2"] if not os.path.exists(os.path.join(ROOT, p, "config.json"))]
-    if missing:
-        run_stages([s for s in real_model_stages(args.models["smollm2"], smollm2_gguf())
-                    if s[s.index("--output_dir") + 1] in missing])
+    """Each real-model build (args.models["smollm2"], ["smollm2_kl10"]) the runs in `todo` need, once, before
+    its first run."""
+    for key in dict.fromkeys(c.model for c, _ in todo if is_real(c)):
+        missing = [p for p in args.models[key] if not os.path.exists(os.path.join(ROOT, p, "config.json"))]
+        if missing:
+            run_stages([s for s in real_model_stages(args.models[key], smollm2_gguf())
+                        if s[s.index("--output_dir") + 1] in missing])
 
 
 def _one_job_threads(threads):
@@ -995,10 +1014,11 @@ def report(args, hypothesis, records):
                              "SFT samples" if "gold_agreement" in e else "") + ".")
             result["sft"]["rm_eval"] = e
         runs = [r for c in h.configs for r in records.get(c.name, []) if r]
-        other = sum(r.get("sft_hash") != sft.get("sft_hash") for r in runs)
+        build = lambda r: (r.get("sft_hash"), r.get("rm_hash"))                   # noqa: E731
+        other = sum(build(r) != build(sft) for r in runs)
         if other:                    # records made before hashes, or from another build of the recipe
-            lines[-1] += (f" {other} of the {len(runs)} runs above record no SFT hash or another one: they were "
-                          "trained from an earlier build of the same recipe.")
+            lines[-1] += (f" {other} of the {len(runs)} runs above record no SFT / RM hashes or others than this "
+                          "record's: they were trained from another build of the same recipe.")
             result["sft"]["runs_from_other_builds"] = other
     if h.paired:
         lines += paired_table(h, records, result)
@@ -1138,9 +1158,10 @@ def matched_kl_table(args, h, records, result):
 
 
 # the fixed-beta runs shown beside each matched-KL hypothesis in its reward-against-KL picture
-FRONTIER_WITH = {"real_kl": "real", "kl": "baseline", "kl_count": "count"}
+FRONTIER_WITH = {"real_kl": "real", "real_kl10": "real", "kl": "baseline", "kl_count": "count"}
 # and the PPO / MA-PPO pair among them read at the same KLs as the controlled pairs
-FIXED_BETA_PAIR = {"real_kl": ("real_n1", "real_n5"), "kl": ("n1", "n5"), "kl_count": ("count_n1", "count_n5")}
+FIXED_BETA_PAIR = {"real_kl": ("real_n1", "real_n5"), "real_kl10": ("real_n1", "real_n5"), "kl": ("n1", "n5"),
+                   "kl_count": ("count_n1", "count_n5")}
 GOLD_CURVE = "eval/gold"
 
 
@@ -1434,7 +1455,7 @@ def main(argv=None):
     args.runs_dir = args.runs_dir or ("runs/study_quick" if args.quick else "runs/study")
     args.models = {"chitchat": (args.sft_path, args.rm_path),
                    **{task: (data.run_dir(task, "sft"), data.run_dir(task, "rm")) for task in ("code", "count")},
-                   "smollm2": REAL_MODELS}
+                   "smollm2": REAL_MODELS, "smollm2_kl10": REAL_KL10_MODELS}
     seeds = [int(s) for s in args.seeds.split(",")]
     print(f"[study] {vars(args)}", flush=True)
     todo = [(config, seed) for h in names for config in HYPOTHESES[h].configs for seed in seeds]

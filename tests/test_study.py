@@ -2,13 +2,15 @@
 import argparse
 import math
 import os
+import re
 import subprocess
 import sys
 
 import numpy
 import pytest
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench"))
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "bench"))
 import learning_efficiency as study  # noqa: E402
 import data  # noqa: E402
 
@@ -567,10 +569,14 @@ def test_the_sft_line_cites_its_rm_figures_from_the_record(tmp_path):
     line = next(line for line in lines if line.startswith("The SFT model"))
     assert "mean gold 0.500" in line and "held-out pairwise accuracy 0.551 on 1024 pairs" in line
     assert "agreement with the gold judge 0.612 on 256 pairs" in line and result["sft"]["rm_eval"]["accuracy"] == 0.5512
-    assert "1 of the 1 runs above record no SFT hash" in line               # a run made before hashes
+    assert "1 of the 1 runs above record no SFT / RM hashes" in line        # a run made before hashes
     runs = [{"seed": 1, "final": {"gold": [0.5]}, "rows": rows, "sft_hash": h} for h in ("abc", "abd")]
     line = next(line for line in study.report(args, "count", {h.configs[0].name: runs})[0] if line.startswith("The SFT"))
-    assert "1 of the 2 runs above record no SFT hash or another one" in line
+    assert "1 of the 2 runs above record no SFT / RM hashes or others than this record's" in line
+    runs[1]["sft_hash"], runs[0]["rm_hash"] = "abc", "rm2"                   # the same SFT, another RM build
+    line = next(line for line in study.report(args, "count", {h.configs[0].name: runs})[0] if line.startswith("The SFT"))
+    assert "1 of the 2 runs above" in line
+    del runs[0]["rm_hash"]
     runs[1]["sft_hash"] = "abc"
     line = next(line for line in study.report(args, "count", {h.configs[0].name: runs})[0] if line.startswith("The SFT"))
     assert "runs above" not in line
@@ -609,3 +615,106 @@ def test_configs_runs_only_those_configurations(tmp_path, monkeypatch):
     result = study.main(["baseline", "--configs", "n5", "--seeds", "1", "--results_dir", str(tmp_path),
                          "--runs_dir", str(tmp_path / "runs")])
     assert result["baseline"]["n5"]["seeds"] == [1] and "n1" not in result["baseline"]
+
+
+# ---------------------------------------------------------------- no figure in the prose without a record
+# A figure is a decimal or a percentage (counts of seeds, iterations and tokens are not checked). Each one in the
+# prose of these pages must be a figure of the generated tables (docs/study/study.md, written from the records by
+# `learning_efficiency.py report`) of a hypothesis its paragraph is about: named in backticks or linked as #name, or,
+# on the study page, the hypothesis of its section. The prose may round a table's figure, never change it.
+PROSE = ("README.md", "docs/study/README.md", "docs/real_models.md")
+FIGURE = re.compile(r"(?<![\w.#/§-])\d+\.\d+%?(?![\w.]*\d)|(?<![\w.#/§-])\d+%")   # not §3.3, v1.2.3
+# Figures allowed in any paragraph, each with the reason it needs no record.
+ANYWHERE = {
+    "50%": "even odds: the line every win rate is read against",
+    "0.05": "the margin (MARGIN) and the recipe's beta (a flag)",
+    "1.2": "the matching rule (MATCH)",
+    "95%": "the interval's level", "90%": "the equivalence test's interval", "80%": "the detectable effect's power",
+    "5%": "the tests' level",
+    "1.7": "the paper's claim (Fig. 1-2: 1.7-2x)",
+    "1.3": "the tiny model's size, 1.3M parameters (its config)",
+    "0.774": "0.95^5, the lambda of MA-PPO in `lambda` (its flag, 0.7738)",
+    "10%": "the real-model controller's largest step an iteration (--kl_horizon 32 over 16 samples)",
+    "2%": "the tiny tasks' controller's largest step an iteration (--kl_horizon 320 over 32 samples)",
+}
+# Paragraphs whose figures no record holds yet, by (file, how the paragraph begins), with the reason: what is left
+# to record. A figure in any other paragraph that no generated table gives fails the test.
+UNRECORDED = {
+    ("README.md", "Everything works offline"): "the test suite's duration on a fresh clone: not a study figure",
+    ("docs/study/README.md", "The segment and token RMs train"): "the count SFT model's entropy quantiles and segment "
+    "lengths behind c_ent, measured once by hand: to be written by a script into a record",
+    ("docs/real_models.md", "| model | full fine-tuning"): "the recipe's memory table (bench/real_ppo.py): no record",
+    ("docs/real_models.md", "**Why chitchat.**"): "the recipe's own SFT / RM evaluation, run by hand: no record",
+    ("docs/real_models.md", "Measured on a 2-core CPU"): "the recipe's timings (bench/real_ppo.py): no record",
+    ("docs/real_models.md", "| held-out (16 prompts)"): "the recipe's 5-iteration demo run: no record",
+    ("docs/real_models.md", "Five iterations barely move"): "the recipe's 5-iteration demo run: no record",
+    ("docs/real_models.md", "| prompt | SFT | policy after 5"): "sampled replies of the demo run, shown for reading",
+    ("docs/real_models.md", "| prompt (its end) | SFT | PPO, 30"): "sampled replies, shown for reading; the study's "
+    "per-prompt scores of the same runs are in their records",
+    ("docs/real_models.md", "| side | generate | forwards"): "ours against TRL (bench/real_ppo.py): no record",
+    ("docs/real_models.md", "So ours takes 8% less time"): "ours against TRL (bench/real_ppo.py): no record",
+    ("docs/real_models.md", "**Where the memory went.**"): "memory measurements: no record",
+    ("docs/real_models.md", "An earlier sitting on the machine"): "ours against TRL, an earlier sitting: no record",
+}
+
+
+def generated_figures():
+    """{hypothesis: its generated section's figures} from docs/study/study.md."""
+    text = open(os.path.join(ROOT, "docs", "study", "study.md")).read()
+    return {part.split(":", 1)[0]: re.findall(r"\d+(?:\.\d+)?%?", part) for part in text.split("### ")[1:]}
+
+
+def rounds_to(figure, generated):
+    """`figure` ("0.91", "46.7%") is one of `generated` as printed or rounded to the figure's decimals."""
+    percent = figure.endswith("%")
+    value = figure.rstrip("%")
+    decimals = len(value.split(".")[1]) if "." in value else 0
+    return any(g.endswith("%") == percent and f"{float(g.rstrip('%')):.{decimals}f}" == value for g in generated)
+
+
+def unsourced_figures(path):
+    """[(heading, figure, paragraph start)] of `path`'s prose (generated blocks and code blocks left out)."""
+    text = open(os.path.join(ROOT, path)).read()
+    text = re.sub(r"<!-- study:(\S+) -->.*?<!-- /study:\1 -->", "", text, flags=re.S)
+    text = re.sub(r"```.*?```", "", text, flags=re.S)
+    generated, heading, named_by_heading, out = generated_figures(), None, set(), []
+    for paragraph in re.split(r"\n\s*\n", text):
+        if paragraph.startswith("#"):
+            heading = paragraph.splitlines()[0]
+            named_by_heading = set(re.findall(r"`(\w+)`", heading)) if path == "docs/study/README.md" else set()
+        if any(paragraph.startswith(start) for file, start in UNRECORDED if file == path):
+            continue
+        anchors = [w for a in re.findall(r"#([\w-]+)\)", paragraph) for w in (a, *a.split("-"))]
+        named = named_by_heading | set(re.findall(r"`(\w+)`", paragraph)) | set(anchors)
+        allowed = [g for name in named for g in generated.get(name, [])]
+        out += [(heading, f, paragraph[:60]) for f in FIGURE.findall(paragraph)
+                if f not in ANYWHERE and not rounds_to(f, allowed)]
+    return out
+
+
+def test_rounds_to_accepts_a_tables_figure_rounded_never_another():
+    assert rounds_to("11.3", ["11.304"]) and rounds_to("0.91", ["0.914"]) and rounds_to("46.7%", ["46.7%"])
+    assert not rounds_to("0.87", ["0.889", "0.914"]) and not rounds_to("0.5", ["50%"]) and not rounds_to("47%", ["0.47"])
+
+
+def test_a_figure_outside_its_hypothesis_tables_is_caught(tmp_path, monkeypatch):
+    """The check itself: a figure the `real_kl` tables give passes in a paragraph about `real_kl`, fails in one about
+    `kl`, and a figure no table gives fails."""
+    monkeypatch.setattr(sys.modules[__name__], "ROOT", str(tmp_path))
+    (tmp_path / "docs" / "study").mkdir(parents=True)
+    (tmp_path / "docs" / "study" / "study.md").write_text("### real_kl: q\n| a | 0.914 ± 0.640 |\n### kl: q\n| 6.164 |\n")
+    (tmp_path / "page.md").write_text("# t\n\n`real_kl` ends at 0.91 against 6.2.\n\nIn `kl`, 0.91.\n\n"
+                                      "[it](x.md#kl) ends at 6.16; 0.87 in none.\n")
+    assert [f for _, f, _ in unsourced_figures("page.md")] == ["6.2", "0.91", "0.87"]
+
+
+@pytest.mark.parametrize("path", PROSE)
+def test_every_figure_in_the_prose_comes_from_a_generated_table(path):
+    missing = unsourced_figures(path)
+    assert not missing, "\n".join(f"{h} | {f} | {p!r}" for h, f, p in missing)
+
+
+def test_every_unrecorded_paragraph_is_still_there():
+    """An exemption outlives its paragraph only by mistake: each UNRECORDED start begins a paragraph of its file."""
+    for path, start in UNRECORDED:
+        assert re.search(r"(^|\n\s*\n)" + re.escape(start), open(os.path.join(ROOT, path)).read()), (path, start)
