@@ -18,8 +18,7 @@ lambda (H2 effective lambda), critic (H3 RM-initialised critic), lr (H4 learning
 termination (H5), code and count (H6: the execution-reward code task; counting, whose answers are
 2-3x longer and whose gold judge reads the whole response), segment* (segment-level rewards, Yin et al.
 2025) and real (a real pretrained LM: SmolLM2-135M-Instruct with LoRA, its own run length and prompt format,
-not part of `all`; each run peaks at about 9.5 GB, so --jobs 2 needs about 20 GB). docs/study/README.md states
-each one.
+not part of `all`; --jobs 2 needs the memory of two such runs). docs/study/README.md states each one.
 
 Every run is a real `ppo.py` subprocess in runs/study/<config>/seed<k>/ (resumed from its checkpoint
 if interrupted). When a run finishes, a small record goes to docs/study/runs/<config>/seed<k>.json:
@@ -31,9 +30,14 @@ A configuration whose record exists is never run again, and the report reads onl
   mean over --smooth evaluations), against the iterations this configuration needs to reach that
   score; a 95% bootstrap interval over seeds (resampled with replacement, both arms); "never" when
   the curve does not get there, and the share of bootstrap draws where it never does;
-- win rate against PPO: per-prompt comparisons of final policies (same prompts, same seed),
-  pooled over seeds, ties half, with a 95% bootstrap interval over seeds (gold score; on the code
-  task, passing the tests);
+- win rate against PPO: per-prompt comparisons of final policies (same prompts, same seed), ties half,
+  the mean of each seed's rate (gold score; on the code task, passing the tests);
+- gold differences and win rates get 95% intervals from a seed-then-prompt bootstrap (seeds resampled,
+  then each drawn seed's prompts): t with seeds - 1 degrees of freedom on the draws' standard error;
+- one KL everywhere (run_kl: the mean per-sequence KL of the last KL_WINDOW iterations' batches);
+- matched KL per pair (kl_matched: within MATCH); at equal KL a fit of gold on log KL with one
+  intercept per seed, and the matched pairs alone; verdicts (verdict) from the 95% interval and the
+  two one-sided tests against +-MARGIN, with the minimum detectable effect beside each;
 - where a change applies to both methods (critic, lr), each MA-PPO configuration paired by seed with
   PPO under the same change (its `partner`): the gap in first-half mean score and the win rate;
 - the first evaluation (score and KL), the final mean macro and response lengths and, on count, the share

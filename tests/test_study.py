@@ -305,6 +305,9 @@ def test_the_real_study_reports_its_final_policies_paired_by_seed_by_hand():
     assert (gap["mean"], gap["seeds"]) == (pytest.approx(0.2), 2) and gap["ci95"][0] < 0.2 < gap["ci95"][1]
     assert result["real_n5"]["final_policies"]["mean"][0] == pytest.approx(0.4)
     assert f"| MA-PPO (n=5) | 3 | 0.400 ± 1.138 | +0.200 [{gap['ci95'][0]:+.3f}, {gap['ci95'][1]:+.3f}] | 2 |" in lines
+    # by seed: seed 1's policies tie on both prompts, seed 2's win both (0.9 against 0.5); no trace: KLs marked *
+    assert "| MA-PPO (n=5) | 1 | 1.00 / 1.00 * | 0.300 / 0.300 | 50.0% |" in lines
+    assert "| MA-PPO (n=5) | 2 | 1.00 / 1.00 * | 0.500 / 0.900 | 100.0% |" in lines
     assert "final_policies" not in study.report(argparse.Namespace(smooth=1), "count", {
         "count_n1": [run(1, [1.0])], "count_n5": [run(1, [0.0])]})[1]["count_n5"]       # only where it is asked
 
