@@ -446,6 +446,7 @@ KL_WINDOW = 5
 MATCH = 1.2       # two runs are at matched KL when the larger final KL is at most 1.2 times the smaller
 MARGIN = 0.05     # gold: a difference whose 90% interval lies inside +-MARGIN is "level" (two one-sided tests)
 DRAWS = 4000      # seed-then-prompt bootstrap draws (seeded: the same tables every time)
+RERUN_SEEDS = 10  # the seeds of real_kl10: each fit says what it could detect with them
 T_95 = {1: 6.314, 2: 2.920, 3: 2.353, 4: 2.132, 5: 2.015, 6: 1.943, 7: 1.895, 8: 1.860, 9: 1.833, 10: 1.812}
 T_80 = {1: 1.376, 2: 1.061, 3: 0.978, 4: 0.941, 5: 0.920, 6: 0.906, 7: 0.896, 8: 0.889, 9: 0.883, 10: 0.879}
 
@@ -500,6 +501,13 @@ def verdict(mean, se, seeds, margin=MARGIN):
         word += ", within the margin"
     return {"mean": mean, "se": se, "seeds": seeds, "ci95": (low, high), "ci90": (low90, high90),
             "mde": (t975 + t80) * se, "margin": margin, "verdict": word}
+
+
+def detectable_at(c, seeds):
+    """The detectable effect of verdict() result `c` had it `seeds` seeds with the same spread (its standard error
+    shrinking as one over the root of the seeds): what a rerun with more seeds can hope to see."""
+    df = seeds - 1
+    return (T_975.get(df, 1.96) + T_80.get(df, 0.842)) * c["se"] * math.sqrt(c["seeds"] / seeds)
 
 
 def paired_units(base_runs, runs, key, win=False):
@@ -1154,7 +1162,9 @@ def matched_kl_table(args, h, records, result):
     if fit:
         summary.append(f"- fit of each run's final mean {key} on log final KL, a MA-PPO term and one intercept per seed "
                        f"({fit['runs']} runs of {fit['seeds']} seeds; slope {fit['slope']:+.3f} {key} per unit of log KL): "
-                       f"MA-PPO minus PPO " + fmt_verdict(fit) + ".")
+                       f"MA-PPO minus PPO " + fmt_verdict(fit) + (f"; with {RERUN_SEEDS} seeds of the same spread the "
+                       f"detectable effect would be {detectable_at(fit, RERUN_SEEDS):.3f}" if fit["seeds"] < RERUN_SEEDS
+                                                                  and "se" in fit else "") + ".")
     if pooled:
         summary.append(f"- the pairs at matched KL alone ({sum(len(u) for u in units)} pair(s) of {len(units)} seed(s), each "
                        f"seed's pairs averaged): MA-PPO minus PPO " + fmt_verdict(pooled) + ".")

@@ -100,6 +100,7 @@ def test_verdict_words_come_only_from_the_interval_and_the_margin_by_hand():
     assert study.verdict(0.03, 0.005, 6)["verdict"] == "ahead, within the margin"
     assert study.verdict(0.01, float("nan"), 1)["verdict"] == "one seed: no verdict"
     assert study.verdict(0.0, 0.02, 3)["mde"] == pytest.approx((4.303 + 1.061) * 0.02)   # fewer seeds, larger
+    assert study.detectable_at(study.verdict(0.0, 0.02, 6), 10) == pytest.approx((2.262 + 0.883) * 0.02 * 0.6 ** 0.5)
 
 
 def test_paired_comparison_matches_seeds_and_prompts_by_hand():
