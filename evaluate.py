@@ -33,6 +33,7 @@ import data
 import harness
 import reward_model as rm
 import sandbox
+import segment_rewards as sr
 
 COMMANDS = ("score", "winrate", "agreement", "best_of_n", "curves", "passk")
 
@@ -329,19 +330,32 @@ def sample_responses(model, tokenizer, prompts, seed, max_prompt_len, max_respon
     return texts
 
 
-def held_out(policy, reward_model, tokenizer, rows, args, seed, synced_gpus=False, segmenter=None):
+@dataclass(frozen=True)
+class Sampling:
+    """How ppo.py's held-out replies are sampled and judged: the task (its judge: RM and gold, or running the
+    code), the token limits, the sampling settings of training, and the seed."""
+    task: str = "chitchat"
+    max_prompt_len: int = 48
+    max_response_len: int = 32
+    temperature: float = 0.8
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int = 1234
+
+
+def held_out(policy, reward_model, tokenizer, rows, sampling, seed, synced_gpus=False, segmenter=None):
     """ppo.py's evaluation: held-out rows -> (responses, score, second score); RM score and gold score
     (tasks with a gold judge: chitchat, count; else None), or for code tasks the execution reward and
-    pass (1.0 / 0.0). Sampling as in training (args.temperature / top_k / top_p). With `segmenter` (a
-    segment RM's `reward_model.segment_layout` partial) the RM score is e(x, y)."""
-    prompts = [r["prompt"] for r in rows]
-    texts = sample_responses(policy, tokenizer, prompts, seed, args.max_prompt_len, args.max_response_len,
-                             args.temperature, args.top_k, args.top_p, synced_gpus)
-    if args.task in data.CODE_TASKS:
+    pass (1.0 / 0.0). Sampled as in training (`sampling`: a Sampling) under `seed`. With `segmenter` (a
+    segment RM's `segment_rewards.segmenter`) the RM score is e(x, y)."""
+    prompts, sp = [r["prompt"] for r in rows], sampling
+    texts = sample_responses(policy, tokenizer, prompts, seed, sp.max_prompt_len, sp.max_response_len,
+                             sp.temperature, sp.top_k, sp.top_p, synced_gpus)
+    if sp.task in data.CODE_TASKS:
         return (texts, *map(torch.tensor, sandbox.execution_reward(rows, texts)))
-    scores = rm.score(reward_model, tokenizer, prompts, texts, args.max_prompt_len, args.max_response_len,
+    scores = rm.score(reward_model, tokenizer, prompts, texts, sp.max_prompt_len, sp.max_response_len,
                       segmenter=segmenter)
-    gold = torch.tensor(data.gold(args.task, data.judged_prompts(rows), texts)) if args.task in data.GOLD_JUDGES else None
+    gold = torch.tensor(data.gold(sp.task, data.judged_prompts(rows), texts)) if sp.task in data.GOLD_JUDGES else None
     return texts, scores, gold
 
 
@@ -360,18 +374,19 @@ def reply_metrics(task, rows, texts):
     return out
 
 
-def sft_replies(sft_model, args, tokenizer, rows, device):
-    """The SFT model's reply_metrics on ppo.py's held-out rows, sampled as the policy's are (same seed and
-    settings): the level a policy's diversity is read against, computed once a run. `sft_model` None (LoRA,
-    whose reference is the policy with its adapters off): loaded from args.sft_path for the call."""
+def sft_replies(sft_model, sampling, tokenizer, rows, device, sft_path="", bf16=False):
+    """The SFT model's reply_metrics on ppo.py's held-out rows, sampled as the policy's are (the same Sampling):
+    the level a policy's diversity is read against, computed once a run. `sft_model` None (LoRA, whose reference
+    is the policy with its adapters off): loaded from `sft_path` (in bf16 with `bf16`) for the call."""
     from transformers import AutoModelForCausalLM
     if sft_model is None:
         with harness.loading_whole():
             sft_model = AutoModelForCausalLM.from_pretrained(
-                args.sft_path, dtype=torch.bfloat16 if args.bf16 else torch.float32).to(device)
-    texts = sample_responses(sft_model.eval(), tokenizer, [r["prompt"] for r in rows], args.seed, args.max_prompt_len,
-                             args.max_response_len, args.temperature, args.top_k, args.top_p)
-    return reply_metrics(args.task, rows, texts)
+                sft_path, dtype=torch.bfloat16 if bf16 else torch.float32).to(device)
+    sp = sampling
+    texts = sample_responses(sft_model.eval(), tokenizer, [r["prompt"] for r in rows], sp.seed, sp.max_prompt_len,
+                             sp.max_response_len, sp.temperature, sp.top_k, sp.top_p)
+    return reply_metrics(sp.task, rows, texts)
 
 
 def degeneracy(policy, sft, task):
@@ -393,31 +408,33 @@ def no_collapse(policy, sft):
             "words (read gold_strict and the KL beside the scores).")
 
 
-def during_training(args, metrics, *, accelerator, policy, reward_model, tokenizer, eval_rows, segmenter=None,
-                    sft=(None, None)):
+def during_training(metrics, sampling, *, accelerator, policy, reward_model, tokenizer, eval_rows, segmenter=None,
+                    sft=(None, None), sft_path="", bf16=False, gather=True, score_name="rm"):
     """ppo.py's step 7 every --eval_every iterations: the held-out score (and gold score / pass rate), gold_strict
     and the replies' diversity of the current policy into `metrics`, beside the SFT model's diversity; a log line,
-    and a warning when the replies are degenerate. `args`: ppo.py's; `sft`: (the frozen SFT model or None under
-    LoRA, a dict that keeps its diversity once measured); `segmenter`: as in `held_out`."""
-    acc, sharded, code = accelerator, harness.is_sharded(accelerator), args.task in data.CODE_TASKS
+    and a warning when the replies are degenerate. `sampling`: a Sampling; `sft`: (the frozen SFT model or None
+    under LoRA, then read from `sft_path`; a dict that keeps its diversity once measured); `segmenter`: as in
+    `held_out`; `gather`: ppo.py's --gather_for_generation; `score_name`: the score the run trains on."""
+    acc, sharded, task = accelerator, harness.is_sharded(accelerator), sampling.task
+    code = task in data.CODE_TASKS
     if acc.is_main_process or sharded:               # sharded weights: every rank takes part
-        with harness.generation_model(acc, policy, args.gather_for_generation) as (model, synced):
-            texts, scores, second = held_out(model.eval(), reward_model, tokenizer, eval_rows, args, args.seed,
+        with harness.generation_model(acc, policy, gather) as (model, synced):
+            texts, scores, second = held_out(model.eval(), reward_model, tokenizer, eval_rows, sampling, sampling.seed,
                                              synced, segmenter)
     if acc.is_main_process:
         key, second_key = ("exec", "pass@1") if code else ("rm", "gold")
         metrics[f"eval/{key}"] = round(scores.mean().item(), 4)
         if second is not None:
             metrics[f"eval/{second_key}"] = round(second.mean().item(), 4)
-        (ref, sft_measured), replies = sft, reply_metrics(args.task, eval_rows, texts)
+        (ref, sft_measured), replies = sft, reply_metrics(task, eval_rows, texts)
         if not sft_measured:     # once a run, from the same prompts and seed; its own RNG (the run's is untouched)
-            sft_measured.update(sft_replies(ref, args, tokenizer, eval_rows, acc.device))
+            sft_measured.update(sft_replies(ref, sampling, tokenizer, eval_rows, acc.device, sft_path, bf16))
         metrics.update({f"eval/{k}": round(v, 4) for k, v in replies.items()})
         metrics.update({f"eval/sft_{k}": round(sft_measured[k], 4) for k in ("distinct_1", "distinct_2", "repetition")})
         acc.print(f"[ppo] iteration {metrics['step']}: " + "  ".join(f"{k} {metrics[k]}" for k in (
-            f"reward/{'exec' if code else args.reward}", "kl", f"eval/{key}", f"eval/{second_key}", "eval/gold_strict",
+            f"reward/{score_name}", "kl", f"eval/{key}", f"eval/{second_key}", "eval/gold_strict",
             "eval/distinct_2", "macro/mean_len") if k in metrics))
-        verdict = degeneracy(replies, sft_measured, args.task)
+        verdict = degeneracy(replies, sft_measured, task)
         if verdict:
             acc.print(f"[ppo] warning: {verdict}. A larger --beta (or a --kl_target) keeps the policy nearer the "
                       "SFT model; read eval/gold_strict beside eval/gold")
@@ -435,29 +452,32 @@ def diversity_lines(sft, policy):
     return lines
 
 
-def final_report(args, policy, sft_model, reward_model, tokenizer, rows, metrics_path, segmenter=None):
+def final_report(policy, sft_model, reward_model, tokenizer, rows, metrics_path, sampling, *, label="", plot=True,
+                 segmenter=None):
     """ppo.py's closing table: SFT vs the trained policy on the held-out prompts (mean RM score, mean
     gold score, gold win rate; for code tasks mean execution reward and pass@1 of one sample), the
     diversity of their replies (and gold_strict), in words whether the policy's are degenerate, the
-    learning curve (unless args.plot is off), and summary.md in the run folder. `segmenter`: as in `held_out`."""
-    s_texts, s_score, s_second = held_out(sft_model, reward_model, tokenizer, rows, args, args.seed + 1, segmenter=segmenter)
-    p_texts, p_score, p_second = held_out(policy, reward_model, tokenizer, rows, args, args.seed + 1, segmenter=segmenter)
-    code = args.task in data.CODE_TASKS
-    lines = ["", f"| held-out ({len(rows)} prompts) | SFT | policy (n={args.n}, {args.termination}) |", "|---|---|---|",
+    learning curve (with `plot`), and summary.md in the run folder. `sampling`: a Sampling (the replies are
+    sampled under its seed + 1); `label`: the policy's column, e.g. 'n=5, fixed'; `segmenter`: as in `held_out`."""
+    sp, seed = sampling, sampling.seed + 1
+    s_texts, s_score, s_second = held_out(sft_model, reward_model, tokenizer, rows, sp, seed, segmenter=segmenter)
+    p_texts, p_score, p_second = held_out(policy, reward_model, tokenizer, rows, sp, seed, segmenter=segmenter)
+    code = sp.task in data.CODE_TASKS
+    lines = ["", f"| held-out ({len(rows)} prompts) | SFT | policy ({label}) |", "|---|---|---|",
              f"| {'mean execution reward' if code else 'mean RM score'} | {s_score.mean():.3f} | {p_score.mean():.3f} |"]
     if code:
-        lines += [f"| pass@1 (sampled, T={args.temperature}) | {s_second.mean():.1%} | {p_second.mean():.1%} |"]
+        lines += [f"| pass@1 (sampled, T={sp.temperature}) | {s_second.mean():.1%} | {p_second.mean():.1%} |"]
     elif s_second is not None:
         gold = win_rate(compare(p_second.tolist(), s_second.tolist()))
         lines += [f"| mean gold score | {s_second.mean():.3f} | {p_second.mean():.3f} |",
                   f"| gold win rate vs SFT (ties half) | | {gold['win_rate']:.1%} |"]
-    s_replies, p_replies = reply_metrics(args.task, rows, s_texts), reply_metrics(args.task, rows, p_texts)
+    s_replies, p_replies = reply_metrics(sp.task, rows, s_texts), reply_metrics(sp.task, rows, p_texts)
     lines += diversity_lines(s_replies, p_replies)
-    verdict = degeneracy(p_replies, s_replies, args.task)
+    verdict = degeneracy(p_replies, s_replies, sp.task)
     lines += ["", f"WARNING: {verdict}. Do not read the scores above as a better policy; train with a larger "
                   "--beta (or --kl_target) and compare the gold_strict score." if verdict else
               no_collapse(p_replies, s_replies)]
-    lines += ["", f"metrics: {metrics_path}"] + ([f"learning curve: {plot_run(metrics_path)}"] if args.plot else [])
+    lines += ["", f"metrics: {metrics_path}"] + ([f"learning curve: {plot_run(metrics_path)}"] if plot else [])
     print("\n".join(lines))
     with open(os.path.join(os.path.dirname(metrics_path), "summary.md"), "w") as f:
         f.write("\n".join(lines) + "\n")
@@ -512,9 +532,9 @@ class Context:
         if not self.code:
             harness.require_model_dir(args.rm_path, "reward model", "Train it with reward_model.py (or run ppo.py once).")
             self.rm = rm.load_reward_model(args.rm_path)[0].eval()
-            settings = rm.read_segment_settings(args.rm_path)      # a segment / token RM scores e(x, y)
+            settings = sr.read_segment_settings(args.rm_path)      # a segment / token RM scores e(x, y)
             if settings:
-                self.segmenter = rm.segmenter(settings, self.model("sft"), self.tokenizer.eos_token_id)
+                self.segmenter = sr.segmenter(settings, self.model("sft"), self.tokenizer.eos_token_id)
         self.rows = data.with_chat_template(data.first_row_per_prompt(
             data.load_task(args.task, only=("test",))["test"])[:args.n_prompts], self.tokenizer, args.chat_template)
         self.prompts = [r["prompt"] for r in self.rows]

@@ -101,6 +101,15 @@ def make_accelerators(bf16, grad_accum, micro_batch_size, **kwargs):
     return accelerator, Accelerator(gradient_accumulation_steps=grad_accum)
 
 
+@dataclasses.dataclass
+class Trained:
+    """A model that trains, with what trains it: its accelerator, optimizer and learning-rate schedule."""
+    model: torch.nn.Module
+    accelerator: object
+    optimizer: torch.optim.Optimizer
+    scheduler: object
+
+
 def prepare_pair(accelerator, critic_accelerator, policy, policy_opt, critic, critic_opt):
     """accelerator.prepare for the policy and the critic (under DeepSpeed, each with its own engine)."""
     policy, policy_opt = accelerator.prepare(policy, policy_opt)
@@ -411,7 +420,8 @@ def build_default(accelerator, task, sft_path, rm_path=None, sft_args="", rm_arg
 
 
 class Stopwatch:
-    """Seconds spent per phase of an iteration: `lap(name)` closes the phase that just ended."""
+    """Seconds spent per phase of an iteration: `with clock.phase(name):` around it, or `lap(name)` to close the
+    phase that just ended."""
 
     def __init__(self):
         self.t0 = self.last = time.time()
@@ -421,6 +431,15 @@ class Stopwatch:
         now = time.time()
         self.laps[name] = now - self.last
         self.last = now
+
+    @contextlib.contextmanager
+    def phase(self, name, release=None):
+        """Times the block as phase `name`; with `release` (a device), the freed heap is handed back at its end
+        (`release_freed_memory`), inside the phase's time."""
+        yield
+        if release is not None:
+            release_freed_memory(release)
+        self.lap(name)
 
     def total(self):
         return time.time() - self.t0

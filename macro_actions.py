@@ -9,11 +9,30 @@ Every function here works on response-only, right-padded tensors of shape [B, T]
 A *termination* decides where macro actions begin (§3.2.1); `sigma_weights` says how the token
 values of a macro action combine into its value (App. D.1); `macro_rewards` builds the per-token
 rewards whose sum over a macro action is its reward R_tau (§3.3); `macro_advantages` runs GAE over
-macro actions and broadcasts the result back to the tokens (§3.3, Eq. 4-5). With one token per
-macro action this is exactly token-level PPO.
+macro actions and broadcasts the result back to the tokens (§3.3, Eq. 4-5); `termination_starts` picks a
+termination by name, and `clipped_policy_loss` is PPO's objective with token ratios or the macro ratio
+pi(omega) / pi_old(omega) (§3.3). With one token per macro action this is exactly token-level PPO.
 
 The file imports only torch at module level; spaCy / nltk / redbaron are imported lazily by
-`parsing_starts`, so the n-gram, perplexity, entropy and GAE parts can be copied anywhere.
+`parsing_starts`: copy it alone beside torch and you have MA-PPO (`python -m doctest macro_actions.py`):
+
+>>> import torch, macro_actions as ma
+>>> mask = torch.tensor([[1., 1, 1, 1, 1, 1, 1], [1, 1, 1, 0, 0, 0, 0]])     # two responses, 7 and 3 tokens
+>>> starts, _ = ma.termination_starts("fixed", mask, n=3)                      # §3.2.1: 3-grams
+>>> starts.int().tolist()
+[[1, 0, 0, 1, 0, 0, 1], [1, 0, 0, 0, 0, 0, 0]]
+>>> kl_rewards = -0.05 * 0.1 * mask                   # -beta * (logp - logp_ref) on every token
+>>> rewards = ma.macro_rewards(kl_rewards, torch.tensor([1.0, -1.0]), mask, starts)   # + the RM's score
+>>> values = torch.zeros_like(mask)                   # the critic's V(s_t)
+>>> advantages, returns = ma.macro_advantages(values, rewards, mask, starts)   # macro-level GAE (Eq. 4-5)
+>>> [round(a, 3) for a in advantages[0, ::3].tolist()]                        # one per macro action
+[0.869, 0.93, 0.995]
+>>> old_logp = -mask                                  # log pi_old of the sampled tokens
+>>> logp = (old_logp + 0.1 * mask).requires_grad_()   # the policy being trained
+>>> loss, ratios, _ = ma.clipped_policy_loss(logp, old_logp, advantages, mask, starts, ratio="macro")
+>>> [round(r, 3) for r in ratios[0, ::3].tolist()]    # pi(omega) / pi_old(omega), §3.3
+[1.35, 1.35, 1.105]
+>>> loss.backward()                                   # the clipped macro objective's gradient
 """
 import bisect
 import functools
@@ -90,6 +109,13 @@ def perplexity_starts(logprobs, mask):
         total = torch.where(new, x, total + x * m)
         count = torch.where(new, 1.0, count + m)
     return starts.T.contiguous()
+
+
+def entropy(logp):
+    """Entropy (nats) of the distributions whose log-probabilities are `logp` (last dimension), the input of
+    `entropy_starts`. A token of probability 0 (a logit of -inf) adds 0, not 0 * -inf = NaN."""
+    p = logp.exp()
+    return -(p * logp.masked_fill(p == 0, 0.0)).sum(-1)
 
 
 def entropy_starts(entropy, mask, threshold):
@@ -404,45 +430,53 @@ def parsing_starts(response_ids, mask, tokenizer, cutoff=5, language="text",
     return (starts, fallback.to(mask.device)) if return_fallback else starts
 
 
+TERMINATIONS = ("fixed", "randomized", "parsing", "ppl", "entropy", "segment")
+
+
+def termination_starts(name, mask, *, n=5, logprobs=None, entropy=None, threshold=2.0, response_ids=None,
+                       tokenizer=None, cutoff=5, language="text", generator=None, segments=None):
+    """§3.2.1: the starts [B, T] of the termination called `name` (`TERMINATIONS`), and the share of rows
+    whose parse fell back to n=1 (0.0 for the others). Each reads its own input: fixed `n`, randomized
+    `generator`, ppl `logprobs`, entropy `entropy` and `threshold`, parsing `response_ids`, `tokenizer`,
+    `cutoff`, `language`; segment returns the `segments` given (reward segments read as macro actions)."""
+    if name == "fixed":
+        return fixed_ngram_starts(mask, n), 0.0
+    if name == "randomized":
+        return randomized_ngram_starts(mask, generator=generator), 0.0
+    if name == "ppl":
+        return perplexity_starts(logprobs, mask), 0.0
+    if name == "entropy":
+        return entropy_starts(entropy, mask, threshold), 0.0
+    if name == "parsing":
+        starts, fallback = parsing_starts(response_ids, mask, tokenizer, cutoff, language, return_fallback=True)
+        return starts, fallback.float().mean().item()
+    if name == "segment":
+        return segments & mask.bool(), 0.0
+    raise ValueError(f"unknown termination {name!r}; choose one of {', '.join(TERMINATIONS)}")
+
+
 # ---------------------------------------------------------------------------------------------
-# Segment-level rewards (Yin et al., 2025): a segment is a macro action read as a reward unit.
-# Here `mask` marks the tokens that belong to segments; `segment_mask` leaves EOS out of them.
+# §3.3 The MA-PPO objective: token ratios, or the macro ratio pi(omega) / pi_old(omega)
 # ---------------------------------------------------------------------------------------------
 
-def segment_mask(response_ids, mask, eos_token_id):
-    """The released code's rule: EOS belongs to no segment, so the last segment ends at the token
-    before it; nothing after the first EOS belongs to one either (dataset text may hold an EOS
-    inside a response). A response that is EOS alone keeps it, as one segment. Segments by entropy
-    are then `entropy_starts(entropy, segment_mask(ids, mask, eos), c_ent)`."""
-    m = mask.bool()
-    eos = (response_ids == eos_token_id) & m & (_positions(mask) > 0)
-    return m & (eos.long().cumsum(-1) == 0)
+def masked_mean(x, mask):
+    """Mean of x over the tokens where mask is 1 (0 when there are none)."""
+    return (x * mask).sum() / mask.sum().clamp(min=1)
 
 
-def segment_ends(starts, mask):
-    """bool [B, T]: True at the last real token of each segment."""
-    m = mask.bool()
-    after = torch.cat([starts[:, 1:] | ~m[:, 1:], torch.ones_like(m[:, :1])], dim=1)
-    return m & after
-
-
-def segment_positions(starts, mask):
-    """float [B, T]: p = k / K on every token of segment k (1-based) of a row with K segments;
-    the normalizers' location (Yin et al. 2025, §2); 0 on padding."""
-    m = mask.bool()
-    K = (starts & m).sum(-1, keepdim=True).clamp(min=1)
-    return (macro_ids(starts & m) + 1).float() / K * m
-
-
-def spread_segment_rewards(r_end, starts, mask, how="even"):
-    """Each segment's reward, read at its last token, spread over its tokens ([B, T], 0 on
-    padding): `even` r / len on every token (the paper's), `repeat` r on every token, `end` r on
-    the last token only. Values of r_end off the segment ends are ignored."""
-    if how not in ("even", "repeat", "end"):
-        raise ValueError(f"unknown interpolation {how!r}; choose even, repeat or end")
-    m = mask.to(r_end.dtype)
-    r = r_end * segment_ends(starts, mask).to(r_end.dtype)
-    if how == "end":
-        return r
-    per_token = macro_sum(r, starts) * m
-    return per_token / macro_sum(m, starts).clamp(min=1) if how == "even" else per_token
+def clipped_policy_loss(logp, old_logp, advantages, mask, starts, clip=0.2, ratio="token"):
+    """The clipped surrogate (Schulman et al. 2017, Eq. 7), negated to a loss, and (ratios, log-ratios) [B, T].
+    `ratio="token"`: per-token ratios with the macro advantages, a mean over tokens (the released code);
+    `"macro"`: each token carries its macro action's ratio, the product of its token ratios (§3.3), and the
+    loss is a mean over macro actions (each weighs the same, whatever its length)."""
+    log_ratio = (logp - old_logp) * mask
+    weights = mask                                       # token ratios: a mean over tokens
+    if ratio == "macro":
+        log_ratio = macro_sum(log_ratio, starts) * mask
+        weights = mask / macro_sum(mask, starts).clamp(min=1)
+    elif ratio != "token":
+        raise ValueError(f"unknown ratio {ratio!r}; choose token or macro")
+    ratios = log_ratio.exp()
+    # max of the two negated terms = min of the two objectives
+    loss = torch.max(-advantages * ratios, -advantages * ratios.clamp(1 - clip, 1 + clip))
+    return masked_mean(loss, weights), ratios, log_ratio

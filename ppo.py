@@ -2,14 +2,14 @@
 
     accelerate launch ppo.py --n 5       # builds (or reuses) runs/chitchat/{sft,rm}, then trains MA-PPO
 
-Read top to bottom: the arguments; the helpers, in the order of the steps they serve (the forwards and
-the `Scorer` of step 2, the terminations of step 4, the rewards of step 5, the losses and `ppo_update` of
-step 6, the metrics of step 7); the setup (derived settings, models, data, optimizers, the scorer); then
-`main()`, whose loop is the paper's Algorithm 1 as numbered steps: 1. rollout, 2. score, 3. rewards,
-4. macro actions, 5. advantages, 6. PPO update, 7. log; and `finish()`: the final policy and its report.
-The plumbing (accelerators, Ctrl-C / SIGTERM, checkpoints, the run log, building the default models)
-lives in harness.py, the held-out evaluation and the final report in evaluate.py, the macro-action math
-in macro_actions.py.
+Read top to bottom: the arguments; the helpers, in the order of the steps they serve (the forwards of
+step 2, the rewards of step 5, the losses and `ppo_update` of step 6, the metrics of step 7); the setup
+(derived settings, models, data, optimizers, the scorer); then `main()`, whose loop is the paper's
+Algorithm 1 as numbered steps: 1. rollout, 2. score, 3. rewards, 4. macro actions, 5. advantages, 6. PPO
+update, 7. log; and `finish()`: the final policy and its report. Elsewhere: the macro-action math
+(terminations, macro GAE, the clipped macro loss) in macro_actions.py, the score of step 2 in
+reward_model.py (`Scorer`) and segment_rewards.py, the plumbing (accelerators, Ctrl-C / SIGTERM,
+checkpoints, the run log, the default models) in harness.py, the held-out evaluation in evaluate.py.
 """
 import os
 import sys
@@ -23,81 +23,83 @@ import harness
 import macro_actions as ma
 import reward_model as rm
 import sandbox
+import segment_rewards as sr
 
 
 @dataclass
 class PPOArgs:
-    task: str = field(default="chitchat", metadata={"help": "chitchat, count, tldr, tldr_carper, hh, webgpt, code, apps, or a local json/jsonl/parquet file"})
-    sft_path: str = field(default="", metadata={"help": "SFT model (policy init and frozen reference); default runs/<task>/sft, built if missing on chitchat, count and code"})
-    rm_path: str = field(default="", metadata={"help": "reward model (also the critic's init); default runs/<task>/rm, built if missing on chitchat and count; unused for code tasks"})
-    reward: str = field(default="rm", metadata={"help": "the sequence score: rm (the reward model, the paper; a segment or token RM scores e(x, y), the mean of its segment rewards) | gold (the task's gold judge as a verifiable reward: chitchat, count) | segment (a segment or token RM's rewards spread over each segment's tokens, Yin et al. 2025; needs the RM's segment_reward.json); code tasks always run the program", "choices": ("rm", "gold", "segment")})
-    critic_path: str = field(default="", metadata={"help": "critic init: default the RM (App. B.2; the SFT model for code tasks); any causal LM or RM folder, a fresh value head on an LM"})
-    output_dir: str = field(default="", metadata={"help": "default runs/<task>/ppo_n<n>_fixed, or runs/<task>/ppo_<termination> for the other terminations"})
-    sft_args: str = field(default="", metadata={"help": "extra sft.py flags used when the default SFT model is built, e.g. '--max_steps 600' (count: '--max_steps 1600 ...' when empty)"})
-    rm_args: str = field(default="", metadata={"help": "extra reward_model.py flags used when the default RM is built (count: '--max_steps 1000 ...' when empty)"})
-    n: int = field(default=5, metadata={"help": "macro action length for --termination fixed: 1 = vanilla PPO, 0 = the whole response"})
-    termination: str = field(default="fixed", metadata={"help": "fixed | randomized | parsing | ppl | entropy (paper §3.2.1) | segment (the segment RM's entropy segments, c_ent from its segment_reward.json, or --c_ent)", "choices": ("fixed", "randomized", "parsing", "ppl", "entropy", "segment")})
-    c_ent: float = field(default=0.0, metadata={"help": "--termination segment with --reward rm or gold: the SFT entropy threshold (nats) of the segments, e.g. a segment RM's c_ent to compare on the same segments; 0 = read the --rm_path's segment_reward.json. With --reward segment and a sequence RM (and --seg_norm none): its head read at the end of each of these segments (Yin et al. 2025, Table 1's bandit as segment)"})
-    rm_norm: bool = field(default=False, metadata={"help": "--reward rm: the RM's score standardized, (r - mean) / std, with the mean and std of its score on its calibration pairs (Yin et al. 2025, §2.1): score_norm.json beside the RM, written by reward_model.py (fitted here on the RM split's first 1024 pairs and written there when missing); eval/rm stays the raw score"})
-    seg_norm: str = field(default="regression", metadata={"help": "--reward segment: normalizer of the segment rewards: regression (Mean(p), Std(p) on log p, the paper's) | global | last (one mean and std) | none", "choices": ("regression", "global", "last", "none")})
-    seg_interp: str = field(default="even", metadata={"help": "--reward segment: a segment's reward on its tokens: even (divided by its length, the paper's) | repeat (on every token) | end (on its last token) | bandit (none of them: e(x, y), the mean raw segment reward, as one score at the last token; Yin et al. 2025, Table 1's segment as bandit)", "choices": ("even", "repeat", "end", "bandit")})
-    reward_clip: float = field(default=10.0, metadata={"help": "--reward segment: the per-token segment rewards clipped to [-c, c] before the KL penalty is added, as in the released code; 0 = off"})
-    critic_warmup: int = field(default=0, metadata={"help": "value-only updates for the first k iterations, the policy not stepped (OpenRLHF's --freezing_actor_steps)"})
-    sigma: str = field(default="equal", metadata={"help": "macro value weights: equal | unit | position | first (App. D.1)", "choices": ("equal", "unit", "position", "first")})
-    reward_agg: str = field(default="sum", metadata={"help": "macro reward: sum (the paper's equation) | mean (each macro action's KL penalty averaged, the score kept whole) | released (the released code: mean, and the final token a macro action of its own, for every termination)", "choices": ("sum", "mean", "released")})
-    ratio: str = field(default="token", metadata={"help": "token: per-token ratios with macro advantages (released code), the loss a mean over tokens | macro: the paper's pi(omega)/pi_old(omega), the loss a mean over macro actions (each weighs the same, whatever its length)", "choices": ("token", "macro")})
-    kl_estimator: str = field(default="k1", metadata={"help": "per-token KL: k1 = logp - logp_ref | k3 = (r - 1) - log r, r = p_ref/p", "choices": ("k1", "k3")})
-    beta: float = field(default=0.05, metadata={"help": "KL penalty coefficient (the first one, under --kl_target)"})
-    kl_target: float = field(default=0.0, metadata={"help": "adaptive KL controller (Ziegler et al. 2019): the per-sequence KL to hold. After each iteration beta <- beta * (1 + clip(KL / target - 1, -0.2, 0.2) * n / --kl_horizon), KL the batch's mean per-sequence KL over every process, n its samples; 0 = off (--beta fixed)"})
-    kl_horizon: int = field(default=10000, metadata={"help": "adaptive KL controller: its horizon in samples (larger = slower; at most 0.2 * n / horizon of change per iteration)"})
+    # --- the task and its models -------------------------------------------------------------
+    task: str = field(default="chitchat", metadata={"help": "chitchat, count, tldr, tldr_carper, hh, webgpt, code, apps, or a json/jsonl/parquet file"})
+    sft_path: str = field(default="", metadata={"help": "SFT model: policy init and frozen reference (default runs/<task>/sft, built if missing)"})
+    rm_path: str = field(default="", metadata={"help": "reward model: the score, the critic's init (default runs/<task>/rm, built if missing)"})
+    critic_path: str = field(default="", metadata={"help": "critic init: default the RM (App. B.2; code tasks: the SFT model); an LM gets a fresh head"})
+    sft_args: str = field(default="", metadata={"help": "extra sft.py flags used when the default SFT model is built, e.g. '--max_steps 600'"})
+    rm_args: str = field(default="", metadata={"help": "extra reward_model.py flags used when the default RM is built"})
+    chat_template: bool = field(default=False, metadata={"help": "render prompts with the tokenizer's chat template (instruct models); same in every stage"})
+    max_prompt_len: int = field(default=48, metadata={"help": "prompt tokens kept (cut from the left, counted)"})
+    max_response_len: int = field(default=0, metadata={"help": "generated tokens at most; 0 = the task's default (64 for count, else 32)"})
+    # --- the paper: macro actions (§3.2-3.3) -------------------------------------------------
+    n: int = field(default=5, metadata={"help": "--termination fixed: n-gram length; 1 = vanilla PPO, 0 = the whole response"})
+    termination: str = field(default="fixed", metadata={"help": "where macro actions start (§3.2.1): fixed | randomized | parsing | ppl | entropy | segment", "choices": ("fixed", "randomized", "parsing", "ppl", "entropy", "segment")})
+    cutoff: int = field(default=5, metadata={"help": "--termination parsing: the largest parse node kept as one macro action"})
+    entropy_threshold: float = field(default=2.0, metadata={"help": "--termination entropy: a token above this entropy (nats) starts a macro action"})
+    sigma: str = field(default="equal", metadata={"help": "macro value weights (App. D.1): equal | unit | position | first", "choices": ("equal", "unit", "position", "first")})
+    reward_agg: str = field(default="sum", metadata={"help": "macro reward: sum (the paper) | mean | released (the released code's)", "choices": ("sum", "mean", "released")})
+    ratio: str = field(default="token", metadata={"help": "policy ratio: token (with macro advantages) | macro (pi(omega) / pi_old(omega), §3.3)", "choices": ("token", "macro")})
+    # --- PPO (§2; Table 5) --------------------------------------------------------------------
+    beta: float = field(default=0.05, metadata={"help": "KL penalty coefficient (the first one under --kl_target)"})
+    kl_estimator: str = field(default="k1", metadata={"help": "per-token KL: k1 = logp - logp_ref | k3 = (r - 1) - log r, r = p_ref / p", "choices": ("k1", "k3")})
+    kl_target: float = field(default=0.0, metadata={"help": "adaptive KL controller (Ziegler et al. 2019): per-sequence KL to hold; 0 = fixed --beta"})
+    kl_horizon: int = field(default=10000, metadata={"help": "adaptive KL controller: its horizon in samples (larger = slower)"})
     clip: float = field(default=0.2, metadata={"help": "policy ratio clip range"})
     value_clip: float = field(default=0.2, metadata={"help": "value clip range"})
     gamma: float = field(default=1.0, metadata={"help": "discount"})
     lam: float = field(default=0.95, metadata={"help": "GAE lambda"})
-    lora_r: int = field(default=0, metadata={"help": "LoRA rank (peft); 0 = train every weight. policy and critic adapters; the reference is the policy with its adapters off"})
-    lora_alpha: int = field(default=16, metadata={"help": "LoRA scale alpha (the update is scaled by alpha / r)"})
-    lora_target_modules: str = field(default="all-linear", metadata={"help": "LoRA: all-linear, or module names separated by commas (e.g. q_proj,v_proj)"})
-    chat_template: bool = field(default=False, metadata={"help": "render prompts with the tokenizer's own chat template (instruct models); off: the raw HH / TL;DR formats of the paper's base models. Use the same choice in every stage"})
-    temperature: float = field(default=0.8, metadata={"help": "sampling temperature; logprobs are taken at the same temperature, so they follow the sampling distribution only while --top_k and --top_p are off"})
-    top_k: int = field(default=0, metadata={"help": "top-k sampling, 0 = off; on, the logprobs are no longer those of the sampling distribution (a warning says so)"})
-    top_p: float = field(default=1.0, metadata={"help": "nucleus sampling, 1 = off; on, the logprobs are no longer those of the sampling distribution (a warning says so)"})
-    cutoff: int = field(default=5, metadata={"help": "parsing termination: largest node kept as one macro action"})
-    entropy_threshold: float = field(default=2.0, metadata={"help": "entropy termination: a token above this entropy (nats) starts a macro action"})
-    max_prompt_len: int = field(default=48, metadata={"help": "prompt tokens kept (truncated from the left, counted)"})
-    max_response_len: int = field(default=0, metadata={"help": "generated tokens at most; 0 = the task's default (64 for count, else 32)"})
+    temperature: float = field(default=0.8, metadata={"help": "sampling temperature (the logprobs are taken at the same temperature)"})
+    top_k: int = field(default=0, metadata={"help": "top-k sampling, 0 = off (on: the logprobs no longer follow the sampling distribution)"})
+    top_p: float = field(default=1.0, metadata={"help": "nucleus sampling, 1 = off (on: the logprobs no longer follow the sampling distribution)"})
     rollout_batch_size: int = field(default=32, metadata={"help": "prompts per process per iteration"})
     mini_batch_size: int = field(default=16, metadata={"help": "rollouts per PPO minibatch"})
-    grad_accum: int = field(default=1, metadata={"help": "minibatches per optimizer step; an iteration whose minibatches it does not divide steps once more on its remainder (a mean over those), so no step mixes two iterations' gradients"})
+    grad_accum: int = field(default=1, metadata={"help": "minibatches per optimizer step (an iteration's remainder steps on its own)"})
     ppo_epochs: int = field(default=1, metadata={"help": "passes over each rollout batch"})
     steps: int = field(default=120, metadata={"help": "PPO iterations"})
     policy_lr: float = field(default=3e-4, metadata={"help": "policy learning rate (~1e-6 for Gemma-2B)"})
     critic_lr: float = field(default=1e-3, metadata={"help": "critic learning rate"})
     warmup_steps: int = field(default=5, metadata={"help": "linear warmup iterations for both optimizers"})
-    missing_eos_penalty: float = field(default=0.0, metadata={"help": "added to the score of a response without EOS (e.g. -1)"})
+    critic_warmup: int = field(default=0, metadata={"help": "value-only updates for the first k iterations (the policy is not stepped)"})
     whiten_advantages: bool = field(default=True, metadata={"help": "normalise advantages over the batch"})
-    eval_every: int = field(default=20, metadata={"help": "held-out RM / gold score every k iterations"})
-    save_every: int = field(default=40, metadata={"help": "checkpoint every k iterations"})
+    missing_eos_penalty: float = field(default=0.0, metadata={"help": "added to the score of a response without EOS (e.g. -1)"})
+    # --- extensions: other scores, segment rewards (Yin et al. 2025) -------------------------
+    reward: str = field(default="rm", metadata={"help": "the score: rm | gold (the task's judge) | segment (a segment RM's); code tasks run the program", "choices": ("rm", "gold", "segment")})
+    rm_norm: bool = field(default=False, metadata={"help": "--reward rm: the RM's score standardized by its calibration mean and std"})
+    c_ent: float = field(default=0.0, metadata={"help": "segments at this SFT entropy (nats) instead of the RM's own c_ent; 0 = the RM's"})
+    seg_norm: str = field(default="regression", metadata={"help": "--reward segment: normalizer: regression (the paper's) | global | last | none", "choices": ("regression", "global", "last", "none")})
+    seg_interp: str = field(default="even", metadata={"help": "--reward segment: a segment's reward on its tokens: even | repeat | end | bandit", "choices": ("even", "repeat", "end", "bandit")})
+    reward_clip: float = field(default=10.0, metadata={"help": "--reward segment: per-token segment rewards clipped to [-c, c]; 0 = off"})
+    # --- the run ------------------------------------------------------------------------------
+    output_dir: str = field(default="", metadata={"help": "default runs/<task>/ppo_n<n>_fixed, or runs/<task>/ppo_<termination>"})
+    eval_every: int = field(default=20, metadata={"help": "held-out evaluation every k iterations"})
+    save_every: int = field(default=40, metadata={"help": "checkpoint every k iterations (also on Ctrl-C and SIGTERM)"})
     n_eval_prompts: int = field(default=256, metadata={"help": "held-out prompts per evaluation"})
     seed: int = field(default=1234, metadata={"help": "random seed"})
-    resume: bool = field(default=False, metadata={"help": "continue from <output_dir>/checkpoint (written every --save_every iterations, on Ctrl-C and on SIGTERM)"})
-    plot: bool = field(default=True, metadata={"help": "draw the run's learning curve (learning_curve.png) in the final report; --plot false skips matplotlib (a few seconds: scripted runs, tests)"})
+    resume: bool = field(default=False, metadata={"help": "continue from <output_dir>/checkpoint"})
+    plot: bool = field(default=True, metadata={"help": "draw learning_curve.png in the final report (false: skip matplotlib)"})
     report_to: str = field(default="none", metadata={"help": "accelerate trackers: none | tensorboard | wandb", "choices": ("none", "tensorboard", "wandb")})
+    lora_r: int = field(default=0, metadata={"help": "LoRA rank for the policy and the critic (the reference: adapters off); 0 = full"})
+    lora_alpha: int = field(default=16, metadata={"help": "LoRA scale alpha (the update is scaled by alpha / r)"})
+    lora_target_modules: str = field(default="all-linear", metadata={"help": "LoRA: all-linear, or module names separated by commas"})
     bf16: bool = field(default=False, metadata={"help": "bf16 mixed precision (GPUs)"})
     gradient_checkpointing: bool = field(default=False, metadata={"help": "recompute activations to save memory (GPUs)"})
-    gather_for_generation: bool = field(default=True, metadata={"help": "ZeRO-3 / FSDP: gather the policy's whole weights once for each generate() (fast; the whole policy on every GPU while generating); --gather_for_generation false: sharded generation (least memory, slow)"})
+    gather_for_generation: bool = field(default=True, metadata={"help": "ZeRO-3 / FSDP: gather the whole policy for generate() (false: sharded, slow)"})
 
 
 # ---------------------------------------------------------------------------------------------
 # Helpers, in the order of the steps they serve
 # ---------------------------------------------------------------------------------------------
 
-def masked_mean(x, mask):
-    return (x * mask).sum() / mask.sum().clamp(min=1)
-
-
 def masked_whiten(x, mask):
-    mean = masked_mean(x, mask)
-    var = masked_mean((x - mean) ** 2, mask)
+    mean = ma.masked_mean(x, mask)
+    var = ma.masked_mean((x - mean) ** 2, mask)
     return (x - mean) * torch.rsqrt(var + 1e-8) * mask
 
 
@@ -113,12 +115,12 @@ def response_logprobs(model, ids, attention_mask, prompt_width, temperature, wit
     entropy = None
     if t1_entropy:
         with torch.no_grad():
-            entropy = rm.next_token_entropy(logits)
+            entropy = sr.next_token_entropy(logits)
     logp_all = (logits / temperature).log_softmax(-1)
     logp = logp_all.gather(-1, ids[:, prompt_width:].unsqueeze(-1)).squeeze(-1)
     if with_entropy:
         with torch.no_grad():
-            entropy = rm.entropy(logp_all)      # -inf-safe: a token of probability 0 adds 0
+            entropy = ma.entropy(logp_all)      # -inf-safe: a token of probability 0 adds 0
     return logp, entropy
 
 
@@ -182,105 +184,6 @@ def reference_logprobs(ref, accelerator, policy, ids, attention_mask, prompt_wid
         return response_logprobs(policy, ids, attention_mask, prompt_width, temperature, t1_entropy=t1_entropy)
 
 
-class Scorer:
-    """2. The sequence score of a rollout batch, of the one kind (`name`, logged as reward/<name>) chosen at setup:
-      exec     the program run against its tests (App. B.5): code tasks
-      gold     the task's gold judge reading the response: a verifiable reward
-      rm       the reward model's head at the last real token; a segment / token RM's score is e(x, y), the mean
-               of its segment rewards (Yin et al. 2025, Table 1's segment as bandit)
-      segment  a segment / token RM's rewards (Yin et al. 2025, §2): its head at each segment's last token,
-               normalized at its location, spread over the segment's tokens as `dense` rewards
-    `segment_settings` (`segment_settings()`): where the rollout's segments are cut, or None; `segment_rm`: the
-    reward model is a segment / token RM; `score_norm`: (mean, std) that standardize the RM's score, or None."""
-
-    def __init__(self, name, tokenizer, *, task=None, reward_model=None, segment_settings=None, segment_rm=False,
-                 seg_norm="regression", seg_interp="even", score_norm=None):
-        self.name, self.tokenizer, self.task, self.reward_model = name, tokenizer, task, reward_model
-        self.segment_settings, self.seg_norm, self.score_norm = segment_settings, seg_norm, score_norm
-        self.reads_segments = name == "segment" or (name == "rm" and segment_rm)
-        self.seg_interp = "bandit" if name == "rm" else seg_interp      # e(x, y) as one reward at the last token
-
-    def segments(self, response_ids, response_mask, sft_entropy):
-        """(starts, inside) [B, R] of the rollout's segments, cut as the RM's training cut its own (the SFT
-        entropy at temperature 1); (None, None) without segment settings."""
-        return rm.rollout_segments(self.segment_settings, response_ids, response_mask, self.tokenizer.eos_token_id,
-                                   sft_entropy)
-
-    def __call__(self, ids, attention_mask, prompt_width, rows, seg_starts=None, inside=None):
-        """(score [B], dense per-token rewards [B, R] or None, passed [B] (every test passed) or None, stats) of the
-        rollout [B, P + R]; `rows`: its problems (prompt, tests); `seg_starts`, `inside`: from `segments`."""
-        if self.name in ("exec", "gold"):
-            texts = self.tokenizer.batch_decode(ids[:, prompt_width:], skip_special_tokens=True)
-        if self.name == "exec":     # App. B.5: the compiler / test signal of running prefix + response
-            score, passed = map(torch.tensor, sandbox.execution_reward(rows, texts))
-            return score.to(ids.device), None, passed, {}
-        if self.name == "gold":     # a verifiable reward: the gold judge reads the whole response
-            return torch.tensor(data.gold(self.task, data.judged_prompts(rows), texts), device=ids.device), None, None, {}
-        head = rm.token_values(self.reward_model, ids, attention_mask)       # the RM's head at every position
-        dense, stats = None, {}
-        if self.reads_segments:                     # the head at each segment's end; e(x, y), their mean
-            dense, score, stats = rm.segment_rewards(head[:, prompt_width:], seg_starts, inside, self.segment_settings,
-                                                     self.seg_norm, self.seg_interp)
-        else:                                       # the head at the last real token
-            score = rm.last_token(head, attention_mask)
-        if self.score_norm is not None:     # Yin et al. 2025, §2.1: the RM's score over its calibration mean and std
-            score = (score - self.score_norm[0]) / self.score_norm[1]
-        return score, dense, None, stats
-
-
-def segment_settings(own, rm_path, sft_path, *, reward, termination, c_ent, seg_norm, lora_r, log):
-    """2. The segments of this run (Yin et al. 2025), or None when it reads none: a segment / token RM's `own`
-    settings (its segment_reward.json, or None) under --reward segment or --termination segment, and under
-    --reward rm, whose score is then e(x, y); with `c_ent` > 0, the SFT entropy segments at that threshold (no
-    file: --termination segment under another reward, or a sequence RM read at segment ends under --reward
-    segment, Table 1's bandit as segment). Every check and warning at setup, none mid-run."""
-    if own is not None and lora_r:
-        sys.exit(f"error: --lora_r: {rm_path} is a {own.get('unit')} RM, scored with e(x, y) on the frozen SFT "
-                 "model's segments; under --lora_r there is none (the reference is the policy with its adapters off)")
-    segment_rm_as_bandit = reward == "rm" and own is not None
-    if "segment" not in (reward, termination) and not segment_rm_as_bandit:
-        return None
-    if c_ent:
-        if own is not None and reward in ("segment", "rm"):
-            sys.exit(f"error: --c_ent: {rm_path} is a segment / token RM ({os.path.join(rm_path, rm.SEGMENT_FILE)}), "
-                     f"read on its own segments under --reward {reward}; drop --c_ent")
-        if reward == "segment" and seg_norm != "none":
-            sys.exit(f"error: --seg_norm {seg_norm}: a sequence RM read at segment ends (--reward segment --c_ent) "
-                     "has no segment normalizer; pass --seg_norm none")
-        return {"unit": "segment", "c_ent": c_ent}
-    settings = rm.checked_segment_settings(rm_path, seg_norm)
-    if segment_rm_as_bandit:    # its head at EOS never trained (zero gradient there): segment as bandit
-        log(f"[ppo] --reward rm: {rm_path} is a {own['unit']} RM; its score is e(x, y), the mean of its segment "
-            f"rewards on the SFT model's segments (as in its training and in evaluate.py), one reward at the last token")
-    trained_on = settings.get("sft_path")
-    if trained_on and os.path.realpath(trained_on) != os.path.realpath(sft_path):
-        log(f"[ppo] warning: the segment RM's segments come from the SFT model {trained_on}, this run's is "
-            f"{sft_path}: its entropies, and so its segments, may differ from the RM's training")
-    return settings
-
-
-def macro_starts(termination, response_ids, response_mask, *, n=5, logprobs=None, entropy=None,
-                 entropy_threshold=2.0, tokenizer=None, cutoff=5, language="text", generator=None, segment_starts=None):
-    """4. Which response tokens begin a macro action ([B, R] bool), and the share of rows whose parse
-    fell back to n=1. ppl reads `logprobs`, entropy `entropy`, parsing `tokenizer`, segment the
-    `segment_starts` of the rollout's segments (EOS joins the last segment's macro action) ([B, R] inputs)."""
-    if termination == "segment":
-        return segment_starts, 0.0
-    if termination == "fixed":
-        return ma.fixed_ngram_starts(response_mask, n), 0.0
-    if termination == "randomized":
-        return ma.randomized_ngram_starts(response_mask, generator=generator), 0.0
-    if termination == "ppl":
-        return ma.perplexity_starts(logprobs, response_mask), 0.0
-    if termination == "entropy":
-        return ma.entropy_starts(entropy, response_mask, entropy_threshold), 0.0
-    if termination == "parsing":
-        starts, fallback = ma.parsing_starts(response_ids, response_mask, tokenizer, cutoff, language,
-                                             return_fallback=True)
-        return starts, fallback.float().mean().item()
-    raise ValueError(f"unknown --termination {termination!r}")
-
-
 def token_rewards_of(kl_rewards, score, response_mask, starts, agg="sum", dense=None, penalty=None, clip=0.0):
     """5. Per-token rewards [B, R] whose macro sums are the rewards R_tau: the KL rewards with the sequence
     `score` [B] at the last real token (`macro_rewards`). With `dense` segment rewards [B, R] the score (e,
@@ -297,75 +200,78 @@ def token_rewards_of(kl_rewards, score, response_mask, starts, agg="sum", dense=
 
 def ppo_losses(logp, old_logp, values, old_values, advantages, returns, response_mask, starts, *,
                clip=0.2, value_clip=0.2, ratio="token"):
-    """6. Clipped policy loss (token or macro ratio) and clipped value loss, masked means, and their
-    stats. Every tensor [B, R]; `response_mask` 1.0 on real response tokens, `starts` where macro
-    actions begin."""
-    log_ratio = (logp - old_logp) * response_mask
-    weights = response_mask         # token ratios: a mean over tokens
-    if ratio == "macro":            # §3.3 MA-PPO: pi(omega)/pi_old(omega) = product of its token ratios
-        log_ratio = ma.macro_sum(log_ratio, starts) * response_mask
-        # the objective is a mean over macro actions: each weighs the same, whatever its length
-        weights = response_mask / ma.macro_sum(response_mask, starts).clamp(min=1)
-    ratios = log_ratio.exp()
-    # §2 PPO clipped surrogate (Schulman et al. 2017, Eq. 7): max of the two negated terms = min of the objectives
-    pg = torch.max(-advantages * ratios, -advantages * ratios.clamp(1 - clip, 1 + clip))
+    """6. The clipped policy loss (token or macro ratio: `macro_actions.clipped_policy_loss`) and the clipped
+    value loss, and their stats. Every tensor [B, R]; `response_mask` 1.0 on real response tokens, `starts`
+    where macro actions begin."""
+    pg_loss, ratios, log_ratio = ma.clipped_policy_loss(logp, old_logp, advantages, response_mask, starts, clip, ratio)
     # clipped value loss around the rollout's values (value clip 0.2, App. B.2 / Table 5)
     v_clipped = old_values + (values - old_values).clamp(-value_clip, value_clip)
     vf = 0.5 * torch.max((values - returns) ** 2, (v_clipped - returns) ** 2)
-    stats = {"policy/clipfrac": masked_mean(((ratios - 1).abs() > clip).float(), response_mask),
-             "policy/approxkl": masked_mean(0.5 * log_ratio ** 2, response_mask),
-             "policy/ratio": masked_mean(ratios, response_mask)}
-    return masked_mean(pg, weights), masked_mean(vf, response_mask), stats
+    stats = {"policy/clipfrac": ma.masked_mean(((ratios - 1).abs() > clip).float(), response_mask),
+             "policy/approxkl": ma.masked_mean(0.5 * log_ratio ** 2, response_mask),
+             "policy/ratio": ma.masked_mean(ratios, response_mask)}
+    return pg_loss, ma.masked_mean(vf, response_mask), stats
 
 
-def ppo_update(accelerators, policy, critic, optimizers, schedulers, batch, *, train_policy, reused, generator,
-               prompt_width, temperature, epochs, mini_batch_size, grad_accum, clip, value_clip, ratio, step, output_dir):
-    """6. PPO epochs over minibatches: the clipped policy and value losses, the policy and the critic each
-    stepping its own optimizer (`optimizers`, `schedulers`: the policy's and the critic's); value-only updates
-    while not `train_policy` (the critic warm-up). `batch`: the rollout's tensors by name, rows first;
-    `reused`: step 2's (logprobs, values) with their graphs (`fused_update`), or None: every minibatch runs
-    its own forwards. Returns the stats of every minibatch."""
-    (acc, critic_acc), (policy_opt, critic_opt), (policy_sched, critic_sched) = accelerators, optimizers, schedulers
-    policy.train()
-    critic.train()
+@dataclass
+class UpdateSettings:
+    """6. How `ppo_update` steps: epochs over minibatches, accumulation, the clip ranges and the ratio, the
+    sampling temperature its logprobs are taken at."""
+    epochs: int = 1
+    mini_batch_size: int = 16
+    grad_accum: int = 1
+    clip: float = 0.2
+    value_clip: float = 0.2
+    ratio: str = "token"
+    temperature: float = 0.8
+
+
+def ppo_update(policy, critic, batch, hp, *, train_policy, reused, generator, prompt_width, step, output_dir):
+    """6. PPO epochs over minibatches: the clipped policy and value losses, the policy and the critic (their
+    harness.Trained bundles) each stepping its own optimizer; value-only updates while not `train_policy` (the
+    critic warm-up). `batch`: the rollout's tensors by name, rows first; `hp`: UpdateSettings; `reused`: step
+    2's (logprobs, values) with their graphs (`fused_update`), or None: every minibatch runs its own forwards.
+    Returns the stats of every minibatch."""
+    policy.model.train()
+    critic.model.train()
     stats, n_rows = [], len(batch["ids"])
     # accumulation groups of `grad_accum` minibatches, the iteration's remainder a group of its own: the
     # optimizers step at the end of every iteration, never on gradients of an older policy's rollout
-    n_minibatches = epochs * -(-n_rows // mini_batch_size)
+    n_minibatches = hp.epochs * -(-n_rows // hp.mini_batch_size)
     j = 0
-    for _ in range(epochs):
+    for _ in range(hp.epochs):
         order = torch.randperm(n_rows, generator=generator)
-        for k in range(0, n_rows, mini_batch_size):
-            mb = order[k:k + mini_batch_size]
+        for k in range(0, n_rows, hp.mini_batch_size):
+            mb = order[k:k + hp.mini_batch_size]
             b = {name: tensor[mb] for name, tensor in batch.items()}
-            group = min(grad_accum, n_minibatches - j // grad_accum * grad_accum)
-            if j % grad_accum == 0:
-                harness.start_accumulation(accelerators, group)
+            group = min(hp.grad_accum, n_minibatches - j // hp.grad_accum * hp.grad_accum)
+            if j % hp.grad_accum == 0:
+                harness.start_accumulation((policy.accelerator, critic.accelerator), group)
             j += 1
-            with harness.accumulate(acc, policy, critic_acc, critic):
+            with harness.accumulate(policy.accelerator, policy.model, critic.accelerator, critic.model):
                 if reused is not None:      # the one minibatch: its rows of step 2's forwards, graphs and all
                     logp, values = reused[0][mb], reused[1][mb]
                 else:
-                    logp, _ = response_logprobs(policy, b["ids"], b["attention_mask"], prompt_width, temperature)
-                    values = critic_values(critic, b["ids"], b["attention_mask"], prompt_width)
+                    logp, _ = response_logprobs(policy.model, b["ids"], b["attention_mask"], prompt_width, hp.temperature)
+                    values = critic_values(critic.model, b["ids"], b["attention_mask"], prompt_width)
                     harness.release_freed_memory(b["ids"].device)        # the forwards' temporaries
                 pg_loss, vf_loss, s = ppo_losses(logp, b["old_logp"], values, b["old_values"], b["advantages"],
-                                                 b["returns"], b["response_mask"], b["starts"], clip=clip,
-                                                 value_clip=value_clip, ratio=ratio)
-                harness.stop_unless_finite(acc, f"loss at iteration {step}", output_dir, pg_loss, vf_loss)
-                scale = grad_accum / group      # backward divides by grad_accum: a mean over the group
+                                                 b["returns"], b["response_mask"], b["starts"], clip=hp.clip,
+                                                 value_clip=hp.value_clip, ratio=hp.ratio)
+                harness.stop_unless_finite(policy.accelerator, f"loss at iteration {step}", output_dir, pg_loss, vf_loss)
+                scale = hp.grad_accum / group      # backward divides by grad_accum: a mean over the group
                 if train_policy:
-                    acc.backward(pg_loss * scale)       # the two graphs are disjoint: one backward per model
-                critic_acc.backward(vf_loss * scale)
+                    policy.accelerator.backward(pg_loss * scale)    # the two graphs are disjoint: one backward each
+                critic.accelerator.backward(vf_loss * scale)
                 if train_policy:
-                    policy_opt.step()
-                critic_opt.step()
-                policy_opt.zero_grad()
-                critic_opt.zero_grad()
+                    policy.optimizer.step()
+                critic.optimizer.step()
+                policy.optimizer.zero_grad()
+                critic.optimizer.zero_grad()
             stats.append({"loss/policy": pg_loss.detach(), "loss/value": vf_loss.detach(), **s})
     if train_policy:        # the policy's warmup starts with it
-        policy_sched.step()
-    critic_sched.step()
+        policy.scheduler.step()
+    critic.scheduler.step()
     return stats
 
 
@@ -393,13 +299,13 @@ def iteration_metrics(it, score_name):
     reward/<score_name> (rm, gold, segment or exec)."""
     m, starts = it.response_mask, it.starts
     n_macro = starts.sum(-1).clamp(min=1).float()
-    var_r = masked_mean((it.returns - masked_mean(it.returns, m)) ** 2, m)
+    var_r = ma.masked_mean((it.returns - ma.masked_mean(it.returns, m)) ** 2, m)
     lengths = m.sum(-1)
     return {f"reward/{score_name}": it.score.mean(),
             **({"reward/pass_rate": it.passed.mean()} if it.passed is not None else {}),
             "reward/total": it.token_rewards.sum(-1).mean(),
-            "kl": (it.kl * m).sum(-1).mean(), "entropy": masked_mean(it.entropy, m),
-            "value/explained_variance": 1 - masked_mean((it.returns - it.old_values) ** 2, m) / var_r.clamp(min=1e-8),
+            "kl": (it.kl * m).sum(-1).mean(), "entropy": ma.masked_mean(it.entropy, m),
+            "value/explained_variance": 1 - ma.masked_mean((it.returns - it.old_values) ** 2, m) / var_r.clamp(min=1e-8),
             # Fig. 11: L2 norms per response, over tokens (a macro counted once per token) and over macro actions
             "adv/l2": (it.advantages ** 2 * m).sum(-1).sqrt().mean(), "q/l2": (it.returns ** 2 * m).sum(-1).sqrt().mean(),
             "adv/l2_macro": (it.advantages ** 2 * starts).sum(-1).sqrt().mean(),
@@ -518,11 +424,26 @@ def optimizers(policy, critic, policy_lr, critic_lr, warmup_steps):
                                       torch.optim.lr_scheduler.LambdaLR(critic_opt, warmup))
 
 
+@dataclass
+class Setup:
+    """What `setup` builds for `main`: the four models of PPO (the trained two as harness.Trained bundles), the
+    scorer of step 2, the prompts, and the settings of the update and of the held-out evaluation."""
+    tokenizer: object
+    policy: harness.Trained
+    critic: harness.Trained
+    ref: object                     # the frozen SFT model; None under LoRA (the policy with its adapters off)
+    reward_model: object            # frozen; None for code tasks
+    scorer: rm.Scorer
+    rows: list                      # training prompts (one row per prompt)
+    eval_rows: list                 # held-out prompts
+    segmenter: object               # a segment / token RM's held-out e(x, y) (segment_rewards.segmenter) or None
+    update: UpdateSettings
+    sampling: evaluate.Sampling     # how the held-out replies are sampled and judged
+
+
 def setup(args, code_task, accelerators):
     """The default models built if missing, the four models of PPO (the trained two prepared with their
-    optimizers), the scorer of step 2, the training and held-out rows, and the held-out segmenter of a
-    segment / token RM. Returns (tokenizer, (policy, critic, reference, reward model), (policy optimizer, critic
-    optimizer, policy schedule, critic schedule), scorer, (training rows, held-out rows, held-out segmenter))."""
+    optimizers), the scorer of step 2, the training and held-out rows: a `Setup`."""
     acc, critic_acc = accelerators
     log = acc.print
     if args.top_k or args.top_p < 1:
@@ -534,10 +455,10 @@ def setup(args, code_task, accelerators):
         lora=(args.lora_r, args.lora_alpha, args.lora_target_modules) if args.lora_r else None,
         resume_dir=args.output_dir if args.resume else None, gradient_checkpointing=args.gradient_checkpointing,
         sharded=harness.is_sharded(acc))
-    own = None if code_task else rm.read_segment_settings(args.rm_path)     # a segment / token RM's own settings
-    settings = segment_settings(own, args.rm_path, args.sft_path, reward=args.reward, termination=args.termination,
-                                c_ent=args.c_ent, seg_norm=args.seg_norm, lora_r=args.lora_r, log=log)
-    segmenter = rm.segmenter(own, ref, tokenizer.eos_token_id)      # the held-out score: the RM's own e(x, y)
+    own = None if code_task else sr.read_segment_settings(args.rm_path)     # a segment / token RM's own settings
+    settings = sr.segment_settings(own, args.rm_path, args.sft_path, reward=args.reward, termination=args.termination,
+                                   c_ent=args.c_ent, seg_norm=args.seg_norm, lora_r=args.lora_r, log=log)
+    segmenter = sr.segmenter(own, ref, tokenizer.eos_token_id)      # the held-out score: the RM's own e(x, y)
     splits = data.load_task(args.task, only=("ppo", "test"))
     rows = data.with_chat_template(data.first_row_per_prompt(splits["ppo"]), tokenizer, args.chat_template)
     eval_rows = data.with_chat_template(data.first_row_per_prompt(splits["test"])[:args.n_eval_prompts], tokenizer,
@@ -551,11 +472,16 @@ def setup(args, code_task, accelerators):
     score_norm = score_normalizer(acc, args.rm_path, reward_model, tokenizer, segmenter, task=args.task,
                                   chat_template=args.chat_template, max_prompt_len=args.max_prompt_len,
                                   max_response_len=args.max_response_len) if args.rm_norm else None
-    scorer = Scorer("exec" if code_task else args.reward, tokenizer, task=args.task, reward_model=reward_model,
+    scorer = rm.Scorer("exec" if code_task else args.reward, tokenizer, task=args.task, reward_model=reward_model,
                     segment_settings=settings, segment_rm=own is not None, seg_norm=args.seg_norm,
                     seg_interp=args.seg_interp, score_norm=score_norm)
-    return (tokenizer, (policy, critic, ref, reward_model), (policy_opt, critic_opt, *scheds), scorer,
-            (rows, eval_rows, segmenter))
+    update = UpdateSettings(args.ppo_epochs, args.mini_batch_size, args.grad_accum, args.clip, args.value_clip,
+                            args.ratio, args.temperature)
+    sampling = evaluate.Sampling(args.task, args.max_prompt_len, args.max_response_len, args.temperature, args.top_k,
+                                 args.top_p, args.seed)
+    return Setup(tokenizer, harness.Trained(policy, acc, policy_opt, scheds[0]),
+                 harness.Trained(critic, critic_acc, critic_opt, scheds[1]), ref, reward_model, scorer, rows, eval_rows,
+                 segmenter, update, sampling)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -568,10 +494,11 @@ def main(args):
                                                 log_with=None if args.report_to == "none" else args.report_to)
     harness.start("ppo", args, acc, final=os.path.join("policy", "config.json"))
     log, world, rank = acc.print, acc.num_processes, acc.process_index
-    tokenizer, (policy, critic, ref, reward_model), (policy_opt, critic_opt, policy_sched, critic_sched), scorer, \
-        (rows, eval_rows, segmenter) = setup(args, code_task, (acc, critic_acc))
-    optimizers = {"policy_opt": policy_opt, "critic_opt": critic_opt}      # by their names in a checkpoint
-    schedulers = {"policy_sched": policy_sched, "critic_sched": critic_sched}
+    s = setup(args, code_task, (acc, critic_acc))
+    policy, critic, scorer, tokenizer = s.policy, s.critic, s.scorer, s.tokenizer
+    trained = {"policy": policy, "critic": critic}
+    optimizers = {f"{name}_opt": t.optimizer for name, t in trained.items()}    # by their names in a checkpoint
+    schedulers = {f"{name}_sched": t.scheduler for name, t in trained.items()}
     generator = torch.Generator().manual_seed(args.seed)       # minibatch order, randomized n-grams
     first_step, truncated, beta = 0, 0, args.beta
     if args.resume:     # optimizer states are per-rank shards under ZeRO: each rank restores its own
@@ -580,75 +507,71 @@ def main(args):
         generator.set_state(state["generator"])
         log(f"[ppo] resumed at iteration {first_step}")
     run_log = harness.RunLog(acc, args.output_dir, first_step, args.report_to, asdict(args))
-    prompts, sft_replies = [r["prompt"] for r in rows], {}     # sft_replies: the SFT model's diversity, measured once
+    prompts, sft_replies = [r["prompt"] for r in s.rows], {}     # sft_replies: the SFT model's diversity, measured once
     from tqdm.auto import tqdm
     bar = tqdm(range(first_step, args.steps), desc=run_name(args.n, args.termination), disable=not acc.is_local_main_process)
     with harness.GracefulStop(acc, "ppo", "iteration", harness.checkpoint_dir(args.output_dir), first_step) as stop:
         for step in bar:
-            clock = harness.Stopwatch()
+            clock = harness.Stopwatch()     # each phase's seconds; the freed heap handed back after the large ones
             # 1. Rollout: sample responses to this rank's prompts; logprobs under the sampling distribution
-            idx = harness.batch_indices(len(prompts), args.rollout_batch_size, step, args.seed, rank, world)
-            policy.eval()
-            with harness.generation_model(acc, policy, args.gather_for_generation) as (model, synced):
-                p_ids, p_mask, r_ids, r_mask, n_cut = data.sample(
-                    model, tokenizer, [prompts[i] for i in idx], args.max_prompt_len, args.max_response_len,
-                    args.temperature, args.top_k, args.top_p, synced_gpus=synced)
-            truncated += n_cut
-            harness.release_freed_memory(acc.device)
-            clock.lap("generate")
+            with clock.phase("generate", release=acc.device):
+                idx = harness.batch_indices(len(prompts), args.rollout_batch_size, step, args.seed, rank, world)
+                policy.model.eval()
+                with harness.generation_model(acc, policy.model, args.gather_for_generation) as (model, synced):
+                    p_ids, p_mask, r_ids, r_mask, n_cut = data.sample(
+                        model, tokenizer, [prompts[i] for i in idx], args.max_prompt_len, args.max_response_len,
+                        args.temperature, args.top_k, args.top_p, synced_gpus=synced)
+                truncated += n_cut
             P = p_ids.shape[1]
             ids, attention_mask = torch.cat([p_ids, r_ids], 1), torch.cat([p_mask, r_mask], 1)    # [B, P + R]
             response_mask = r_mask.float()                                                        # [B, R]
-            # 2. Score: the policy's logprobs and the critic's values V(s_t) (with their graphs when the update
-            # reuses these forwards), the reference logprobs, the sequence score
-            reuse = fused_update(acc, policy, critic, len(idx), args.mini_batch_size, args.ppo_epochs, args.grad_accum)
-            logp, entropy, values = policy_and_critic_forwards(policy, critic, ids, attention_mask, P, args.temperature,
-                                                               keep_graphs=reuse)
-            old_logp, old_values = logp.detach(), values.detach() * response_mask
-            with torch.no_grad():
-                ref_logp, sft_entropy = reference_logprobs(ref, acc, policy, ids, attention_mask, P, args.temperature,
-                                                           t1_entropy=scorer.segment_settings is not None)
-                seg_starts, inside = scorer.segments(r_ids, r_mask, sft_entropy)
-                score, dense, passed, score_stats = scorer(ids, attention_mask, P, [rows[i] for i in idx], seg_starts,
-                                                           inside)
-            harness.release_freed_memory(acc.device)      # the forwards' temporaries
-            # 3. Rewards (§2): r_t = -beta * KL_t per token; the score, a missing EOS penalized, at the last token (step 5)
-            has_eos = ((r_ids == tokenizer.eos_token_id) & response_mask.bool()).any(-1)
-            penalty = args.missing_eos_penalty * (~has_eos).float()
-            score = score + penalty
-            log_r = old_logp - ref_logp
-            kl = log_r if args.kl_estimator == "k1" else (torch.exp(-log_r) - 1) + log_r    # k1 or k3
-            kl_rewards = -beta * kl * response_mask
-            harness.stop_unless_finite(acc, f"reward at iteration {step}", args.output_dir, kl_rewards, score)
-            clock.lap("forward")
-            # 4. Macro actions (§3.2.1): which response tokens begin one
-            starts, fallback = macro_starts(args.termination, r_ids, response_mask, n=args.n, logprobs=old_logp,
-                                            entropy=entropy, entropy_threshold=args.entropy_threshold,
-                                            tokenizer=tokenizer, cutoff=args.cutoff, generator=generator,
-                                            language="python" if code_task else "text", segment_starts=seg_starts)
-            if args.reward_agg == "released":    # the released code: the final token a macro action of its own
-                starts = ma.final_token_apart(starts, response_mask)
-            # 5. Advantages (§3.3, Eq. 4-5): macro rewards R_tau, sigma-weighted macro values, macro GAE
-            agg = "mean" if args.reward_agg == "released" else args.reward_agg
-            token_rewards = token_rewards_of(kl_rewards, score, response_mask, starts, agg, dense, penalty, args.reward_clip)
-            advantages, returns = ma.macro_advantages(old_values, token_rewards, response_mask, starts, args.gamma,
-                                                      args.lam, args.sigma)
-            raw_adv = advantages
-            if args.whiten_advantages:
-                advantages = masked_whiten(advantages, response_mask)
-            clock.lap("macro")
-            # 6. PPO update: epochs over minibatches; value-only while the critic warms up
-            batch = {"ids": ids, "attention_mask": attention_mask, "old_logp": old_logp, "old_values": old_values,
-                     "advantages": advantages, "returns": returns, "response_mask": response_mask, "starts": starts}
-            stats = ppo_update((acc, critic_acc), policy, critic, (policy_opt, critic_opt), (policy_sched, critic_sched), batch,
-                               train_policy=step >= args.critic_warmup, reused=(logp, values) if reuse else None,
-                               generator=generator, prompt_width=P, temperature=args.temperature,
-                               epochs=args.ppo_epochs, mini_batch_size=args.mini_batch_size, grad_accum=args.grad_accum,
-                               clip=args.clip, value_clip=args.value_clip, ratio=args.ratio, step=step,
-                               output_dir=args.output_dir)
-            logp = values = None        # step 2's graphs (if reused) not kept into the next rollout
-            harness.release_freed_memory(acc.device)
-            clock.lap("update")
+            with clock.phase("forward", release=acc.device):
+                # 2. Score: the policy's logprobs and the critic's values V(s_t) (with their graphs when the update
+                # reuses these forwards), the reference logprobs, the sequence score
+                reuse = fused_update(acc, policy.model, critic.model, len(idx), args.mini_batch_size, args.ppo_epochs,
+                                     args.grad_accum)
+                logp, entropy, values = policy_and_critic_forwards(policy.model, critic.model, ids, attention_mask, P,
+                                                                   args.temperature, keep_graphs=reuse)
+                old_logp, old_values = logp.detach(), values.detach() * response_mask
+                with torch.no_grad():
+                    ref_logp, sft_entropy = reference_logprobs(s.ref, acc, policy.model, ids, attention_mask, P,
+                                                               args.temperature, t1_entropy=scorer.segment_settings is not None)
+                    seg_starts, inside = scorer.segments(r_ids, r_mask, sft_entropy)
+                    score, dense, passed, score_stats = scorer(ids, attention_mask, P, [s.rows[i] for i in idx],
+                                                               seg_starts, inside)
+                # 3. Rewards (§2): r_t = -beta * KL_t per token; the score, a missing EOS penalized, at the last token
+                has_eos = ((r_ids == tokenizer.eos_token_id) & response_mask.bool()).any(-1)
+                penalty = args.missing_eos_penalty * (~has_eos).float()
+                score = score + penalty
+                log_r = old_logp - ref_logp
+                kl = log_r if args.kl_estimator == "k1" else (torch.exp(-log_r) - 1) + log_r    # k1 or k3
+                kl_rewards = -beta * kl * response_mask
+                harness.stop_unless_finite(acc, f"reward at iteration {step}", args.output_dir, kl_rewards, score)
+            with clock.phase("macro"):
+                # 4. Macro actions (§3.2.1): which response tokens begin one
+                starts, fallback = ma.termination_starts(
+                    args.termination, response_mask, n=args.n, logprobs=old_logp, entropy=entropy,
+                    threshold=args.entropy_threshold, response_ids=r_ids, tokenizer=tokenizer, cutoff=args.cutoff,
+                    language="python" if code_task else "text", generator=generator, segments=seg_starts)
+                if args.reward_agg == "released":    # the released code: the final token a macro action of its own
+                    starts = ma.final_token_apart(starts, response_mask)
+                # 5. Advantages (§3.3, Eq. 4-5): macro rewards R_tau, sigma-weighted macro values, macro GAE
+                agg = "mean" if args.reward_agg == "released" else args.reward_agg
+                token_rewards = token_rewards_of(kl_rewards, score, response_mask, starts, agg, dense, penalty,
+                                                 args.reward_clip)
+                advantages, returns = ma.macro_advantages(old_values, token_rewards, response_mask, starts, args.gamma,
+                                                          args.lam, args.sigma)
+                raw_adv = advantages
+                if args.whiten_advantages:
+                    advantages = masked_whiten(advantages, response_mask)
+            with clock.phase("update", release=acc.device):
+                # 6. PPO update: epochs over minibatches; value-only while the critic warms up
+                batch = {"ids": ids, "attention_mask": attention_mask, "old_logp": old_logp, "old_values": old_values,
+                         "advantages": advantages, "returns": returns, "response_mask": response_mask, "starts": starts}
+                stats = ppo_update(policy, critic, batch, s.update, train_policy=step >= args.critic_warmup,
+                                   reused=(logp, values) if reuse else None, generator=generator, prompt_width=P,
+                                   step=step, output_dir=args.output_dir)
+                logp = values = None        # step 2's graphs (if reused) not kept into the next rollout
             # 7. Log (means over every process), evaluate on held-out prompts, checkpoint
             means = harness.mean_over_processes(acc, iteration_metrics(Iteration(
                 score, passed, token_rewards, kl, entropy, response_mask, starts, old_values, raw_adv, returns, has_eos,
@@ -657,26 +580,26 @@ def main(args):
                        **clock.metrics(float(response_mask.sum()) * world)}
             if (step + 1) % args.eval_every == 0 or step + 1 == args.steps:
                 harness.release_freed_memory(acc.device, at_least=0)    # the 256-prompt generation starts lean
-                evaluate.during_training(args, metrics, accelerator=acc, policy=policy, reward_model=reward_model,
-                                         tokenizer=tokenizer, eval_rows=eval_rows, segmenter=segmenter,
-                                         sft=(ref, sft_replies))
+                evaluate.during_training(metrics, s.sampling, accelerator=acc, policy=policy.model,
+                                         reward_model=s.reward_model, tokenizer=tokenizer, eval_rows=s.eval_rows,
+                                         segmenter=s.segmenter, sft=(s.ref, sft_replies), sft_path=args.sft_path,
+                                         bf16=args.bf16, gather=args.gather_for_generation, score_name=scorer.name)
             run_log.write(metrics)
             bar.set_postfix(score=f"{metrics[f'reward/{scorer.name}']:.2f}", kl=f"{metrics['kl']:.2f}")
             # the next iteration's KL coefficient, from this batch's KL over every process (the same on every rank)
             beta = adaptive_beta(beta, means["kl"], args.kl_target, len(idx) * world, args.kl_horizon)
             stop.end_of_step(step + 1, args.steps, args.save_every, lambda done: harness.save_training(
-                acc, args.output_dir, done, args, tokenizer, {"policy": (acc, policy), "critic": (critic_acc, critic)},
+                acc, args.output_dir, done, args, tokenizer, {name: (t.accelerator, t.model) for name, t in trained.items()},
                 optimizers, schedulers, truncated=truncated, generator=generator.get_state(), beta=beta))
-    finish(args, truncated, beta, accelerators=(acc, critic_acc), policy=policy, critic=critic,
-           reward_model=reward_model, tokenizer=tokenizer, eval_rows=eval_rows, run_log=run_log)
+    finish(args, s, truncated, beta, run_log)
 
 
-def finish(args, truncated, beta, *, accelerators, policy, critic, reward_model, tokenizer, eval_rows, run_log):
-    """After the last iteration: warnings, the rank-sync check, the final policy, the report.
-    `truncated`: prompts of this process that lost their beginning; `beta`: the KL coefficient the
-    controller ended with; `accelerators`: (policy's, critic's)."""
+def finish(args, s, truncated, beta, run_log):
+    """After the last iteration: warnings, the rank-sync check, the final policy, the report. `s`: the run's
+    Setup; `truncated`: prompts of this process that lost their beginning; `beta`: the KL coefficient the
+    controller ended with."""
     from transformers import AutoModelForCausalLM
-    (acc, critic_acc), sharded = accelerators, harness.is_sharded(accelerators[0])
+    acc, sharded = s.policy.accelerator, harness.is_sharded(s.policy.accelerator)
     if truncated:
         acc.print(f"[ppo] warning: {truncated} prompts (this process) were longer than {args.max_prompt_len} "
                   f"tokens and lost their beginning")
@@ -684,21 +607,23 @@ def finish(args, truncated, beta, *, accelerators, policy, critic, reward_model,
         acc.print(f"[ppo] adaptive KL: beta {args.beta} -> {beta:.5g} (--kl_target {args.kl_target})")
     same_beta = harness.same_on_every_rank(acc, beta)
     if not sharded:
-        acc.print(f"[ppo] ranks in sync: {harness.ranks_in_sync(acc, policy) and harness.ranks_in_sync(acc, critic) and same_beta}")
-    final_policy = harness.final_model(acc, policy)        # collective: whole weights, LoRA merged (a plain model)
+        in_sync = harness.ranks_in_sync(acc, s.policy.model) and harness.ranks_in_sync(acc, s.critic.model)
+        acc.print(f"[ppo] ranks in sync: {in_sync and same_beta}")
+    final_policy = harness.final_model(acc, s.policy.model)        # collective: whole weights, LoRA merged
     if acc.is_main_process:
         final = os.path.join(args.output_dir, "policy")
-        harness.atomic_save(final, final_policy, tokenizer)
+        harness.atomic_save(final, final_policy, s.tokenizer)
         # the report reads the saved policy back: whole weights on one process, whatever the sharding; the
         # SFT baseline on the same device and dtype, sampled the same way
         dtype = torch.bfloat16 if args.bf16 else torch.float32
         with harness.loading_whole():
             policy = AutoModelForCausalLM.from_pretrained(final, dtype=dtype).to(acc.device).eval()
             sft_model = AutoModelForCausalLM.from_pretrained(args.sft_path, dtype=dtype).to(acc.device).eval()
-        segmenter = rm.segmenter(None if args.task in data.CODE_TASKS else rm.read_segment_settings(args.rm_path),
-                                 sft_model, tokenizer.eos_token_id)
+        segmenter = sr.segmenter(None if args.task in data.CODE_TASKS else sr.read_segment_settings(args.rm_path),
+                                 sft_model, s.tokenizer.eos_token_id)
         harness.release_freed_memory(acc.device, at_least=0)
-        evaluate.final_report(args, policy, sft_model, reward_model, tokenizer, eval_rows, run_log.path, segmenter)
+        evaluate.final_report(policy, sft_model, s.reward_model, s.tokenizer, s.eval_rows, run_log.path, s.sampling,
+                              label=f"n={args.n}, {args.termination}", plot=args.plot, segmenter=segmenter)
     acc.wait_for_everyone()
     run_log.close()
 

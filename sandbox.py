@@ -18,8 +18,9 @@ An RL policy learns whatever the reward really measures, so the trusted side dec
 untrusted program never holds an expected output, a test's result or the report channel:
 - stdin/stdout: the program's process sends back what it printed for each input; this process compares;
 - call-based: the program's process receives only the inputs and sends back plain values (None, bool,
-  int, float, str and lists / tuples / dicts of them, exact types: no subclass, no object with its own
-  `==`); this process compares. Anything else fails the test;
+  int, float, str and lists / tuples / dicts of them; a subclass, such as a Counter or a named tuple, as the
+  plain value it holds, read through its base type: none of the program's methods, its `==` included,
+  decides what crosses); this process compares. Anything else fails the test;
 - HumanEval: `check(candidate)` runs in a process of its own holding only trusted text (the dataset's
   prompt and test code); `candidate` there is a proxy whose calls go to the program's process over pipes
   and come back as plain values;
@@ -27,13 +28,15 @@ untrusted program never holds an expected output, a test's result or the report 
 
 The trusted side is total: whatever bytes the program writes on whatever channel it can reach, `run`
 returns a verdict, never an exception. Every channel is read while the program runs under a byte cap
-(a channel over its cap is closed and the run fails), and only a report's last line is parsed, once, after
-its values are counted on its bytes (at most MAX_REPORT_VALUES: one report costs this process little).
+(a channel over its cap is closed and the run fails; a trickle of small writes wakes this process a bounded
+number of times), and only a report's last line is parsed, once, after its values are counted on its bytes (at
+most MAX_REPORT_VALUES: one report costs this process little). The CPU budget is decided here, from the CPU time
+this process measures (the run's cgroup, wait4), not by a limit the program's process could stretch.
 
 Isolation of the program's process, where the machine allows it (Linux as root; `--check` lists what holds):
-- a per-run cgroup (v1 memory / pids / freezer, or v2): memory (tmpfs, memfd and page cache included)
-  and tasks (threads included) capped for this run alone; everything in it killed and the cgroup
-  removed at the end;
+- a per-run cgroup (v1 memory / pids / cpuacct / freezer, or v2): memory (tmpfs, memfd and page cache
+  included) and tasks (threads included) capped for this run alone, its CPU time measured; everything in it
+  killed and the cgroup removed at the end;
 - namespaces: network (no network, not even 127.0.0.1), PID (its processes die with its first), IPC,
   UTS (host name "sandbox") and mount, with a new root: a read-only tmpfs holding only the standard
   library (site-packages hidden) and the shared libraries the interpreter maps, /dev/null, /dev/zero,
@@ -41,25 +44,29 @@ Isolation of the program's process, where the machine allows it (Linux as root; 
 - a fresh session keyring; an unprivileged uid of its own (drawn at random from RUN_UIDS: per-user
   counts of the kernel are not shared between runs) with no_new_privs, the parent-death signal re-armed;
   a seccomp filter (libseccomp through ctypes) denying keyrings, ptrace, mount, namespaces, bpf,
-  perf_event_open, module / kexec loading, setsid / setpgid, sysinfo, sockets other than unix, inet,
-  inet6 and netlink (vsock is not confined by the network namespace), netlink's device events (the host's
-  uevents reach every network namespace of its user namespace) and more; new processes (one
-  process per run, so the CPU time limit is the run's budget, threads included); and whatever keeps state
-  on an inode every run sees (flock, fcntl locks, leases and notifications, inotify, fanotify, futexes
-  without FUTEX_PRIVATE_FLAG, page-cache probes), so concurrent runs cannot talk;
+  perf_event_open, module / kexec loading, setsid / setpgid, sysinfo and more; new processes (one process
+  per run: its CPU time is the run's, threads included); whatever keeps state on an inode every run sees
+  (flock, fcntl locks, leases and notifications, inotify, fanotify, futexes without FUTEX_PRIVATE_FLAG,
+  page-cache probes), so concurrent runs cannot talk; counts kept for the whole host (asynchronous I/O
+  slots, pidfds, mount ids, the inode numbers of new memfds, pipes, sockets and message queues, hugetlb
+  pages; sockets also reach past the network namespace in some families, vsock and netlink) and the host's
+  disk (statfs, ustat, O_DIRECT; sync and fsync return 0 and do nothing);
 - the program's view: the child runs this module's code compiled by the trainer under a neutral name and
-  sent on stdin, its uid and cgroup arrive with the job, and sys.argv, orig_argv, executable and prefix
-  are neutral: no trainer pid, run counter or checkout path;
-- always: limits on CPU time, address space, file size and open files, no core files, a wall-clock
-  timeout that kills the whole process group, an environment of only PATH and LANG, captured output
-  capped, and an in-process guard that removes fork/exec/kill/system, subprocess and ctypes and keeps
-  writes and deletions in the run's scratch folder (an extra layer, not a boundary).
+  sent on stdin, from the base interpreter (never a virtual environment's path, which stays in its memory),
+  its uid and cgroup (open fds, never names) arrive with the job, and sys.argv, orig_argv, executable and
+  prefix are neutral: no trainer pid, run counter or checkout path;
+- always: limits on CPU time (a backstop past the budget), address space, file size and open files, no
+  real-time priority, no core files, a wall-clock timeout that kills the whole process group, an
+  environment of only PATH and LANG, captured output capped, and an in-process guard that removes
+  fork/exec/kill/system, subprocess and ctypes and keeps writes and deletions in the run's scratch folder
+  (an extra layer, not a boundary).
 Where a layer is unavailable the first run warns once and names the active ones. The program runs as under
 CPython: a real fd 0 under sys.stdin and a file on fd 1 under sys.stdout (fileno(), mode, buffer; whatever
 reaches fd 1 counts, read back after the flushes CPython does at exit), stderr on /dev/null (judges ignore it),
 exit() and quit(), os._exit ending the input with its output kept, tempfile and /tmp, fileinput on stdin, in a
-thread with a large stack (deep recursion works). The kernel is still shared and the filter is a denylist: for untrusted code at scale,
-run the trainer in a container or VM as well.
+thread with a large stack (deep recursion works; `signal.signal` raises ValueError there, as in any thread).
+The kernel is still shared and the filter is a denylist: for untrusted code at scale, run the trainer in a
+container or VM as well.
 """
 import marshal
 import os
@@ -109,7 +116,8 @@ class Limits:
     def __init__(self, timeout=4.0, cpu_seconds=4, memory_mb=1024, output_bytes=1 << 20, processes=64, uid=None,
                  open_files=256):
         self.timeout = timeout              # wall-clock seconds for the whole program and all its tests
-        self.cpu_seconds = cpu_seconds
+        self.cpu_seconds = cpu_seconds      # CPU seconds of each process of the run (threads included), as
+                                            # measured by the trusted side; may be fractional
         self.memory_mb = memory_mb          # address space per process, and the memory of the run's cgroup
         self.output_bytes = output_bytes    # per captured stream, and the largest file the program may write
         self.processes = processes          # tasks (threads included) of the run's cgroup, else RLIMIT_NPROC
@@ -220,10 +228,28 @@ class NotPlain(TypeError):
     """A value that is not None, bool, int, float, str, or a list / tuple / dict of them."""
 
 
+# A subclass of a plain type (collections.Counter, defaultdict, OrderedDict, a named tuple, an IntEnum, a str
+# subclass) is sent as the plain value it holds, read through its base type's own C methods: plain Python and
+# APPS's harness compare a Counter equal to the expected dict. Its own methods (`==`, items, __iter__, __str__)
+# never run. collections' UserDict, UserList and UserString (equal to the dict, list or str they wrap) cross as
+# their `data`, encoded in turn. Whatever the program's classes do, what crosses is data, compared by this side.
+PLAIN_BASES = ((int, int.__int__), (float, float.__float__), (str, str.__str__),
+               (list, lambda x: list(list.__iter__(x))), (tuple, lambda x: tuple(tuple.__iter__(x))),
+               (dict, lambda x: dict(dict.items(x))))
+
+
 def encode(x):
-    """A plain value -> JSON, tuples, non-finite floats and ints past LONG_INT_BITS (in hex) tagged; exact types
-    only, so an object with its own `==` (or a subclass of int or str) cannot pass for the value it claims to be."""
+    """A plain value -> JSON, tuples, non-finite floats and ints past LONG_INT_BITS (in hex) tagged. Anything but
+    None and the plain types (and their subclasses, as their base type's value) raises NotPlain."""
     kind = type(x)
+    if kind not in (type(None), bool, int, float, str, list, tuple, dict):
+        base, read = next(((b, r) for b, r in PLAIN_BASES if issubclass(kind, b)), (None, None))   # its real type
+        wrappers = sys.modules.get("collections")
+        if base is None and wrappers and issubclass(kind, (wrappers.UserDict, wrappers.UserList, wrappers.UserString)):
+            return encode(x.data)
+        if base is None:
+            raise NotPlain(f"a {kind.__name__} is not a plain value")
+        kind, x = base, read(x)
     if kind is int and x.bit_length() > LONG_INT_BITS:
         return {"int": hex(x)}
     if x is None or kind in (bool, int, str):
@@ -234,9 +260,7 @@ def encode(x):
         return [encode(v) for v in x]
     if kind is tuple:
         return {"tuple": [encode(v) for v in x]}
-    if kind is dict:
-        return {"dict": [[encode(k), encode(v)] for k, v in x.items()]}
-    raise NotPlain(f"a {kind.__name__} is not a plain value")
+    return {"dict": [[encode(k), encode(v)] for k, v in x.items()]}
 
 
 def _json_text(x):
@@ -337,6 +361,13 @@ def _write(path, text):
         f.write(text)
 
 
+def _v1_hierarchies():
+    """The v1 hierarchies a run's cgroup spans: memory, pids, cpuacct where it exists (the run's CPU time, measured),
+    and freezer last (`kill` freezes it)."""
+    optional = ["cpuacct"] if os.path.exists(f"{CGROUP_ROOT}/cpuacct/cgroup.procs") else []
+    return ["memory", "pids", *optional, "freezer"]
+
+
 def _cgroup_kind():
     """"v2" (a unified hierarchy with memory and pids), "v1" (memory, pids and freezer hierarchies) or None."""
     if not sys.platform.startswith("linux") or os.geteuid() != 0:
@@ -360,7 +391,7 @@ class _Cgroup:
         name = f"{CGROUP_PARENT}/{os.getpid()}_{next(_RUN_NUMBERS)}_{_pid_namespace()}"
         memory, tasks = str(limits.memory_mb << 20), str(limits.processes)
         if kind == "v1":
-            self.dirs = [f"{CGROUP_ROOT}/{c}/{name}" for c in ("memory", "pids", "freezer")]
+            self.dirs = [f"{CGROUP_ROOT}/{c}/{name}" for c in _v1_hierarchies()]
             settings = [(self.dirs[0], "memory.limit_in_bytes", memory), (self.dirs[0], "memory.memsw.limit_in_bytes", memory),
                         (self.dirs[1], "pids.max", tasks)]
         else:
@@ -385,6 +416,25 @@ class _Cgroup:
             self.kill()
             raise
         self.procs = [f"{folder}/cgroup.procs" for folder in self.dirs]
+
+    def join_fds(self):
+        """Its cgroup.procs files opened for writing, for the child to join through (writing "0"): the child never
+        holds their paths, which name the trainer's pid and its count of runs (a training clock)."""
+        return [os.open(path, os.O_WRONLY | os.O_CLOEXEC) for path in self.procs]
+
+    def cpu_seconds(self):
+        """The CPU time every task of the run has used so far (threads and exited tasks included), or None where no
+        hierarchy counts it."""
+        try:
+            if self.kind == "v2":
+                stat = dict(line.split() for line in open(f"{self.dirs[0]}/cpu.stat"))
+                return int(stat["usage_usec"]) / 1e6
+            for folder in self.dirs:
+                if "/cpuacct/" in folder:
+                    return int(open(f"{folder}/cpuacct.usage").read()) / 1e9
+        except (OSError, ValueError, KeyError):
+            pass
+        return None
 
     def _tasks(self):
         tasks = set()
@@ -439,7 +489,7 @@ def _pid_namespace():
 
 def _remove_stale_cgroups(kind):
     """Cgroups of trainers that are gone (killed mid-run): everything in them killed, the folders removed."""
-    parents = ([f"{CGROUP_ROOT}/{c}/{CGROUP_PARENT}" for c in ("memory", "pids", "freezer")] if kind == "v1"
+    parents = ([f"{CGROUP_ROOT}/{c}/{CGROUP_PARENT}" for c in _v1_hierarchies()] if kind == "v1"
                else [f"{CGROUP_ROOT}/{CGROUP_PARENT}"])
     stale = set()
     for parent in parents:
@@ -475,16 +525,19 @@ def isolation():
             (["--user", "--map-root-user", *NAMESPACES], False)]
         linux = sys.platform.startswith("linux")
         for (flags, with_uid), cg_kind in [(c, k) for c in (candidates if unshare and linux else []) for k in kinds]:
-            group = None
+            group, joins = None, []
             try:
                 group = _Cgroup(cg_kind, Limits()) if cg_kind else None
-                probe = [unshare, *flags, sys.executable, "-I", "-S", "-c", CHILD, "--probe", "ns"]
-                setup = {"uid": run_uid(Limits()) if with_uid else -1, "cgroup": group.procs if group else []}
-                given = _child_code() + _frame(setup)
-                out = subprocess.run(probe, input=given, capture_output=True, timeout=20, cwd="/").stdout.split()
+                joins = group.join_fds() if group else []
+                probe = [unshare, *flags, _interpreter(), "-I", "-S", "-c", CHILD, "--probe", "ns"]
+                given = _child_code() + _frame({"uid": run_uid(Limits()) if with_uid else -1, "cgroup": joins})
+                out = subprocess.run(probe, input=given, capture_output=True, timeout=20, cwd="/",
+                                     pass_fds=joins).stdout.split()
             except (OSError, subprocess.TimeoutExpired):
                 out = []
             finally:
+                for fd in joins:
+                    os.close(fd)
                 if group:
                     group.kill()
             if out[:1] == [b"isolated"]:
@@ -504,21 +557,32 @@ def isolation():
         layers += (["an unprivileged uid of its own per run (drawn at random: no per-user count shared between "
                     "runs), no_new_privs and the parent-death signal re-armed"] if drop else [])
         layers += (["seccomp filter: keyrings, ptrace, mount, namespaces, bpf, perf_event_open, module and kexec "
-                    "loading, setsid / setpgid, sysinfo, socket families past unix / inet / inet6 / netlink (vsock "
-                    "reaches a virtual machine's host) and more denied",
-                    "one process per run (seccomp: fork, vfork and clone without CLONE_THREAD denied): the CPU time "
-                    "limit is the run's budget, threads included",
+                    "loading, setsid / setpgid, sysinfo and more denied",
+                    "one process per run (seccomp: fork, vfork and clone without CLONE_THREAD denied): the run's CPU "
+                    "time is one process's, threads included",
                     "nothing lockable or watchable shared between concurrent runs (seccomp: flock, fcntl record locks, "
                     "leases and notifications, inotify, fanotify, shared futexes, page-cache probes (mincore, fadvise, "
-                    "readahead, cachestat, page-out, RWF_NOWAIT) denied)"]
+                    "readahead, cachestat, page-out, RWF_NOWAIT) denied)",
+                    "no host-wide count a run can raise or read (seccomp: asynchronous I/O slots, pidfds, mount ids, "
+                    "new memfds, pipes, sockets and message queues (their inode numbers), hugetlb pages denied; "
+                    "syscalls newer than the filter answer ENOSYS)",
+                    "the host's disk out of reach (seccomp: sync, syncfs, fsync, fdatasync, sync_file_range and msync "
+                    "return 0 and do nothing; statfs, ustat and O_DIRECT denied)"]
                    if seccomp else [])
-        layers += ["rlimits: CPU time, address space, file size, open files, no core files" +
+        counts_cpu = kind == "v2" or kind == "v1" and "cpuacct" in _v1_hierarchies()
+        measured = "the run's cgroup while it runs, wait4 at its end" if counts_cpu else "wait4 at its end"
+        layers += ["rlimits: CPU time (a backstop a second past the budget, soft limit = hard), address space, file "
+                   "size, open files, no real-time priority, no core files" +
                    ("" if kind else ", processes (per uid: not for root)"),
+                   f"CPU budget decided by the trusted side from the CPU time it measures ({measured})",
                    "wall-clock timeout; the whole process group is killed",
-                   "trusted side reads every channel while the program runs, each capped, and always ends in a verdict",
+                   "trusted side reads every channel while the program runs, each capped, and always ends in a verdict; "
+                   f"a trickle of bytes wakes it at most {FREE_SMALL_READS} times, then once per {READ_PACE} s",
                    f"one report costs the trusted side at most {MAX_REPORT_VALUES} values, counted before it is parsed",
                    "the program's view: no trainer pid, run counter or checkout path in its arguments, interpreter "
-                   "paths, modules or frames; environment scrubbed to PATH and LANG; output capped",
+                   "paths (it runs from the base installation, never a virtual environment), memory (its cgroup is "
+                   "joined through fds, not names), modules or frames; environment scrubbed to PATH and LANG; output "
+                   "capped",
                    "in-process guard: fork/exec/kill/system, subprocess, ctypes removed; writes and deletions only in "
                    "the run's scratch folder"]
         _ISOLATION = (prefix, drop, kind, seccomp, layers)
@@ -531,6 +595,14 @@ def isolation():
     return _ISOLATION
 
 
+def _interpreter():
+    """The interpreter a child runs: the one a virtual environment stands for. A child's executable path stays in
+    its memory (AT_EXECFN, Py_GetProgramFullPath; a venv's pyvenv.cfg sets Py_GetPrefix), and a venv's lies in a
+    checkout. The children run with -I -S, without site-packages: the venv would add nothing to them."""
+    base = getattr(sys, "_base_executable", None) or sys.executable
+    return os.path.realpath(base) if os.path.isfile(base) else sys.executable
+
+
 def _spawn(role, job, fds, limits):
     """Start `sandbox.py <role>` in its own session (cgroup and namespaces), send it `job` on stdin; returns
     (process, its cgroup or None, its folder or None)."""
@@ -538,19 +610,24 @@ def _spawn(role, job, fds, limits):
     import tempfile
     prefix, drop, kind, _, _ = isolation()
     group = folder = None
+    joins = []
     try:
         group = _Cgroup(kind, limits) if kind else None
+        joins = group.join_fds() if group else []
         folder = None if prefix else tempfile.mkdtemp(prefix=f"sandbox_{os.getpid()}_")   # whose it is, for leak checks
-        argv = [sys.executable, "-I", "-S", "-c", CHILD, role, "ns" if prefix else "plain", *map(str, fds)]
+        argv = [_interpreter(), "-I", "-S", "-c", CHILD, role, "ns" if prefix else "plain", *map(str, fds)]
         # no preexec_fn (unsafe with run_many's threads): the child joins its cgroup and sets its limits first
         proc = subprocess.Popen(prefix + argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                cwd=folder or "/", pass_fds=fds, env={"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8"},
-                                start_new_session=True)
+                                cwd=folder or "/", pass_fds=[*fds, *joins], start_new_session=True,
+                                env={"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8"})
     except BaseException:
         _end([(None, group, folder)])
         raise
+    finally:
+        for fd in joins:
+            os.close(fd)
     try:
-        setup = {"uid": run_uid(limits) if drop else -1, "cgroup": group.procs if group else []}   # not in its argv
+        setup = {"uid": run_uid(limits) if drop else -1, "cgroup": joins}   # not in its argv; fds, not paths
         proc.stdin.write(_child_code() + _frame({**job, "limits": vars(limits), "setup": setup}))
         proc.stdin.close()
     except BrokenPipeError:
@@ -558,13 +635,28 @@ def _spawn(role, job, fds, limits):
     return proc, group, folder
 
 
-def _collect(caps, closers, deadline):
-    """Read every channel ({fd: byte cap}) while the children run, until each ends or the deadline. A channel
-    over its cap is closed at once (closers[fd]; its writer gets EPIPE). Returns ({fd: bytes}, in time?, the
-    fds over their cap)."""
+CPU_CHECK = 0.05         # how often (s) the trusted side reads the CPU time of a run's cgroup while it runs
+
+# What reading the channels may cost the trusted side. A wakeup that brings fewer than SMALL_READ bytes is small;
+# past FREE_SMALL_READS of them, the trusted side waits READ_PACE s before it looks again. A program writing one byte
+# at a time, each once the last was read, woke the trainer for each (28,000-64,000 reads, 0.2-0.45 s of its CPU in
+# 3 s; docs/code_track.md); now at most FREE_SMALL_READS + timeout / READ_PACE wakeups, and large writes are bounded
+# by the channels' byte caps. An honest run (its report at the end, one or a few large reads) never waits.
+SMALL_READ, FREE_SMALL_READS, READ_PACE = 4096, 64, 0.01
+
+
+def _read(fd):
+    return os.read(fd, 1 << 16)
+
+
+def _collect(caps, closers, deadline, over_budget=None):
+    """Read every channel ({fd: byte cap}) while the children run, until each ends, the deadline, or over_budget()
+    (checked every CPU_CHECK s), paced (above). A channel over its cap is closed at once (closers[fd]; its writer
+    gets EPIPE). Returns ({fd: bytes}, in time and budget?, the fds over their cap)."""
     import selectors
     import time
-    data, over = {fd: bytearray() for fd in caps}, set()
+    data, over, small = {fd: bytearray() for fd in caps}, set(), 0
+    checked = time.monotonic()
     with selectors.DefaultSelector() as selector:
         for fd in caps:
             os.set_blocking(fd, False)
@@ -573,11 +665,20 @@ def _collect(caps, closers, deadline):
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 return data, False, over
-            for key, _ in selector.select(remaining):
+            if over_budget and time.monotonic() - checked >= CPU_CHECK:
+                if over_budget():
+                    return data, False, over
+                checked = time.monotonic()
+            ready = selector.select(min(remaining, CPU_CHECK) if over_budget else remaining)
+            if not ready:                                    # a budget check's timeout: not a wakeup to pace
+                continue
+            brought = 0
+            for key, _ in ready:
                 try:
-                    chunk = os.read(key.fd, 1 << 16)
+                    chunk = _read(key.fd)
                 except BlockingIOError:
                     continue
+                brought += len(chunk)
                 if chunk and len(data[key.fd]) + len(chunk) <= caps[key.fd]:
                     data[key.fd] += chunk
                     continue
@@ -585,7 +686,28 @@ def _collect(caps, closers, deadline):
                 if chunk:
                     over.add(key.fd)
                     closers[key.fd]()
+            small += brought < SMALL_READ
+            if small > FREE_SMALL_READS:
+                time.sleep(max(0.0, min(READ_PACE, deadline - time.monotonic())))
     return data, True, over
+
+
+def _reap(proc, deadline, over_budget=None):
+    """Wait for a child until the deadline or over_budget() (polling, as Popen.wait does with a timeout), through
+    wait4: returns the CPU seconds it and the processes it reaped used (the child of `unshare` included), or None
+    if it still runs."""
+    import time
+    delay = 0.0005
+    while True:
+        pid, status, usage = os.wait4(proc.pid, os.WNOHANG)
+        if pid:
+            proc.returncode = os.waitstatus_to_exitcode(status)
+            return usage.ru_utime + usage.ru_stime
+        remaining = deadline - time.monotonic()
+        if remaining <= 0 or over_budget and over_budget():
+            return None
+        time.sleep(min(delay, remaining))
+        delay = min(2 * delay, CPU_CHECK)
 
 
 def _end(started):
@@ -664,12 +786,18 @@ def _run(program, tests, limits):
             for stream in (proc.stdout, proc.stderr):
                 caps[stream.fileno()], closers[stream.fileno()] = limits.output_bytes, stream.close
         stderr_fd = started[0][0].stderr.fileno()
-        data, in_time, over = _collect(caps, closers, deadline)
-        for proc, _, _ in started:
-            try:
-                proc.wait(timeout=max(0.0, deadline - time.monotonic()))
-            except Exception:  # noqa: BLE001 - subprocess.TimeoutExpired
-                in_time = False
+        groups = [group for _, group, _ in started if group]
+
+        def spent():                          # a child's cgroup has used the CPU budget
+            return any((group.cpu_seconds() or 0.0) >= limits.cpu_seconds for group in groups)
+        over_budget = spent if groups else None
+        data, in_time, over = _collect(caps, closers, deadline, over_budget)
+        cpu = 0.0                             # the most CPU time one child used, measured here: no limit the
+        for proc, group, _ in started:        # child can touch decides its budget
+            reaped = _reap(proc, deadline if in_time else 0, over_budget)   # else killed in _end
+            in_time = in_time and reaped is not None
+            measured = [m for m in (reaped, group.cpu_seconds() if group else None) if m is not None]
+            cpu = max([cpu, *measured])
         codes = [proc.returncode for proc, _, _ in started]
         stderr = bytes(data[stderr_fd][:4000]).decode(errors="replace")
     finally:
@@ -679,7 +807,7 @@ def _run(program, tests, limits):
             for fd in set(reads) - closed:
                 os.close(fd)
     try:                                      # whatever bytes came back, a verdict and never an exception
-        return _decide(data, reads, over, in_time, codes[0], stderr, tests, limits)
+        return _decide(data, reads, over, in_time and cpu < limits.cpu_seconds, codes[0], stderr, tests, limits)
     except Exception as err:  # noqa: BLE001
         return Result("runtime_error", detail=f"unreadable report: {_error(err)}")
 
@@ -693,7 +821,7 @@ def _decide(data, reads, over, in_time, code, stderr, tests, limits):
     record = _last_record(data[reads[0]])
     if isinstance(record, dict) and "compile_error" in record:
         return Result("compile_error", detail=str(record["compile_error"])[:2000])
-    if not in_time or code in (-signal.SIGXCPU, 128 + signal.SIGXCPU):
+    if not in_time:                           # the wall clock, or the CPU the trusted side measured
         return Result("timeout", detail=f"killed after {limits.timeout} s (wall clock) or {limits.cpu_seconds} s (CPU)")
     if over & set(reads):
         return Result("runtime_error", detail=f"output limit exceeded (report over {report_bytes(limits)} bytes)")
@@ -765,14 +893,20 @@ def _mounted_library_dirs():
     return folders
 
 
-def _isolate(uid, cgroup_procs):
+def _join(cgroup_fds):
+    """Join the run's cgroup through its cgroup.procs files, opened by the trainer ("0": this process)."""
+    for fd in cgroup_fds:
+        os.write(fd, b"0")
+        os.close(fd)
+
+
+def _isolate(uid, cgroup_fds, tmp_mb=64):
     """In the new namespaces, still root there: join the run's cgroup, a fresh session keyring, then a new
     root: a tmpfs holding only the standard library and the shared libraries read-only, /dev/null, /dev/zero,
     /dev/urandom and a private tmpfs /tmp with the working folder; then (as root on the host) the
     unprivileged uid with no_new_privs and the parent-death signal re-armed."""
     ctypes, libc = _libc()
-    for path in cgroup_procs:
-        _write(path, str(os.getpid()))                       # before anything else: all it starts is in it
+    _join(cgroup_fds)                                        # before anything else: all it starts is in it
 
     def mount(source, target, fstype, flags, options=None):
         if libc.mount(source and source.encode(), target.encode(), fstype and fstype.encode(), flags,
@@ -811,7 +945,7 @@ def _isolate(uid, cgroup_procs):
         if os.path.islink(link):
             os.symlink(os.readlink(link), root + link)
     os.mkdir(root + "/tmp")
-    mount("tmpfs", root + "/tmp", "tmpfs", nosuid | nodev, "size=64m,mode=1777")
+    mount("tmpfs", root + "/tmp", "tmpfs", nosuid | nodev, f"size={tmp_mb}m,mode=1777")   # the inputs are here too
     os.mkdir(root + "/tmp/work", 0o700)
     os.chdir(root)
     if libc.syscall(155, b".", b".") != 0:                   # pivot_root(".", "."): the old root on top
@@ -846,20 +980,47 @@ DENIED_SYSCALLS = ("add_key", "request_key", "keyctl", "ptrace", "mount", "umoun
                    "futex_waitv", "futex_wake", "futex_wait", "futex_requeue", "mincore", "fadvise64", "readahead",
                    "cachestat", "remap_file_pages",
                    # the host's memory, load, uptime and process count
-                   "sysinfo")
+                   "sysinfo",
+                   # counts the kernel keeps for the whole host, scoped by no namespace or uid: a run would raise
+                   # them in proportion to a secret for a concurrent run to read, or use them up for the trainer.
+                   # Asynchronous-I/O slots (aio-nr), process ids (a pidfd's inode number counts the processes the
+                   # host has started: a training clock), mount ids, the host's disk (statfs, ustat: its size and
+                   # free space fall as checkpoints are written), NTP state, secret memory, another process's memory
+                   "io_setup", "io_destroy", "io_submit", "io_cancel", "io_getevents", "io_pgetevents",
+                   "io_uring_enter", "io_uring_register", "pidfd_open", "pidfd_getfd", "pidfd_send_signal",
+                   "statfs", "fstatfs", "ustat", "quotactl_fd", "clock_adjtime", "memfd_secret", "kcmp",
+                   "process_madvise", "process_mrelease",
+                   # a memfd's inode number comes from one counter of the host's, which every memfd, shared
+                   # mapping and SysV segment of the host moves (the run's own files are in its /tmp instead)
+                   "memfd_create",
+                   # so do a pipe's, a socket's and a message queue's, from another: every pipe and socket the host
+                   # makes moves it (a run made them to signal a concurrent run, which read it from its own). No
+                   # test program needs them (a FIFO in /tmp is a pipe with the run's own inode number); besides,
+                   # a socket reaches past the network namespace in some families (vsock: a virtual machine's
+                   # host; netlink: the host's device events, socket cookies) and reads host-wide counters
+                   # through its options (SO_COOKIE, SO_NETNS_COOKIE: one network namespace per run)
+                   "pipe", "pipe2", "socket", "socketpair", "mq_open")
+# Calls that would make the host's disk work for a run (sync() wrote back the host's dirty pages: a test's 8 MiB).
+# Everything a run may write is in memory (its tmpfs /tmp, memfds), where they do nothing: they return 0 untouched.
+PRETENDED_SYSCALLS = ("sync", "syncfs", "fsync", "fdatasync", "sync_file_range", "msync")
+# Syscalls newer than libseccomp 2.5 (it cannot name them): numbers from 424 on are the same on every architecture
+# but alpha and mips. statmount / listmount read mount ids (the unique one counts every mount the host has made:
+# each run makes a dozen, a training clock); the LSM calls read the host's security modules. Anything newer than
+# this list answers ENOSYS (libc falls back, as on an older kernel): a new kernel does not widen the filter.
+NEWER_DENIED = {457: "statmount", 458: "listmount", 459: "lsm_get_self_attr", 460: "lsm_set_self_attr",
+                461: "lsm_list_modules", 467: "open_tree_attr"}
+NEWER_UNKNOWN = range(470, 520)
 NAMESPACE_FLAGS = (0x00020000, 0x02000000, 0x04000000, 0x08000000, 0x10000000, 0x20000000, 0x40000000, 0x00000080)
-CLONE_THREAD, FUTEX_PRIVATE_FLAG = 0x00010000, 128
+CLONE_THREAD, CLONE_PIDFD, FUTEX_PRIVATE_FLAG = 0x00010000, 0x00001000, 128
 # fcntl's record locks (POSIX and open-file-description), leases and directory notifications
 FCNTL_SHARED_STATE = (5, 6, 7, 36, 37, 38, 1024, 1025, 1026)
 MADV_COLD, MADV_PAGEOUT = 20, 21                             # evict pages of a file every run maps
 RWF_NOWAIT = 8                                               # preadv2 that fails unless the page is cached
-# socket families past unix, inet, inet6 and netlink: some are not confined by the network namespace (vsock
-# reaches the hypervisor of a virtual machine), none is needed by a test program
-OTHER_SOCKET_FAMILIES = (3, 4, 5, 6, 7, 8, 9, 11, 12, 13, 14, 15)
-FIRST_OTHER_SOCKET_FAMILY = 17
-# netlink's device events (uevents): the kernel sends the host's to every network namespace owned by the host's user
-# namespace, these included (device changes, their global sequence number); no test program needs them
-AF_NETLINK, NETLINK_KOBJECT_UEVENT = 16, 15
+STATX_MNT_IDS = (0x1000, 0x4000)                             # statx's mount id and unique mount id (see NEWER_DENIED)
+# the hugetlb page pool is the host's: mmap MAP_HUGETLB, shmget SHM_HUGETLB (memfd_create is denied)
+MAP_HUGETLB, SHM_HUGETLB = 0x40000, 0o4000
+F_SETFL = 4                                                  # O_DIRECT (open, openat, fcntl): reads from the host's
+                                                             # disk past its cache, a lever on its I/O and a probe
 
 
 def _libseccomp():
@@ -871,12 +1032,13 @@ def _libseccomp():
 
 
 def _seccomp():
-    """Deny DENIED_SYSCALLS; clone() with a namespace flag or without CLONE_THREAD (a thread, never a new
-    process); clone3 (ENOSYS: libc falls back to clone); fcntl's locks, leases and notifications; futexes
-    without FUTEX_PRIVATE_FLAG (keyed by inode and offset on a file's pages: the standard library's pages are
-    every run's); madvise's page-out and preadv2's RWF_NOWAIT (page-cache probes); sockets other than unix,
-    inet, inet6 and netlink, and netlink's device events (the host's). True where the filter is loaded (needs
-    libseccomp.so.2 and no_new_privs or root)."""
+    """Deny DENIED_SYSCALLS and NEWER_DENIED; clone() with a namespace flag, CLONE_PIDFD or without CLONE_THREAD (a
+    thread, never a new process); clone3 and openat2 (ENOSYS: libc falls back to clone and openat, whose arguments
+    the filter can read), and syscalls newer than it knows; fcntl's locks, leases and notifications; futexes without
+    FUTEX_PRIVATE_FLAG (keyed by inode and offset on a file's pages: the standard library's pages are every run's);
+    madvise's page-out and preadv2's RWF_NOWAIT (page-cache probes); statx's mount ids; hugetlb pages; O_DIRECT.
+    PRETENDED_SYSCALLS return 0 and do nothing. True where the filter is loaded (needs libseccomp.so.2 and
+    no_new_privs or root)."""
     import ctypes
     lib = _libseccomp()
     if lib is None:
@@ -888,44 +1050,54 @@ def _seccomp():
 
     class Compare(ctypes.Structure):                         # struct scmp_arg_cmp
         _fields_ = [("arg", ctypes.c_uint), ("op", ctypes.c_int), ("a", ctypes.c_uint64), ("b", ctypes.c_uint64)]
-    allow, eperm, enosys = 0x7FFF0000, 0x00050000 | 1, 0x00050000 | 38
+    allow, eperm, enosys, pretend = 0x7FFF0000, 0x00050000 | 1, 0x00050000 | 38, 0x00050000
+    masked_eq, eq = 7, 4
     ctx = lib.seccomp_init(allow)
     if not ctx:
         return False
-    for name in DENIED_SYSCALLS:
-        number = lib.seccomp_syscall_resolve_name(name.encode())
-        if number >= 0 and lib.seccomp_rule_add_array(ctx, eperm, number, 0, None) != 0:
-            return False
-    clone, clone3 = (lib.seccomp_syscall_resolve_name(name) for name in (b"clone", b"clone3"))
-    for flag in NAMESPACE_FLAGS:                             # SCMP_CMP_MASKED_EQ on the flags argument
-        if lib.seccomp_rule_add_array(ctx, eperm, clone, 1, ctypes.byref(Compare(0, 7, flag, flag))) != 0:
-            return False
-    if clone3 >= 0 and lib.seccomp_rule_add_array(ctx, enosys, clone3, 0, None) != 0:
-        return False
-    masked_eq, eq = 7, 4
-    rules = [(clone, Compare(0, masked_eq, CLONE_THREAD, 0)),
-             (lib.seccomp_syscall_resolve_name(b"futex"), Compare(1, masked_eq, FUTEX_PRIVATE_FLAG, 0))]
-    rules += [(lib.seccomp_syscall_resolve_name(b"fcntl"), Compare(1, eq, cmd, 0)) for cmd in FCNTL_SHARED_STATE]
-    rules += [(lib.seccomp_syscall_resolve_name(b"madvise"), Compare(2, eq, advice, 0)) for advice in (MADV_COLD, MADV_PAGEOUT)]
-    rules += [(lib.seccomp_syscall_resolve_name(b"preadv2"), Compare(5, masked_eq, RWF_NOWAIT, RWF_NOWAIT))]
-    socket = lib.seccomp_syscall_resolve_name(b"socket")
-    rules += [(socket, Compare(0, eq, family, 0)) for family in OTHER_SOCKET_FAMILIES]
-    rules += [(socket, Compare(0, 5, FIRST_OTHER_SOCKET_FAMILY, 0))]          # SCMP_CMP_GE
-    for number, compare in rules:
-        if lib.seccomp_rule_add_array(ctx, eperm, number, 1, ctypes.byref(compare)) != 0:
-            return False
-    uevents = (Compare * 2)(Compare(0, eq, AF_NETLINK, 0), Compare(2, eq, NETLINK_KOBJECT_UEVENT, 0))
-    if lib.seccomp_rule_add_array(ctx, eperm, socket, 2, uevents) != 0:
+
+    def number(name):
+        return lib.seccomp_syscall_resolve_name(name.encode())
+
+    def add(action, syscall, *compares):                     # compares: (arg, op, a, b), all must hold
+        if syscall < 0:                                      # unknown to libseccomp and to this kernel's table
+            return True
+        array = (Compare * len(compares))(*(Compare(*c) for c in compares)) if compares else None
+        return lib.seccomp_rule_add_array(ctx, action, syscall, len(compares), array) == 0
+
+    clone, fcntl = number("clone"), number("fcntl")
+    rules = [(eperm, number(name)) for name in DENIED_SYSCALLS] + [(eperm, n) for n in NEWER_DENIED]
+    rules += [(enosys, number("clone3")), (enosys, number("openat2"))] + [(enosys, n) for n in NEWER_UNKNOWN]
+    rules += [(pretend, number(name)) for name in PRETENDED_SYSCALLS]
+    rules += [(eperm, clone, (0, masked_eq, flag, flag)) for flag in NAMESPACE_FLAGS + (CLONE_PIDFD,)]
+    rules += [(eperm, clone, (0, masked_eq, CLONE_THREAD, 0)),
+              (eperm, number("futex"), (1, masked_eq, FUTEX_PRIVATE_FLAG, 0))]
+    rules += [(eperm, fcntl, (1, eq, cmd, 0)) for cmd in FCNTL_SHARED_STATE]
+    rules += [(eperm, number("madvise"), (2, eq, advice, 0)) for advice in (MADV_COLD, MADV_PAGEOUT)]
+    rules += [(eperm, number("preadv2"), (5, masked_eq, RWF_NOWAIT, RWF_NOWAIT))]
+    rules += [(eperm, number("statx"), (3, masked_eq, bit, bit)) for bit in STATX_MNT_IDS]
+    rules += [(eperm, number("mmap"), (3, masked_eq, MAP_HUGETLB, MAP_HUGETLB)),
+              (eperm, number("shmget"), (2, masked_eq, SHM_HUGETLB, SHM_HUGETLB))]
+    direct = getattr(os, "O_DIRECT", 0)
+    if direct:
+        rules += [(eperm, number("open"), (1, masked_eq, direct, direct)),
+                  (eperm, number("openat"), (2, masked_eq, direct, direct)),
+                  (eperm, fcntl, (1, eq, F_SETFL, 0), (2, masked_eq, direct, direct))]
+    if not all(add(action, syscall, *compares) for action, syscall, *compares in rules):
         return False
     return lib.seccomp_load(ctx) == 0
 
 
 def _set_limits(limits, rlimit_nproc=True, open_already=0):
-    cpu = max(1, int(limits["cpu_seconds"]))
+    # The CPU budget is decided on the trusted side, from the CPU time it measures (the run's cgroup, wait4). The
+    # kernel's limit is a backstop a second past it, its soft limit equal to its hard one: a process may raise a soft
+    # limit to its hard one and ignore SIGXCPU, never pass the hard one (SIGKILL).
+    cpu = max(1, -int(-limits["cpu_seconds"] // 1)) + 1
     memory, size, nproc = limits["memory_mb"] << 20, limits["output_bytes"], limits["processes"]
-    files = limits.get("open_files", 256) + open_already          # the inputs' memfds do not count
-    for name, value in [(resource.RLIMIT_CPU, (cpu, cpu + 1)), (resource.RLIMIT_AS, (memory, memory)),
+    files = limits.get("open_files", 256) + open_already          # the inputs' files do not count
+    for name, value in [(resource.RLIMIT_CPU, (cpu, cpu)), (resource.RLIMIT_AS, (memory, memory)),
                         (resource.RLIMIT_FSIZE, (size, size)), (resource.RLIMIT_CORE, (0, 0)),
+                        (resource.RLIMIT_RTPRIO, (0, 0)),          # no real-time priority above the trainer's
                         (resource.RLIMIT_NOFILE, (files, files))] + (
                        [(resource.RLIMIT_NPROC, (nproc, nproc))] if rlimit_nproc else []):
         try:
@@ -1037,16 +1209,18 @@ def _error(err):
 
 def _start(argv):
     """Common start of a child: cgroup, isolation, the job, stdin files, limits, seccomp.
-    argv: role, "ns" | "plain", fds...; the job's "setup": the uid to run as and the cgroup.procs files to join."""
+    argv: role, "ns" | "plain", fds...; the job's "setup": the uid to run as and the cgroup.procs files to join
+    (fds the trainer opened)."""
     job = receive(sys.stdin.buffer)
     setup = job.pop("setup")
-    if argv[1] == "ns":
-        _isolate(setup["uid"], setup["cgroup"])
+    folder = "/tmp" if argv[1] == "ns" else None             # the run's own tmpfs: its own inode numbers
+    if folder:
+        _isolate(setup["uid"], setup["cgroup"], job["limits"]["memory_mb"])
     else:
-        for path in setup["cgroup"]:
-            _write(path, str(os.getpid()))
-    stdin = ([_stdin_file(given if isinstance(given, str) else "\n".join(map(str, given))) for given in job["inputs"]]
-             if argv[0] == "--run" and not job.get("fn_name") else [])          # before the file size limit
+        _join(setup["cgroup"])
+    stdin = ([_stdin_file(given if isinstance(given, str) else "\n".join(map(str, given)), folder)
+              for given in job["inputs"]] if argv[0] == "--run" and not job.get("fn_name") else [])
+    stdout = _scratch_file("stdout", folder) if argv[0] == "--run" else None   # both before the file size limit
     _set_limits(job["limits"], rlimit_nproc=not setup["cgroup"], open_already=len(stdin))
     if sys.platform.startswith("linux"):
         ctypes, libc = _libc()
@@ -1055,7 +1229,7 @@ def _start(argv):
         if not _seccomp() and _libseccomp() is not None:
             raise OSError("the seccomp filter did not load")
     _neutral_view()
-    return job, [int(fd) for fd in argv[2:]], stdin
+    return job, [int(fd) for fd in argv[2:]], stdin, stdout
 
 
 def _neutral_view():
@@ -1066,11 +1240,11 @@ def _neutral_view():
     sys.executable = sys._base_executable = os.path.join(sys.base_exec_prefix, "bin", "python3")
 
 
-def _stdin_file(text):
-    """A memfd holding one input, read from its start (None where there are no memfds: a StringIO then)."""
-    if not hasattr(os, "memfd_create"):
+def _stdin_file(text, folder=None):
+    """A file holding one input, read from its start (_scratch_file; None where there is none: a StringIO then)."""
+    if folder is None and not hasattr(os, "memfd_create"):
         return None
-    fd, data = os.memfd_create("stdin"), text.encode("utf-8", "surrogateescape")
+    fd, data = _scratch_file("stdin", folder), text.encode("utf-8", "surrogateescape")
     view = memoryview(data)
     while view:
         view = view[os.write(fd, view):]
@@ -1108,7 +1282,7 @@ def _program_child(argv):
     """--run: the program against each input; --serve: the program's function called over pipes. Only
     outputs and plain values leave this process; the verdict is not decided here."""
     import _json  # noqa: F401 - the report's encoder, loaded before the program can use up every fd
-    job, fds, stdin = _start(argv)
+    job, fds, stdin, stdout = _start(argv)
     report = os.fdopen(fds[0], "w", encoding="utf-8")
     try:
         code = compile(job["program"], "<program>", "exec")
@@ -1118,7 +1292,6 @@ def _program_child(argv):
         return
     channels = [os.fdopen(fd, mode) for fd, mode in zip(fds[1:], ("rb", "w"))]
     isolated = argv[1] == "ns"
-    stdout = None if argv[0] == "--serve" else _scratch_file("stdout")
     stderr = _quiet_stderr()
     _guard("/tmp" if isolated else os.path.realpath(os.getcwd()), job["limits"]["memory_mb"], isolated)
     if argv[0] == "--serve":
@@ -1142,8 +1315,11 @@ def _program_child(argv):
     report.flush()
 
 
-def _scratch_file(name):
-    """An fd of an empty file of this process (a memfd, else an unlinked file in the working folder)."""
+def _scratch_file(name, folder=None):
+    """An fd of an empty file of this process: unnamed in `folder` (the run's own tmpfs), else a memfd (its inode
+    number is drawn from a counter of the whole host), else an unlinked file in the working folder."""
+    if folder:
+        return os.open(folder, os.O_TMPFILE | os.O_RDWR, 0o600)
     if hasattr(os, "memfd_create"):
         return os.memfd_create(name)
     fd = os.open(f".{name}", os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
@@ -1262,7 +1438,7 @@ class _CandidateError(Exception):
 def _check_child(argv):
     """--check: the dataset's prompt and test code (trusted text only) and check(candidate), where
     candidate is a proxy to the program's process. Reports {ok} / {assertion} / an error."""
-    job, fds, _ = _start(argv)
+    job, fds, _, _ = _start(argv)
     report, calls, replies = os.fdopen(fds[0], "w"), os.fdopen(fds[1], "wb"), os.fdopen(fds[2], "r")
 
     def candidate(*args):

@@ -901,7 +901,8 @@ def segment_error_hits(rm_path, sft_path, rows, batch_size=64):
     from transformers import AutoModelForCausalLM
     sys.path.insert(0, ROOT)
     import reward_model as rm
-    settings = json.load(open(os.path.join(rm_path, rm.SEGMENT_FILE)))
+    import segment_rewards as sr
+    settings = json.load(open(os.path.join(rm_path, sr.SEGMENT_FILE)))
     model, tokenizer = rm.load_reward_model(rm_path)
     sft = AutoModelForCausalLM.from_pretrained(sft_path).eval()
     hits = {"raw": 0, "normalized": 0}
@@ -910,11 +911,11 @@ def segment_error_hits(rm_path, sft_path, rows, batch_size=64):
         chunk = rows[i:i + batch_size]
         b = data.collate(tokenizer, [r["prompt"] for r in chunk], [r["response"] for r in chunk], 48, 64)
         with torch.no_grad():
-            ends, p = rm.segment_layout(sft, b, settings["unit"], settings.get("c_ent"), tokenizer.eos_token_id)
+            ends, p = sr.segment_layout(sft, b, settings["unit"], settings.get("c_ent"), tokenizer.eos_token_id)
             values = rm.token_values(model.eval(), b["input_ids"], b["attention_mask"])
         P = b["prompt_width"]
         ends, p, values = ends[:, P:], p[:, P:], values[:, P:]
-        normalized = rm.normalize_segment_rewards(values, p, settings["normalizer"])
+        normalized = sr.normalize_segment_rewards(values, p, settings["normalizer"])
         for row, ids, end, raw, norm in zip(chunk, b["input_ids"][:, P:], ends, values, normalized):
             last = end.nonzero().squeeze(-1).tolist()
             text = tokenizer.decode(ids[:last[-1] + 1]) if last else ""

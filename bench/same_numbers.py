@@ -49,17 +49,18 @@ def segment_rm(sft_path, rm_path):
     from conftest import SAMPLE_TEXT
     import data
     import reward_model as rm
+    import segment_rewards as sr
     tokenizer = data.load_tokenizer(sft_path)
     sft_model = AutoModelForCausalLM.from_pretrained(sft_path).eval()
     batch = data.collate(tokenizer, [t[:20] for t in SAMPLE_TEXT], [t[20:] for t in SAMPLE_TEXT], 24, 24)
     P, ids, mask = batch["prompt_width"], batch["input_ids"], batch["attention_mask"]
     with torch.no_grad():
         logits = sft_model(input_ids=ids, attention_mask=mask, position_ids=batch["position_ids"]).logits
-        c_ent = rm.next_token_entropy(logits[:, P - 1:-1].float())[mask[:, P:].bool()].median().item()
-        ends, p = rm.segment_layout(sft_model, batch, "segment", c_ent, tokenizer.eos_token_id)
+        c_ent = sr.next_token_entropy(logits[:, P - 1:-1].float())[mask[:, P:].bool()].median().item()
+        ends, p = sr.segment_layout(sft_model, batch, "segment", c_ent, tokenizer.eos_token_id)
         values = rm.token_values(rm.load_reward_model(rm_path)[0].eval(), ids, mask)
-    settings = {"unit": "segment", "c_ent": c_ent, "normalizer": rm.fit_location_normalizer(p[ends], values[ends])}
-    with open(os.path.join(rm_path, rm.SEGMENT_FILE), "w") as f:
+    settings = {"unit": "segment", "c_ent": c_ent, "normalizer": sr.fit_location_normalizer(p[ends], values[ends])}
+    with open(os.path.join(rm_path, sr.SEGMENT_FILE), "w") as f:
         json.dump(settings, f)
 
 

@@ -24,6 +24,7 @@ import torch  # noqa: E402
 
 import ppo  # noqa: E402
 import reward_model as rm  # noqa: E402
+import segment_rewards as sr  # noqa: E402
 from ppo_step import random_models  # noqa: E402
 
 KEYS = ["time/generate", "time/forward", "time/macro", "time/update", "time/step"]
@@ -40,11 +41,11 @@ def random_segment_rm(sft_path, rm_path, out, c_ent=6.0):
     prompts = [r["prompt"] for r in data.load_task("chitchat", only=("ppo",))["ppo"][:64]]
     responses = tokenizer.batch_decode(data.sample(sft, tokenizer, prompts, 48, 32)[2], skip_special_tokens=True)
     batch = data.collate(tokenizer, prompts, responses, 48, 32)
-    ends, p = rm.segment_layout(sft, batch, "segment", c_ent, tokenizer.eos_token_id)
+    ends, p = sr.segment_layout(sft, batch, "segment", c_ent, tokenizer.eos_token_id)
     with torch.no_grad():
         values = rm.token_values(model.eval(), batch["input_ids"], batch["attention_mask"])
-    settings = {"unit": "segment", "c_ent": c_ent, "normalizer": rm.fit_location_normalizer(p[ends], values[ends])}
-    with open(os.path.join(out, rm.SEGMENT_FILE), "w") as f:
+    settings = {"unit": "segment", "c_ent": c_ent, "normalizer": sr.fit_location_normalizer(p[ends], values[ends])}
+    with open(os.path.join(out, sr.SEGMENT_FILE), "w") as f:
         json.dump(settings, f)
     return out
 
@@ -62,7 +63,7 @@ def main():
     if not all(os.path.exists(os.path.join(p, "config.json")) for p in (cli.sft_path, cli.rm_path)):
         print("no trained models found: building random tiny ones of the default size")
         cli.sft_path, cli.rm_path = random_models(tmp)
-    if not os.path.exists(os.path.join(cli.segment_rm, rm.SEGMENT_FILE)):
+    if not os.path.exists(os.path.join(cli.segment_rm, sr.SEGMENT_FILE)):
         print(f"no segment RM at {cli.segment_rm}: the sequence RM with a normalizer fitted to its head")
         cli.segment_rm = random_segment_rm(cli.sft_path, cli.rm_path, os.path.join(tmp, "rm_segment"))
     settings = {"rm": {"reward": "rm", "rm_path": cli.rm_path},

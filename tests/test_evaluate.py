@@ -353,7 +353,8 @@ def test_the_final_report_says_in_words_that_a_parrots_replies_are_degenerate(mo
     import shutil
     args, tokenizer, rows, sft_model, parrot_model, reward = models
     shutil.copy(os.path.join(RUNS, "rm.jsonl"), tmp_path / "metrics.jsonl")
-    evaluate.final_report(args, parrot_model, sft_model, reward, tokenizer, rows, str(tmp_path / "metrics.jsonl"))
+    sampling = evaluate.Sampling(args.task, args.max_prompt_len, args.max_response_len, seed=args.seed)
+    evaluate.final_report(parrot_model, sft_model, reward, tokenizer, rows, str(tmp_path / "metrics.jsonl"), sampling)
     summary = open(tmp_path / "summary.md").read()
     d2 = re.search(r"\| distinct-1 / distinct-2 of the replies \| [\d.]+ / ([\d.]+) \| [\d.]+ / ([\d.]+) \|", summary)
     sft_d2, policy_d2 = float(d2.group(1)), float(d2.group(2))
@@ -362,8 +363,8 @@ def test_the_final_report_says_in_words_that_a_parrots_replies_are_degenerate(mo
     assert re.search(r"\| replies mostly one repeated word \| [\d.]+% \| (\d+\.\d)% \|", summary).group(1) != "0.0"
     assert "learning curve: " in summary and (tmp_path / "learning_curve.png").exists()
     (tmp_path / "learning_curve.png").unlink()
-    evaluate.final_report(dataclasses.replace(args, plot=False), sft_model, sft_model, reward, tokenizer, rows,
-                          str(tmp_path / "metrics.jsonl"))
+    evaluate.final_report(sft_model, sft_model, reward, tokenizer, rows, str(tmp_path / "metrics.jsonl"), sampling,
+                          plot=False)
     summary = open(tmp_path / "summary.md").read()
     assert "degenerate:" not in summary and "no collapse by this measure" in summary
     assert "learning curve" not in summary and not (tmp_path / "learning_curve.png").exists()     # --plot false

@@ -312,3 +312,31 @@ print(starts.int().tolist(), ma.fixed_ngram_starts(mask, 2).int().tolist(), "num
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert proc.stdout.split() == ["[[1,", "0,", "1,", "0,", "1,", "0,", "0,", "0]]", "[[1,", "0,", "1,", "0,", "1,",
                                    "0,", "0,", "0]]", "False"]
+
+
+def test_macro_actions_py_alone_with_torch_runs_its_docstring_example(tmp_path):
+    """The copy path: macro_actions.py in a folder of its own, nothing of ours beside it, passes
+    `python -m doctest` (terminations -> macro rewards -> macro advantages -> the clipped macro loss)."""
+    shutil.copy(os.path.join(ROOT, "macro_actions.py"), tmp_path)
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    proc = subprocess.run([sys.executable, "-m", "doctest", "-v", "macro_actions.py"], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert "0 failed" in proc.stdout and "passed" in proc.stdout
+
+
+def test_termination_starts_picks_each_termination_by_name_and_refuses_an_unknown_one(tokenizer):
+    """The picker returns what the termination's own function returns, for every name it knows."""
+    g = torch.Generator().manual_seed(0)
+    mask = torch.tensor([[1.0] * 9, [1.0] * 4 + [0.0] * 5])
+    logprobs, entropy = -torch.rand(2, 9, generator=g) * 3, torch.rand(2, 9, generator=g) * 4
+    expected = {"fixed": ma.fixed_ngram_starts(mask, 3), "ppl": ma.perplexity_starts(logprobs, mask),
+                "entropy": ma.entropy_starts(entropy, mask, 2.0), "segment": mask.bool() & (torch.arange(9) % 2 == 0)}
+    for name, want in expected.items():
+        got, fallback = ma.termination_starts(name, mask, n=3, logprobs=logprobs, entropy=entropy, threshold=2.0,
+                                              segments=want)
+        assert torch.equal(got, want) and fallback == 0.0, name
+    randomized, _ = ma.termination_starts("randomized", mask, generator=torch.Generator().manual_seed(1))
+    assert torch.equal(randomized, ma.randomized_ngram_starts(mask, generator=torch.Generator().manual_seed(1)))
+    with pytest.raises(ValueError, match="unknown termination 'bigram'"):
+        ma.termination_starts("bigram", mask)

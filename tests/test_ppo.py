@@ -517,7 +517,8 @@ def test_training_warns_when_the_policys_replies_are_degenerate(tiny_models, par
     load = (lambda path: AutoModelForCausalLM.from_pretrained(path).eval())
     sft_replies, metrics = {}, {"step": 20, "kl": 40.0, "reward/rm": 0.5}
     for policy in (load(tiny_models / "sft"), load(parrot)):
-        evaluate.during_training(args, metrics, accelerator=harness.make_accelerator(), policy=policy,
+        sampling = evaluate.Sampling(args.task, args.max_prompt_len, args.max_response_len, seed=args.seed)
+        evaluate.during_training(metrics, sampling, accelerator=harness.make_accelerator(), policy=policy,
                          reward_model=rm.load_reward_model(args.rm_path)[0], tokenizer=tokenizer, eval_rows=rows,
                          sft=(load(tiny_models / "sft"), sft_replies))
         printed = capsys.readouterr().out

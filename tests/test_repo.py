@@ -108,3 +108,25 @@ def test_same_numbers_compares_the_references_metrics_and_lists_new_ones_apart()
     assert differences(before, after) == (["iteration 2: eval/rm 1.0 -> missing", "iteration 2: kl 0.25 -> 0.3"],
                                           ["eval/distinct_2"])
     assert differences(before, after[:1])[0] == ["2 iterations before, 1 after"]
+
+
+def flag_table(doc, heading):
+    """The flags named in the first column of the markdown table that follows `heading` in `doc`."""
+    section = doc[doc.index(heading):]
+    table = section[section.index("| flag"):]
+    table = table[:table.index("\n\n")] if "\n\n" in table else table
+    return {flag for line in table.splitlines() if line.startswith("|")
+            for flag in re.findall(r"`--(\w+)", line.split("|")[1])}
+
+
+def test_every_ppo_flag_has_a_one_line_help_and_a_row_in_the_training_docs_flag_table():
+    """PPOArgs' help is one line (<= 100 characters); the long story is docs/training.md's flag table, which names
+    every field and nothing else."""
+    import dataclasses
+
+    import ppo
+    fields = {f.name: f.metadata["help"] for f in dataclasses.fields(ppo.PPOArgs)}
+    too_long = {name: len(text) for name, text in fields.items() if len(text) > 100 or "\n" in text}
+    assert not too_long, f"help over 100 characters: {too_long}"
+    doc = (ROOT / "docs" / "training.md").read_text()
+    assert flag_table(doc, "**Flags** (`python ppo.py --help`") == set(fields)

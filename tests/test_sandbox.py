@@ -1,5 +1,6 @@
 """sandbox.py: hostile programs get the right outcome and reward in bounded time, and the test
 process survives; the APPS (stdin/stdout, call-based) and HumanEval formats on good and bad code."""
+import collections
 import os
 import time
 
@@ -161,8 +162,12 @@ ALWAYS_EQUAL = "class Anything:\n    def __eq__(self, other):\n        return Tr
 HACKS = {
     "an object equal to anything (call-based)": (ALWAYS_EQUAL + "def add(a, b):\n    return Anything()\n", ADD),
     "an object equal to anything (HumanEval check)": (ALWAYS_EQUAL + "def inc(x):\n    return Anything()\n", CHECK),
+    # crosses as the int it holds (-1, never right), whatever its __eq__, __int__ and __repr__ say
     "an int subclass equal to anything": ("class I(int):\n    __eq__ = lambda s, o: True\n"
-                                          "def add(a, b):\n    return I(0)\n", ADD),
+                                          "    __int__ = __index__ = lambda s: 3\n    __repr__ = lambda s: '3'\n"
+                                          "def add(a, b):\n    return I(-1)\n", ADD),
+    "a dict subclass whose items lie": ("class D(dict):\n    items = lambda s: [(3, 3)]\n    __eq__ = lambda s, o: True\n"
+                                        "def add(a, b):\n    return D()\n", ADD),
     "the harness's comparison replaced through __main__": (
         "import sys\nfor m in list(sys.modules.values()):\n    for name in ('_same_value', '_same_output'):\n"
         "        if hasattr(m, name):\n            setattr(m, name, lambda *a: True)\n"
@@ -258,13 +263,39 @@ def test_plain_values_round_trip_and_anything_else_is_refused():
     value = [None, True, 3, -2.5, float("inf"), "x\ny", (1, [2, (3,)]), {"k": [1], 2: (None,)}]
     assert sandbox.decode(sandbox.parse_line(sandbox._line(sandbox.encode(value)))) == value
     assert type(sandbox.decode(sandbox.encode((1, 2)))) is tuple
-    for bad in [object(), {1, 2}, b"x", type("S", (str,), {})("x"), type("I", (int,), {})(1)]:
+    for bad in [object(), {1, 2}, b"x", [1, {2}], {"k": object()}]:
         with pytest.raises(sandbox.NotPlain):
             sandbox.encode(bad)
     for bad in [{"tuple": 3}, {"object": []}, {"a": 1, "b": 2}, (1, 2), {3}]:
         with pytest.raises(sandbox.NotPlain):
             sandbox.decode(bad)
     assert sandbox.parse_line("__import__('os').system('true')") is None    # literals only
+
+
+def test_subclasses_of_plain_types_cross_as_the_values_they_hold():
+    """Counter, defaultdict, OrderedDict, a named tuple, an IntEnum, a str subclass, a UserDict: plain Python (and
+    APPS's harness) compares them equal to the expected dict, tuple, int or str, so the honest "count the characters"
+    kata passes.
+    What crosses is the value read through the base type's own methods, never the subclass's: a lying `items` or
+    `__str__` changes nothing."""
+    program = ("import collections, enum\nclass Level(enum.IntEnum):\n    HIGH = 2\nclass Name(str):\n"
+               "    __str__ = lambda s: 'lie'\nPoint = collections.namedtuple('Point', 'x y')\n"
+               "def f(kind, s):\n    return {'counter': collections.Counter, 'ordered': collections.OrderedDict.fromkeys,\n"
+               "            'default': lambda s: collections.defaultdict(list, {c: [1] for c in s}),\n"
+               "            'named': lambda s: Point(s, len(s)), 'enum': lambda s: Level.HIGH, 'str': Name,\n"
+               "            'user': lambda s: collections.UserDict({s: collections.UserList([1])})}[kind](s)\n")
+    tests = {"fn_name": "f", "inputs": [["counter", "abca"], ["ordered", "ba"], ["default", "a"], ["named", "ab"],
+                                       ["enum", ""], ["str", "xy"], ["user", "k"]],
+             "outputs": [{"a": 2, "b": 1, "c": 1}, {"b": None, "a": None}, {"a": [1]}, ["ab", 2], 2, "xy", {"k": [1]}]}
+    r = run(program, tests, PATIENT)
+    assert (r.outcome, r.passed) == ("passed", 7), r
+    wrong = dict(tests, outputs=[{"a": 1, "b": 1, "c": 1}, {"b": 1}, {"a": []}, ["ab", 3], 3, "lie", {"k": [2]}])
+    r = run(program, wrong, PATIENT)
+    assert (r.outcome, r.passed, r.failed) == ("failed", 0, 7), r
+    assert sandbox.encode(collections.Counter("aab")) == {"dict": [["a", 2], ["b", 1]]}
+    check = {"entry_point": "count", "test": "def check(candidate):\n    assert candidate('aab') == {'a': 2, 'b': 1}\n"}
+    r = run("import collections\ndef count(s):\n    return collections.Counter(s)\n", check, PATIENT)
+    assert r.outcome == "passed", r                                     # HumanEval's check sees the dict too
 
 
 def test_ints_past_the_decimal_digit_limit_are_plain_values():

@@ -148,10 +148,11 @@ def test_no_forked_process_outlives_its_run():
 # ---------------------------------------------------------------- limits per run
 
 def test_memory_outside_the_address_space_is_charged_to_the_run():
-    """Up to 320 memfds of 1 MiB (below RLIMIT_FSIZE each, outside RLIMIT_AS) under a 128 MiB run, open-files
-    limit raised: the run's memory cgroup must stop it."""
+    """Up to 320 files of 1 MiB in its working folder (its tmpfs /tmp; below RLIMIT_FSIZE each, outside RLIMIT_AS)
+    under a 128 MiB run, open-files limit raised, each held open: the run's memory (its cgroup, and its /tmp's size)
+    must stop it."""
     need('cgroup')
-    program = ("import os\nfds = []\nfor i in range(320):\n    fd = os.memfd_create('m')\n"
+    program = ("import os\nfds = []\nfor i in range(320):\n    fd = os.open(f'm{i}', os.O_RDWR | os.O_CREAT)\n"
                "    os.write(fd, b'x' * (1 << 20))\n    fds.append(fd)\nprint('held')\n")
     limits = sandbox.Limits(timeout=30, cpu_seconds=20, memory_mb=128, open_files=1024)   # memory, not fds, stops it
     r = sandbox.run(program, says("held"), limits)
@@ -228,8 +229,36 @@ def test_the_trainers_session_keyring_is_out_of_reach():
     ("socket(AF_VSOCK): past the network namespace, to a virtual machine's host", "min(0, libc.syscall(41, 40, 1, 0))"),
     # the kernel broadcasts the host's device events to every network namespace of the host's user namespace
     ("socket(AF_NETLINK, NETLINK_KOBJECT_UEVENT): the host's device events", "min(0, libc.syscall(41, 16, 3, 15))"),
+    ("socket(AF_NETLINK, NETLINK_SOCK_DIAG): its dumps carry socket cookies (a host-wide counter)",
+     "min(0, libc.syscall(41, 16, 3, 4))"),
     ("preadv2(RWF_NOWAIT): whether a page of os.py is cached (another run may have read it)",
      "__import__('os').preadv(__import__('os').open(__import__('os').__file__, 0), [bytearray(8)], 0, 8) * 0"),
+    # counts the kernel keeps for the whole host, scoped by no namespace or uid: a run raises one in proportion to a
+    # secret and a concurrent run reads it, or a run uses one up for the trainer (each call here takes one unit)
+    ("io_setup: a slot of the host's asynchronous I/O (aio-nr)", "libc.syscall(206, 1, ctypes.byref(ctypes.c_ulong(0)))"),
+    ("pidfd_open: a pidfd's inode number counts the processes the host has started",
+     "min(0, libc.syscall(434, __import__('os').getpid(), 0))"),
+    ("statx's unique mount id: counts the mounts the host has made (a dozen a run)",
+     "libc.syscall(332, -100, b'/', 0, 0x4000, ctypes.create_string_buffer(256))"),
+    ("statx's mount id", "libc.syscall(332, -100, b'/', 0, 0x1000, ctypes.create_string_buffer(256))"),
+    ("listmount: the mount ids", "min(0, libc.syscall(458, (ctypes.c_uint64 * 3)(24, 2 ** 64 - 1, 0), "
+                                 "(ctypes.c_uint64 * 8)(), 8, 0))"),
+    ("getsockopt(SO_NETNS_COOKIE): counts the network namespaces the host has made (one a run)",
+     "__import__('socket').socket(1).getsockopt(1, 71, 8) and 0"),
+    ("getsockopt(SO_COOKIE): one counter for every socket of the host", "__import__('socket').socket(1).getsockopt(1, 57, 8) and 0"),
+    ("clock_adjtime: the host's clock discipline", "min(0, libc.syscall(305, 0, ctypes.create_string_buffer(256)))"),
+    ("memfd_create: a memfd's inode number counts the memfds and shared memory the host has made",
+     "min(0, libc.memfd_create(b'x', 0))"),
+    ("pipe: a pipe's inode number counts the pipes and sockets the host has made", "len(__import__('os').pipe()) * 0"),
+    ("socketpair(AF_UNIX): the same counter", "len(__import__('socket').socketpair()) * 0"),
+    ("socket(AF_UNIX): the same counter", "min(0, libc.syscall(41, 1, 1, 0))"),
+    ("mq_open: a message queue's inode number, the same counter (removed at once)",
+     "min(0, [libc.syscall(240, b'sandbox_q', 0o100 | 2, 0o600, None), libc.syscall(241, b'sandbox_q')][0])"),
+    ("mmap(MAP_HUGETLB): the host's pool of huge pages (here none: ENOMEM, not EPERM)",
+     "(setattr(libc.mmap, 'argtypes', [ctypes.c_void_p, ctypes.c_size_t] + [ctypes.c_int] * 3 + [ctypes.c_long]) "
+     "or libc.mmap(None, 2 << 20, 3, 0x40022, -1, 0)) and 0"),
+    ("O_DIRECT: reads from the host's disk past its cache",
+     "min(0, __import__('os').open(__import__('os').__file__, __import__('os').O_RDONLY | __import__('os').O_DIRECT))"),
 ])
 def test_syscalls_a_test_program_never_needs_are_denied(name, call):
     """Each syscall's own return value: 0 (or, for perf_event_open, any return but EPERM) is a pass."""
@@ -311,6 +340,154 @@ def test_forked_workers_share_the_runs_cpu_budget():
                "print('done')\n")
     r = sandbox.run(program, says("done"), sandbox.Limits(timeout=30, cpu_seconds=1))
     assert r.outcome != "passed", r
+
+
+def test_a_run_cannot_make_the_host_write_back_its_dirty_pages(tmp_path):
+    """sync() and syncfs() need no privilege: a program wrote back the host's dirty pages. The test
+    dirties 8 MiB of a file of its own, a program calls sync, syncfs, fsync, fdatasync, sync_file_range and msync on
+    what it can reach, and the file's pages must still be dirty (cachestat: the kernel's count of a file's dirty
+    pages). They return 0, as an honest program expects: everything a run may write is in memory."""
+    need("seccomp")
+    import ctypes
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.syscall.restype = ctypes.c_long
+
+    def dirty_pages(fd):                                     # cachestat(fd, range, cstat, 0): nr_dirty is the second
+        stat = (ctypes.c_uint64 * 5)()
+        if libc.syscall(451, fd, (ctypes.c_uint64 * 2)(0, 0), stat, 0) != 0:
+            pytest.skip(f"no cachestat on this kernel (errno {ctypes.get_errno()})")
+        return stat[1]
+    fd = os.open(tmp_path / "dirty", os.O_RDWR | os.O_CREAT)
+    try:
+        os.write(fd, os.urandom(8 << 20))
+        if dirty_pages(fd) < 1024:
+            pytest.skip("the test's folder keeps no dirty pages (a tmpfs?)")
+        program = (CTYPES + "import mmap, os\nfd = os.open(os.__file__, os.O_RDONLY)\nos.sync()\n"
+                   "rs = [libc.syncfs(fd), libc.syscall(306, os.open('/', os.O_RDONLY)), libc.fsync(fd), libc.fdatasync(fd),\n"
+                   "      libc.syscall(277, fd, 0, 0, 7)]\n"
+                   "m = mmap.mmap(fd, 4096, prot=mmap.PROT_READ)\nm.flush()\n"
+                   "with open('/tmp/x', 'w') as f:\n    f.write('1')\n    f.flush()\n    os.fsync(f.fileno())\n"
+                   "print('ok' if rs == [0] * 5 else rs)\n")
+        r = sandbox.run(program, says("ok"), PATIENT)
+        still = dirty_pages(fd)
+        os.fsync(fd)                                         # the measurement works: a real fsync cleans them
+        assert dirty_pages(fd) < 1024
+    finally:
+        os.close(fd)
+    assert still >= 1024, f"{still} dirty pages of 2048 left: the run wrote the host's back"
+    assert r.outcome == "passed", r
+
+
+def test_the_hosts_disk_is_out_of_reach():
+    """statvfs on the read-only standard library reported the host disk's size and free space, which falls as the
+    trainer writes checkpoints (a training clock); /dev/null's reports the host's devtmpfs (half its memory); ustat()
+    reports a disk's free space by device number."""
+    need("seccomp")
+    host = {os.statvfs(path).f_blocks for path in (os.__file__, "/dev/null")}
+    program = (CTYPES + "import os\nseen = []\nfor path in (os.__file__, '/dev/null', '/'):\n    try:\n"
+               "        seen.append(os.statvfs(path).f_blocks)\n    except OSError:\n        pass\n"
+               "if libc.syscall(136, os.stat(os.__file__).st_dev, ctypes.create_string_buffer(64)) == 0:\n"
+               "    seen.append('ustat')\n"
+               f"print('seen' if set(seen) & set({sorted(host) + ['ustat']!r}) else 'no')\n")
+    r = sandbox.run(program, says("seen"), PATIENT)
+    assert r.outcome != "passed", r
+
+
+# A program spinning until it has used `seconds` of CPU (at most 25 s of wall clock), having first raised its soft CPU
+# limit to the hard one and / or ignored SIGXCPU through libc (its thread may not set Python handlers).
+def spinner(seconds, raise_soft=False, ignore_sigxcpu=False):
+    program = CTYPES + "import resource, time\n"
+    if raise_soft:
+        program += "hard = resource.getrlimit(resource.RLIMIT_CPU)[1]\nresource.setrlimit(resource.RLIMIT_CPU, (hard, hard))\n"
+    if ignore_sigxcpu:
+        program += "libc.signal(24, ctypes.c_void_p(1))\n"                      # signal(SIGXCPU, SIG_IGN)
+    return program + (f"t = time.time()\nwhile time.process_time() < {seconds} and time.time() - t < 25:\n    pass\n"
+                      "print('done')\n")
+
+
+@pytest.mark.parametrize("raise_soft, ignore_sigxcpu", [(True, False), (False, True), (True, True)])
+def test_the_cpu_budget_does_not_stretch(raise_soft, ignore_sigxcpu):
+    """RLIMIT_CPU was (budget, budget + 1): a process raised its soft limit to the hard one, or ignored SIGXCPU,
+    and 1.6 s of CPU under a 1 s budget passed."""
+    r = sandbox.run(spinner(1.6, raise_soft, ignore_sigxcpu), says("done"), sandbox.Limits(timeout=30, cpu_seconds=1))
+    assert r.outcome == "timeout", r
+
+
+def test_the_cpu_budget_is_the_cpu_the_trusted_side_measured():
+    """The kernel's limit is only a backstop, a second past the budget (rounded up): with a budget of 1.3 s, a
+    program using 1.8 s is stopped by the trusted side, which reads the run's CPU time (its cgroup, wait4) and
+    decides; one using 0.5 s passes."""
+    limits = sandbox.Limits(timeout=30, cpu_seconds=1.3)
+    assert sandbox.run(spinner(1.8, raise_soft=True), says("done"), limits).outcome == "timeout"
+    r = sandbox.run(spinner(0.5), says("done"), limits)
+    assert r.outcome == "passed", r
+
+
+def test_a_trickle_of_bytes_costs_the_trusted_side_a_bounded_number_of_reads(monkeypatch):
+    """The program writes one byte at a time to every pipe it holds (the report, the saved stderr), each once the
+    last was read (FIONREAD says the pipe is empty), for 3 s: each byte woke the trusted side (0.8 s of the trainer's
+    CPU for one run; 28,000 to 64,000 reads here). Its reads are counted: past FREE_SMALL_READS small wakeups, one
+    wakeup per READ_PACE at most, each reading the pipes that are ready (the program holds two)."""
+    reads = []
+    real = sandbox._read
+    monkeypatch.setattr(sandbox, "_read", lambda fd: reads.append(fd) or real(fd))
+    program = ("import fcntl, os, stat, termios, time\npipes = []\nfor fd in range(3, 64):\n    try:\n"
+               "        if stat.S_ISFIFO(os.fstat(fd).st_mode):\n            os.set_blocking(fd, False)\n"
+               "            pipes.append(fd)\n    except OSError:\n        pass\nt = time.time()\n"
+               "while pipes and time.time() - t < 3:\n    for fd in list(pipes):\n        try:\n            os.write(fd, b' ')\n"
+               "        except OSError:\n            pipes.remove(fd)\n"
+               "    for fd in pipes:\n        while time.time() - t < 3 and fcntl.ioctl(fd, termios.FIONREAD, b'    ') != bytes(4):\n"
+               "            pass\nprint('x')\n")
+    limits = sandbox.Limits(timeout=5, cpu_seconds=5)
+    sandbox.run(program, says("x"), limits)
+    bound = 2 * (sandbox.FREE_SMALL_READS + limits.timeout / sandbox.READ_PACE) + 10
+    assert 20 < len(reads) <= bound, f"{len(reads)} reads (at most {bound:.0f})"
+
+
+def test_the_programs_stdin_and_stdout_are_files_of_its_own_tmp():
+    """A memfd's inode number comes from one counter of the host's: the program's fd 0 and fd 1 were memfds, and
+    their numbers rose by three every run (a training clock). In the run's own tmpfs the numbers are its own (pipes
+    and sockets share another counter of the host's: the program may make none, and the report pipe's number is
+    still the host's, not closed). A FIFO in /tmp is a pipe with a number of the run's own."""
+    need("namespaces")
+    program = "import os\ntmp = os.stat('/tmp').st_dev\nprint(os.fstat(0).st_dev == tmp and os.fstat(1).st_dev == tmp)\n"
+    r = sandbox.run(program, {"inputs": ["1", "2"], "outputs": ["True", "True"]}, PATIENT)
+    assert r.outcome == "passed", r
+    fifo = ("import os\nos.mkfifo('/tmp/f')\nr = os.open('/tmp/f', os.O_RDONLY | os.O_NONBLOCK)\n"   # a pipe of its own
+            "w = os.open('/tmp/f', os.O_WRONLY)\nos.write(w, input().encode())\nprint(os.read(r, 9).decode())\n")
+    assert sandbox.run(fifo, {"inputs": ["ok"], "outputs": ["ok"]}, PATIENT).outcome == "passed"
+
+
+def test_nothing_of_the_trainer_is_in_the_programs_memory():
+    """The trainer's pid and run counter (its runs' cgroups are named <pid>_<n>_...), the checkout's and the virtual
+    environment's paths: looked for where the interpreter keeps the path it was executed from (AT_EXECFN,
+    Py_GetProgramFullPath, Py_GetPrefix, ...) and in every readable page within 32 MiB of the heap, the interpreter's
+    objects and the main thread's stack, read through ctypes. A page is readable if pwrite can copy it to a file. Each
+    marker arrives as two hex halves, so that the whole never stands in the program's own memory."""
+    need("namespaces")
+    markers = [f"{CGROUP_PARENT}/{os.getpid()}_", ROOT, sys.prefix]
+    halves = [(m[:len(m) // 2].encode().hex(), m[len(m) // 2:].encode().hex()) for m in markers]
+    program = (CTYPES + "import os, sys\ndef look():\n"
+               f"    halves = [(bytes.fromhex(a), bytes.fromhex(b)) for a, b in {halves!r}]\n"
+               "    def holds(data):\n        for a, b in halves:\n            i = data.find(a)\n            while i >= 0:\n"
+               "                if data[i + len(a):i + len(a) + len(b)] == b:\n                    return True\n"
+               "                i = data.find(a, i + 1)\n        return False\n"
+               "    libc.getauxval.restype = libc.sbrk.restype = ctypes.c_void_p\n    execfn = libc.getauxval(31)\n"
+               "    found = [ctypes.string_at(execfn)] if execfn else []\n"
+               "    for name in ('Py_GetProgramFullPath', 'Py_GetPrefix', 'Py_GetExecPrefix', 'Py_GetPath', 'Py_GetProgramName'):\n"
+               "        call = getattr(ctypes.pythonapi, name)\n        call.restype = ctypes.c_wchar_p\n"
+               "        found.append((call() or '').encode())\n    leaks = [f for f in found if holds(f)]\n"
+               "    probe = os.open('probe', os.O_RDWR | os.O_CREAT)\n"
+               "    libc.pwrite.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_long]\n"
+               "    tail = b''\n    for anchor in {execfn or 0, libc.sbrk(0) or 0, id(sys), id(os.environ), id(look)} - {0}:\n"
+               "        start = max(1 << 16, (anchor & ~0xFFFFF) - (32 << 20))\n"
+               "        for page in range(start, start + (64 << 20), 4096):\n"
+               "            if libc.pwrite(probe, page, 4096, 0) != 4096:\n                tail = b''\n                continue\n"
+               "            data = tail + ctypes.string_at(page, 4096)\n            if holds(data):\n"
+               "                leaks.append(hex(page))\n            tail = data[-256:]\n    return leaks\n"
+               "leaks = look()\nprint('clean' if not leaks else leaks)\n")
+    r = sandbox.run(program, says("clean"), sandbox.Limits(timeout=60, cpu_seconds=40, memory_mb=512))
+    assert r.outcome == "passed", r
 
 
 # ---------------------------------------------------------------- nothing of the host is visible
@@ -464,6 +641,8 @@ def test_check_names_every_layer_that_holds():
     assert ("allowlisted root" in proc.stdout) == bool(prefix) and ("UTS namespace" in proc.stdout) == bool(prefix)
     assert ("one process per run" in proc.stdout) == seccomp and ("nothing lockable" in proc.stdout) == seccomp
     assert "one report costs the trusted side" in proc.stdout and "the program's view" in proc.stdout
+    assert ("no host-wide count" in proc.stdout) == seccomp and ("the host's disk out of reach" in proc.stdout) == seccomp
+    assert "CPU budget decided by the trusted side" in proc.stdout and "a trickle of bytes" in proc.stdout
 
 
 def test_cgroups_of_a_trainer_that_is_gone_are_removed():

@@ -8,6 +8,7 @@ import torch
 
 import macro_actions as ma
 import reward_model as rm
+import segment_rewards as sr
 from reference import bucket_stats_loop, pad_right, segment_rewards_loop, segments_loop
 
 EOS = 2
@@ -37,23 +38,23 @@ def test_worked_example_by_hand():
     entropy = torch.tensor([[2.0, 0.3, 1.5, 0.2, 0.1, 3.0], [0.5, 1.2, 1.1, 0.4, 9.0, 9.0]])
     values = torch.tensor([[0.1, 0.8, 0.3, 0.5, -0.4, 9.0], [1.0, -2.0, 0.4, 7.0, 0.0, 0.0]])
     # entropies -> segments: c_ent = 1; EOS (entropy 3.0) belongs to no segment
-    inside = ma.segment_mask(ids, mask, EOS)
+    inside = sr.segment_mask(ids, mask, EOS)
     starts = ma.entropy_starts(entropy, inside, 1.0)
     assert inside.tolist() == [[1, 1, 1, 1, 1, 0], [1, 1, 1, 0, 0, 0]]
     assert starts.tolist() == [[1, 0, 1, 0, 0, 0], [1, 1, 1, 0, 0, 0]]
-    ends = ma.segment_ends(starts, inside)
+    ends = sr.segment_ends(starts, inside)
     assert ends.tolist() == [[0, 1, 0, 0, 1, 0], [1, 1, 1, 0, 0, 0]]
     # head values at segment ends -> segment rewards; e = their mean
     r_end = values * ends
     assert close(r_end, [[0, 0.8, 0, 0, -0.4, 0], [1.0, -2.0, 0.4, 0, 0, 0]])
-    assert rm.segment_evaluation(values, ends).tolist() == pytest.approx([0.2, -0.2])     # e: (0.8 - 0.4) / 2, ...
+    assert sr.segment_evaluation(values, ends).tolist() == pytest.approx([0.2, -0.2])     # e: (0.8 - 0.4) / 2, ...
     # p = k / K
-    p = ma.segment_positions(starts, inside)
+    p = sr.segment_positions(starts, inside)
     assert close(p, [[0.5, 0.5, 1, 1, 1, 0], [1 / 3, 2 / 3, 1, 0, 0, 0]])
     # normalized: Mean = 0.5 log p + 0.1, Std = -log p + 0.5 floored at 0.6 (Std(1) = 0.5 -> 0.6)
     norm = {"kind": "segment_location", "mean": {"w": 0.5, "b": 0.1}, "std": {"w": -1.0, "b": 0.5},
             "global": {"mean": 0.0, "std": 1.0}, "last": {"mean": 0.0, "std": 1.0}, "std_floor": 0.6}
-    r_hat = rm.normalize_segment_rewards(r_end, p, norm) * ends
+    r_hat = sr.normalize_segment_rewards(r_end, p, norm) * ends
     a, b = 1.046574 / 1.193147, -0.5 / 0.6                  # (0.8 + 0.246574) / 1.193147, (-0.4 - 0.1) / 0.6
     c, d, f = 1.449306 / 1.598612, -1.897267 / 0.905465, 0.3 / 0.6
     assert close(r_hat, [[0, a, 0, 0, b, 0], [c, d, f, 0, 0, 0]], atol=1e-5)
@@ -62,7 +63,7 @@ def test_worked_example_by_hand():
                 "repeat": [[a, a, b, b, b, 0], [c, d, f, 0, 0, 0]],
                 "end": [[0, a, 0, 0, b, 0], [c, d, f, 0, 0, 0]]}
     for how, want in expected.items():
-        assert close(ma.spread_segment_rewards(r_hat, starts, inside, how), want, atol=1e-5)
+        assert close(sr.spread_segment_rewards(r_hat, starts, inside, how), want, atol=1e-5)
 
 
 # --- the vectorized functions against plain loops --------------------------------------------
@@ -70,7 +71,7 @@ def test_worked_example_by_hand():
 @pytest.mark.parametrize("c_ent", [-math.inf, 0.5, 1.5, 2.5, math.inf])
 def test_entropy_segments_with_eos_rule_match_loop(c_ent):
     ids, mask, entropy, _ = mixed_batch()
-    inside = ma.segment_mask(ids, mask, EOS)
+    inside = sr.segment_mask(ids, mask, EOS)
     starts = ma.entropy_starts(entropy, inside, c_ent)
     ref_starts, ref_inside = segments_loop(entropy, ids, mask, c_ent, EOS)
     assert torch.equal(inside, ref_inside) and torch.equal(starts, ref_starts)
@@ -82,55 +83,55 @@ def test_entropy_segments_with_eos_rule_match_loop(c_ent):
 @pytest.mark.parametrize("seed", [0, 1])
 def test_segment_functions_match_loop(how, c_ent, seed):
     ids, mask, entropy, values = mixed_batch(seed)
-    inside = ma.segment_mask(ids, mask, EOS)
+    inside = sr.segment_mask(ids, mask, EOS)
     starts = ma.entropy_starts(entropy, inside, c_ent)
-    ends = ma.segment_ends(starts, inside)
+    ends = sr.segment_ends(starts, inside)
     ref_ends, ref_p, ref_spread = segment_rewards_loop(values, starts, inside, how)
     assert torch.equal(ends, ref_ends)
-    assert torch.allclose(ma.segment_positions(starts, inside), ref_p, atol=1e-7)
+    assert torch.allclose(sr.segment_positions(starts, inside), ref_p, atol=1e-7)
     # the head's values at every token go in; only those at segment ends count
-    assert torch.allclose(ma.spread_segment_rewards(values, starts, inside, how), ref_spread, atol=1e-6)
-    assert torch.allclose(ma.spread_segment_rewards(values * ends, starts, inside, how), ref_spread, atol=1e-6)
+    assert torch.allclose(sr.spread_segment_rewards(values, starts, inside, how), ref_spread, atol=1e-6)
+    assert torch.allclose(sr.spread_segment_rewards(values * ends, starts, inside, how), ref_spread, atol=1e-6)
 
 
 def test_even_spread_keeps_each_segments_total():
     ids, mask, entropy, values = mixed_batch(3)
-    inside = ma.segment_mask(ids, mask, EOS)
+    inside = sr.segment_mask(ids, mask, EOS)
     starts = ma.entropy_starts(entropy, inside, 1.5)
-    ends = ma.segment_ends(starts, inside)
-    spread = ma.spread_segment_rewards(values, starts, inside, "even")
+    ends = sr.segment_ends(starts, inside)
+    spread = sr.spread_segment_rewards(values, starts, inside, "even")
     assert torch.allclose(spread.sum(-1), (values * ends).sum(-1), atol=1e-5)
     assert torch.allclose(ma.macro_sum(spread, starts) * ends, values * ends, atol=1e-6)
 
 
 def test_rows_are_independent():
     ids, mask, entropy, values = mixed_batch(4)
-    inside = ma.segment_mask(ids, mask, EOS)
+    inside = sr.segment_mask(ids, mask, EOS)
     starts = ma.entropy_starts(entropy, inside, 1.0)
-    whole = [ma.spread_segment_rewards(values, starts, inside, how) for how in HOWS]
+    whole = [sr.spread_segment_rewards(values, starts, inside, how) for how in HOWS]
     for b in range(len(ids)):
-        row = [ma.spread_segment_rewards(values[b:b + 1], starts[b:b + 1], inside[b:b + 1], how) for how in HOWS]
+        row = [sr.spread_segment_rewards(values[b:b + 1], starts[b:b + 1], inside[b:b + 1], how) for how in HOWS]
         assert all(torch.equal(w[b:b + 1], r) for w, r in zip(whole, row))
-        assert torch.equal(ma.segment_positions(starts, inside)[b:b + 1],
-                           ma.segment_positions(starts[b:b + 1], inside[b:b + 1]))
+        assert torch.equal(sr.segment_positions(starts, inside)[b:b + 1],
+                           sr.segment_positions(starts[b:b + 1], inside[b:b + 1]))
 
 
 def test_whole_response_with_eos_is_the_sequence_rm():
     # c_ent = infinity with EOS kept: one segment, its reward the head at the last real token
     ids, mask, _, values = mixed_batch(5)
     starts = ma.fixed_ngram_starts(mask, None)
-    ends = ma.segment_ends(starts, mask)
+    ends = sr.segment_ends(starts, mask)
     real = mask.sum(-1) > 0
     assert torch.equal(ends.sum(-1), real.long())
-    end_rewards = ma.spread_segment_rewards(values, starts, mask, "end").sum(-1)
+    end_rewards = sr.spread_segment_rewards(values, starts, mask, "end").sum(-1)
     assert torch.equal(end_rewards[real], rm.last_token(values, mask)[real])
-    assert torch.equal(ma.segment_positions(starts, mask), mask.float())
+    assert torch.equal(sr.segment_positions(starts, mask), mask.float())
 
 
 def test_unknown_interpolation_is_refused():
     mask = torch.ones(1, 3, dtype=torch.long)
     with pytest.raises(ValueError, match="interpolation 'linear'"):
-        ma.spread_segment_rewards(torch.ones(1, 3), ma.fixed_ngram_starts(mask, 1), mask, "linear")
+        sr.spread_segment_rewards(torch.ones(1, 3), ma.fixed_ngram_starts(mask, 1), mask, "linear")
 
 
 # --- location-aware normalizers --------------------------------------------------------------
@@ -151,7 +152,7 @@ def test_bucket_statistics_match_loop():
     K = torch.randint(1, 30, (400,), generator=g)
     p = (torch.randint(0, 1000, (400,), generator=g) % K + 1) / K
     r = torch.randn(400, generator=g, dtype=torch.float64)
-    norm = rm.fit_location_normalizer(p, r)
+    norm = sr.fit_location_normalizer(p, r)
     ref = bucket_stats_loop(p.tolist(), r.tolist(), 3)
     assert norm["buckets"]["p"] == pytest.approx(sorted(ref))
     for key, count, mean, std in zip(*(norm["buckets"][k] for k in ("p", "count", "mean", "std"))):
@@ -166,7 +167,7 @@ def test_buckets_round_positions_like_the_loop_where_the_product_by_1000_ties():
     long segments of long answers: the buckets are Python's round() of each position."""
     p = torch.tensor([k / K for K in (80, 160, 400) for k in range(1, K + 1)], dtype=torch.float64)
     r = torch.randn(len(p), generator=torch.Generator().manual_seed(5), dtype=torch.float64)
-    norm = rm.fit_location_normalizer(p, r)
+    norm = sr.fit_location_normalizer(p, r)
     ref = bucket_stats_loop(p.tolist(), r.tolist(), 3)
     assert 0.013 in norm["buckets"]["p"] and norm["buckets"]["p"] == pytest.approx(sorted(ref), abs=0)
     assert norm["buckets"]["count"] == [ref[k][0] for k in sorted(ref)]
@@ -174,15 +175,15 @@ def test_buckets_round_positions_like_the_loop_where_the_product_by_1000_ties():
 
 def test_exact_line_when_bucket_statistics_are_collinear_in_log_p():
     p, r = on_a_line()
-    norm = rm.fit_location_normalizer(p, r)
+    norm = sr.fit_location_normalizer(p, r)
     assert (norm["mean"]["w"], norm["mean"]["b"]) == pytest.approx((0.3, 1.0), abs=1e-9)
     assert (norm["std"]["w"], norm["std"]["b"]) == pytest.approx((-0.2, 0.5), abs=1e-9)
     # so every calibration segment is normalized to -1 or +1
-    assert rm.normalize_segment_rewards(r, p, norm).abs().tolist() == pytest.approx([1.0] * len(r), abs=1e-7)
+    assert sr.normalize_segment_rewards(r, p, norm).abs().tolist() == pytest.approx([1.0] * len(r), abs=1e-7)
 
 
 def test_one_bucket_gives_a_flat_line():
-    norm = rm.fit_location_normalizer(torch.ones(4), torch.tensor([1.0, 2.0, 3.0, 6.0]))
+    norm = sr.fit_location_normalizer(torch.ones(4), torch.tensor([1.0, 2.0, 3.0, 6.0]))
     assert norm["mean"] == pytest.approx({"w": 0.0, "b": 3.0})
     assert norm["std"] == pytest.approx({"w": 0.0, "b": 3.5 ** 0.5})          # deviations -2, -1, 0, 3
 
@@ -192,7 +193,7 @@ def test_huber_fit_resists_an_outlier_bucket_where_least_squares_does_not():
     x = torch.linspace(-3, 0, 40, dtype=torch.float64)
     y = 0.3 * x + 1.0 + 0.02 * torch.randn(40, generator=g, dtype=torch.float64)
     y[0] += 20.0                                             # one bucket far off the line
-    w, b, _ = rm.huber_fit(x, y)
+    w, b, _ = sr.huber_fit(x, y)
     w_ls, b_ls = torch.linalg.lstsq(torch.stack([x, torch.ones_like(x)], 1), y[:, None]).solution[:, 0].tolist()
     assert abs(w - 0.3) < 0.02 and abs(b - 1.0) < 0.02
     assert abs(w_ls - 0.3) > 0.5 and abs(b_ls - 1.0) > 0.5
@@ -202,36 +203,36 @@ def test_huber_fit_is_the_minimum_of_its_loss_and_scale_free():
     g = torch.Generator().manual_seed(2)
     x = torch.rand(60, generator=g, dtype=torch.float64).log()
     y = -0.5 * x + 0.2 + 0.1 * torch.randn(60, generator=g, dtype=torch.float64) ** 3   # heavy tails
-    w, b, s = rm.huber_fit(x, y)
-    best = rm.huber_loss(y - w * x - b, s)
+    w, b, s = sr.huber_fit(x, y)
+    best = sr.huber_loss(y - w * x - b, s)
     for dw, db, ds in [(1e-4, 0, 1), (-1e-4, 0, 1), (0, 1e-4, 1), (0, -1e-4, 1), (0, 0, 1.001), (0, 0, 0.999)]:
-        assert rm.huber_loss(y - (w + dw) * x - (b + db), s * ds) > best
+        assert sr.huber_loss(y - (w + dw) * x - (b + db), s * ds) > best
     # rewards in other units (c r + d): the same fit in those units
-    w2, b2, s2 = rm.huber_fit(x, 7.0 * y - 3.0)
+    w2, b2, s2 = sr.huber_fit(x, 7.0 * y - 3.0)
     assert (w2, b2, s2) == pytest.approx((7.0 * w, 7.0 * b - 3.0, 7.0 * s), rel=1e-6)
 
 
 def test_normalizer_is_json_and_std_is_floored():
     p, r = on_a_line()
-    norm = json.loads(json.dumps(rm.fit_location_normalizer(p, r)))
+    norm = json.loads(json.dumps(sr.fit_location_normalizer(p, r)))
     assert norm["std_floor"] == pytest.approx(0.1 * r.std(correction=0).item())
     tiny_p = torch.tensor([1e-6])                 # Std(p) = -0.2 log p + 0.5 < 0 far left of the data
     norm["std"]["w"] = 0.2
-    out = rm.normalize_segment_rewards(torch.tensor([5.0]), tiny_p, norm)
+    out = sr.normalize_segment_rewards(torch.tensor([5.0]), tiny_p, norm)
     mean = 0.3 * math.log(1e-6) + 1.0
     assert out.item() == pytest.approx((5.0 - mean) / norm["std_floor"], rel=1e-5)
 
 
 def test_global_last_and_none_normalizations():
     p, r = on_a_line()
-    norm = rm.fit_location_normalizer(p, r)
+    norm = sr.fit_location_normalizer(p, r)
     x, q = torch.tensor([[2.0, 3.0, 0.0]]), torch.tensor([[0.5, 1.0, 0.0]])     # last column: padding
     g, last = norm["global"], norm["last"]
-    assert close(rm.normalize_segment_rewards(x, q, norm, "global"),
+    assert close(sr.normalize_segment_rewards(x, q, norm, "global"),
                  [[(2 - g["mean"]) / g["std"], (3 - g["mean"]) / g["std"], 0]])
     assert last == pytest.approx({"mean": 1.0, "std": 0.5})          # p = 1: Mean 1.0, Std 0.5
-    assert close(rm.normalize_segment_rewards(x, q, norm, "last"), [[2.0, 4.0, 0]])
-    assert rm.normalize_segment_rewards(x, q, None, "none").tolist() == [[2.0, 3.0, 0.0]]
+    assert close(sr.normalize_segment_rewards(x, q, norm, "last"), [[2.0, 4.0, 0]])
+    assert sr.normalize_segment_rewards(x, q, None, "none").tolist() == [[2.0, 3.0, 0.0]]
 
 
 @pytest.mark.parametrize("broken,message", [
@@ -249,19 +250,19 @@ def test_global_last_and_none_normalizations():
 ])
 def test_missing_or_mismatched_normalizer_is_refused(broken, message):
     with pytest.raises(ValueError, match=message):
-        rm.normalize_segment_rewards(torch.ones(2), torch.ones(2), broken)
+        sr.normalize_segment_rewards(torch.ones(2), torch.ones(2), broken)
 
 
 def test_bad_calibration_data_is_refused():
     with pytest.raises(ValueError, match=r"\(0, 1\]"):
-        rm.fit_location_normalizer(torch.tensor([0.0, 1.0]), torch.ones(2))
+        sr.fit_location_normalizer(torch.tensor([0.0, 1.0]), torch.ones(2))
     with pytest.raises(ValueError, match="same non-zero length"):
-        rm.fit_location_normalizer(torch.ones(3), torch.ones(2))
+        sr.fit_location_normalizer(torch.ones(3), torch.ones(2))
     with pytest.raises(ValueError, match="no last segment"):
-        rm.fit_location_normalizer(torch.tensor([0.5]), torch.ones(1))
+        sr.fit_location_normalizer(torch.tensor([0.5]), torch.ones(1))
     with pytest.raises(ValueError, match="unknown normalization 'zscore'"):
-        norm = rm.fit_location_normalizer(torch.ones(2), torch.ones(2))
-        rm.normalize_segment_rewards(torch.ones(1), torch.ones(1), norm, "zscore")
+        norm = sr.fit_location_normalizer(torch.ones(2), torch.ones(2))
+        sr.normalize_segment_rewards(torch.ones(1), torch.ones(1), norm, "zscore")
 
 
 # --- segment and token reward models ---------------------------------------------------------
@@ -277,7 +278,7 @@ def test_one_segment_with_eos_is_bit_for_bit_the_sequence_rm(tokenizer):
     batch = data.collate(tokenizer, PROMPTS * 2, RESPONSES + RESPONSES[::-1], 48, 32)
     P, mask = batch["prompt_width"], batch["attention_mask"]
     whole = ma.fixed_ngram_starts(mask[:, P:], None)                  # c_ent = infinity, EOS kept
-    ends = torch.cat([torch.zeros_like(mask[:, :P]), ma.segment_ends(whole, mask[:, P:])], 1).bool()
+    ends = torch.cat([torch.zeros_like(mask[:, :P]), sr.segment_ends(whole, mask[:, P:])], 1).bool()
     grads = []
     for b in (batch, {**batch, "segment_ends": ends}):
         model.zero_grad()
@@ -308,11 +309,11 @@ def test_segment_layout_matches_rows_segmented_alone(tokenizer):
     entropy = torch.cat([entropy, torch.zeros(len(alone), ids.shape[1] - P - entropy.shape[1])], 1)
     ref_starts, ref_inside = segments_loop(entropy, ids[:, P:], mask[:, P:], c_ent - 1e-4, tokenizer.eos_token_id)
     ref_ends, ref_p, _ = segment_rewards_loop(torch.zeros(ref_inside.shape), ref_starts, ref_inside, "end")
-    ends, p = rm.segment_layout(model, batch, "segment", c_ent - 1e-4, tokenizer.eos_token_id)
+    ends, p = sr.segment_layout(model, batch, "segment", c_ent - 1e-4, tokenizer.eos_token_id)
     assert not ends[:, :P].any() and torch.equal(ends[:, P:], ref_ends)
     assert torch.allclose(p[:, P:], ref_p, atol=1e-7)
     assert 1 < ends.sum() < ref_inside.sum()                    # the threshold splits, not everywhere
-    token_ends, _ = rm.segment_layout(None, batch, "token", None, tokenizer.eos_token_id)
+    token_ends, _ = sr.segment_layout(None, batch, "token", None, tokenizer.eos_token_id)
     assert torch.equal(token_ends[:, P:], ref_inside)           # EOS is in no segment; "" keeps its EOS
 
 
@@ -326,16 +327,16 @@ def train_small(tiny_models, out, *flags):
 def test_segment_and_token_rms_save_their_settings_and_normalizer(tiny_models, tmp_path):
     out = train_small(tiny_models, tmp_path / "segment", "--unit", "segment", "--c_ent", "1e9")
     assert "held-out pairwise accuracy" in out and "RM-gold agreement" in out and "mean segment length" in out
-    settings = json.loads((tmp_path / "segment" / rm.SEGMENT_FILE).read_text())
+    settings = json.loads((tmp_path / "segment" / sr.SEGMENT_FILE).read_text())
     assert settings["unit"] == "segment" and settings["c_ent"] == 1e9
     assert settings["normalizer"]["n_segments"] == 12                     # no split: one per response
     assert settings["normalizer"]["buckets"]["p"] == [1.0]
-    rm.normalize_segment_rewards(torch.ones(3), torch.ones(3), settings["normalizer"])   # a usable normalizer
+    sr.normalize_segment_rewards(torch.ones(3), torch.ones(3), settings["normalizer"])   # a usable normalizer
     figures = json.loads((tmp_path / "segment" / rm.EVAL_FILE).read_text())     # the logged figures, as a file
     assert f"held-out pairwise accuracy {figures['accuracy']:.3f}" in out and figures["n_eval"] == 8
     assert f"agreement on {figures['gold_pairs']} pairs of SFT samples: {figures['gold_agreement']:.3f}" in out
     train_small(tiny_models, tmp_path / "token", "--unit", "token")
-    settings = json.loads((tmp_path / "token" / rm.SEGMENT_FILE).read_text())
+    settings = json.loads((tmp_path / "token" / sr.SEGMENT_FILE).read_text())
     assert settings["unit"] == "token" and settings["c_ent"] is None and settings["mean_segment_len"] == 1.0
     assert settings["normalizer"]["n_segments"] > 12
 
@@ -369,8 +370,8 @@ def test_sequence_rm_through_the_segment_path_is_exactly_reward_rm(n, agg):
     score = raw + penalty
     seq_rewards = ppo.token_rewards_of(kl_rewards, score, mask, starts, agg)
     settings = {"unit": "sequence", "normalizer": None}
-    seg_starts, inside = rm.rollout_segments(settings, ids, mask, EOS, None)
-    dense, e, _ = rm.segment_rewards(head[:, P:], seg_starts, inside, settings, how="none", interp="end")
+    seg_starts, inside = sr.rollout_segments(settings, ids, mask, EOS, None)
+    dense, e, _ = sr.segment_rewards(head[:, P:], seg_starts, inside, settings, how="none", interp="end")
     seg_rewards = ppo.token_rewards_of(kl_rewards, e + penalty, mask, starts, agg, dense, penalty, clip=0.0)
     real = mask.sum(-1) > 0
     assert torch.equal(e[real], raw[real]) and (penalty[real] != 0).any()
@@ -400,19 +401,19 @@ def test_segment_rewards_spread_normalized_rewards_and_report_their_stats():
     ids, mask, entropy, values = mixed_batch(1)
     import ppo
     positions = torch.tensor([k / K for K in (1, 2, 3, 4, 5) for k in range(1, K + 1)] * 3)
-    norm = rm.fit_location_normalizer(positions, torch.randn(len(positions), generator=torch.Generator().manual_seed(0)))
+    norm = sr.fit_location_normalizer(positions, torch.randn(len(positions), generator=torch.Generator().manual_seed(0)))
     settings = {"unit": "segment", "c_ent": 6.0, "normalizer": norm}
-    starts, inside = rm.rollout_segments(settings, ids, mask, EOS, entropy)
+    starts, inside = sr.rollout_segments(settings, ids, mask, EOS, entropy)
     ref_starts, ref_inside = segments_loop(entropy, ids, mask, 6.0, EOS)
     assert torch.equal(starts, ref_starts) and torch.equal(inside, ref_inside)
-    dense, e, stats = rm.segment_rewards(values, starts, inside, settings, "regression", "even")
-    p = ma.segment_positions(starts, inside)
-    r_hat = rm.normalize_segment_rewards(values, p, norm)
-    assert torch.allclose(dense, ma.spread_segment_rewards(r_hat, starts, inside, "even"))
-    ends = ma.segment_ends(starts, inside)
+    dense, e, stats = sr.segment_rewards(values, starts, inside, settings, "regression", "even")
+    p = sr.segment_positions(starts, inside)
+    r_hat = sr.normalize_segment_rewards(values, p, norm)
+    assert torch.allclose(dense, sr.spread_segment_rewards(r_hat, starts, inside, "even"))
+    ends = sr.segment_ends(starts, inside)
     assert stats["segment/count"].item() == pytest.approx(ends.sum().item() / len(ids))
     assert stats["segment/norm_mean"].item() == pytest.approx(r_hat[ends].mean().item(), abs=1e-6)
-    assert torch.allclose(e, rm.segment_evaluation(values, ends))
+    assert torch.allclose(e, sr.segment_evaluation(values, ends))
 
 
 def tiny_sft_batch(tokenizer):
@@ -435,11 +436,11 @@ def test_rollout_and_training_segment_the_same_text(tokenizer):
     assert torch.equal(logp, plain)
     real = entropy[mask[:, P:].bool()]
     c_ent = real.median().item()
-    starts, inside = rm.rollout_segments({"unit": "segment", "c_ent": c_ent}, ids[:, P:], mask[:, P:],
+    starts, inside = sr.rollout_segments({"unit": "segment", "c_ent": c_ent}, ids[:, P:], mask[:, P:],
                                           tokenizer.eos_token_id, entropy)
-    ends, p = rm.segment_layout(model, batch, "segment", c_ent, tokenizer.eos_token_id)
-    assert torch.equal(ends[:, P:], ma.segment_ends(starts, inside))
-    assert torch.equal(p[:, P:], ma.segment_positions(starts, inside))
+    ends, p = sr.segment_layout(model, batch, "segment", c_ent, tokenizer.eos_token_id)
+    assert torch.equal(ends[:, P:], sr.segment_ends(starts, inside))
+    assert torch.equal(p[:, P:], sr.segment_positions(starts, inside))
     assert 1 < starts.sum() < inside.sum()                      # the threshold splits, not everywhere
 
 
@@ -457,14 +458,14 @@ def segment_rm(tiny_models, tmp_path_factory, tokenizer):
     P, ids, mask = batch["prompt_width"], batch["input_ids"], batch["attention_mask"]
     with torch.no_grad():
         logits = sft_model(input_ids=ids, attention_mask=mask, position_ids=batch["position_ids"]).logits
-    entropy = rm.next_token_entropy(logits[:, P - 1:-1].float())
+    entropy = sr.next_token_entropy(logits[:, P - 1:-1].float())
     c_ent = entropy[mask[:, P:].bool()].median().item()
     reward, _ = rm.load_reward_model(str(out))
-    ends, p = rm.segment_layout(sft_model, batch, "segment", c_ent, tokenizer.eos_token_id)
+    ends, p = sr.segment_layout(sft_model, batch, "segment", c_ent, tokenizer.eos_token_id)
     with torch.no_grad():
         values = rm.token_values(reward, ids, mask)
-    settings = {"unit": "segment", "c_ent": c_ent, "normalizer": rm.fit_location_normalizer(p[ends], values[ends])}
-    (out / rm.SEGMENT_FILE).write_text(json.dumps(settings))
+    settings = {"unit": "segment", "c_ent": c_ent, "normalizer": sr.fit_location_normalizer(p[ends], values[ends])}
+    (out / sr.SEGMENT_FILE).write_text(json.dumps(settings))
     return out
 
 
@@ -513,8 +514,8 @@ def test_termination_segment_under_a_sequence_rm_takes_its_segments_from_c_ent(t
 def test_eos_joins_the_last_segments_macro_action():
     import ppo
     ids, mask = pad_right([[5, 6, 7, EOS], [5, 6, 7, 8], [EOS], [5, EOS, 6]])
-    starts, _ = rm.rollout_segments({"unit": "segment", "c_ent": 1e-6}, ids, mask, EOS, torch.full(ids.shape, 0.5))
-    macro, _ = ppo.macro_starts("segment", ids, mask, segment_starts=starts)
+    starts, _ = sr.rollout_segments({"unit": "segment", "c_ent": 1e-6}, ids, mask, EOS, torch.full(ids.shape, 0.5))
+    macro, _ = ma.termination_starts("segment", mask, segments=starts)
     assert macro.tolist() == [[1, 1, 1, 0], [1, 1, 1, 1], [1, 0, 0, 0], [1, 0, 0, 0]]
     assert (mask.sum(-1) / macro.sum(-1)).tolist() == pytest.approx([4 / 3, 1.0, 1.0, 3.0])
 
@@ -538,7 +539,7 @@ def test_reward_segment_refuses_a_sequence_rm_or_a_broken_settings_file(tiny_mod
     rm_path = tmp_path / "rm"
     shutil.copytree(tiny_models / "rm", rm_path)
     if settings is not None:
-        (rm_path / rm.SEGMENT_FILE).write_text(json.dumps(settings))
+        (rm_path / sr.SEGMENT_FILE).write_text(json.dumps(settings))
     with pytest.raises(SystemExit, match=message):
         ppo.main(ppo_args(tiny_models, rm_path, tmp_path / "out", reward="segment"))
 
@@ -557,9 +558,9 @@ def test_evaluate_scores_a_segment_rm_with_e_on_its_segments(tiny_models, segmen
     ctx = evaluate.Context(evaluate.EvalArgs(sft_path=str(tiny_models / "sft"), rm_path=str(segment_rm), n_prompts=4,
                                              output_dir=str(tmp_path)))
     texts = [r["chosen"] for r in ctx.rows]
-    settings = rm.read_segment_settings(str(segment_rm))
+    settings = sr.read_segment_settings(str(segment_rm))
     sft_model = AutoModelForCausalLM.from_pretrained(tiny_models / "sft").eval()
-    segmenter = rm.segmenter(settings, sft_model, ctx.tokenizer.eos_token_id)
+    segmenter = sr.segmenter(settings, sft_model, ctx.tokenizer.eos_token_id)
     want = rm.score(ctx.rm, ctx.tokenizer, ctx.prompts, texts, 48, ctx.args.max_response_len, segmenter=segmenter)
     last = rm.score(ctx.rm, ctx.tokenizer, ctx.prompts, texts, 48, ctx.args.max_response_len)
     assert ctx.rm_scores(texts) == want.tolist() and not torch.allclose(want, last)
@@ -578,9 +579,9 @@ def test_next_token_entropy_is_finite_where_a_logit_is_minus_infinity():
     """A token of probability 0 adds nothing: [0, 0, -inf] is two equal choices, log 2 nats (NaN before,
     and a NaN entropy never exceeds c_ent, so that token silently never started a segment)."""
     logits = torch.tensor([[[0.0, 0.0, -math.inf], [0.0, 0.0, 0.0], [1.0, -math.inf, -math.inf]]])
-    entropy = rm.next_token_entropy(logits)
+    entropy = sr.next_token_entropy(logits)
     assert torch.allclose(entropy, torch.tensor([[math.log(2), math.log(3), 0.0]]))
-    starts, _ = rm.segment_starts(torch.tensor([[5, 6, 7]]), torch.ones(1, 3), "segment", 0.5, eos_token_id=2,
+    starts, _ = sr.segment_starts(torch.tensor([[5, 6, 7]]), torch.ones(1, 3), "segment", 0.5, eos_token_id=2,
                                   entropy=entropy)
     assert starts.tolist() == [[True, True, False]]
 
@@ -633,12 +634,12 @@ def test_segment_as_bandit_and_bandit_as_segment_by_hand():
     entropy = torch.tensor([[2.0, 0.3, 1.5, 0.2, 0.1, 3.0], [0.5, 1.2, 1.1, 0.4, 9.0, 9.0]])
     values = torch.tensor([[0.1, 0.8, 0.3, 0.5, -0.4, 9.0], [1.0, -2.0, 0.4, 7.0, 0.0, 0.0]])
     settings = {"unit": "segment", "c_ent": 1.0}                       # what ppo.py --c_ent 1.0 reads with
-    starts, inside = rm.rollout_segments(settings, ids, mask, EOS, entropy)
-    dense, e, _ = rm.segment_rewards(values, starts, inside, settings, "none", "bandit")
+    starts, inside = sr.rollout_segments(settings, ids, mask, EOS, entropy)
+    dense, e, _ = sr.segment_rewards(values, starts, inside, settings, "none", "bandit")
     assert dense is None and e.tolist() == pytest.approx([0.2, -0.2])
     rewards = ppo.token_rewards_of(torch.zeros(2, 6), e, mask.float(), ma.fixed_ngram_starts(mask, 1), "sum", dense)
     assert close(rewards, [[0, 0, 0, 0, 0, 0.2], [0, 0, 0, -0.2, 0, 0]])
-    dense, e, _ = rm.segment_rewards(values, starts, inside, settings, "none", "even")
+    dense, e, _ = sr.segment_rewards(values, starts, inside, settings, "none", "even")
     assert close(dense, [[0.4, 0.4, -0.4 / 3, -0.4 / 3, -0.4 / 3, 0], [1.0, -2.0, 0.4, 0, 0, 0]])
 
 
@@ -673,7 +674,7 @@ def test_every_rm_saves_the_mean_and_std_of_its_score_on_the_calibration_pairs(t
         out = tmp_path / unit
         train_small(tiny_models, out, "--unit", unit, "--c_ent", "1.0")
         model, tokenizer = rm.load_reward_model(str(out))
-        segmenter = rm.segmenter(rm.read_segment_settings(str(out)), sft_model, tokenizer.eos_token_id)
+        segmenter = sr.segmenter(sr.read_segment_settings(str(out)), sft_model, tokenizer.eos_token_id)
         scores = rm.score(model.eval(), tokenizer, prompts, texts, 24, 12, segmenter=segmenter).double()
         saved = json.loads((out / rm.SCORE_FILE).read_text())
         assert saved["kind"] == "score" and saved["n_responses"] == 12
