@@ -1083,31 +1083,62 @@ def distinct_runs(runs):
     return out
 
 
+def pair_row(config, partner, run, ppo_run, key):
+    """One line of the by-seed table: MA-PPO `run` against its PPO `ppo_run` of the same seed."""
+    a, b = run_kl(ppo_run), run_kl(run)
+    gap = numpy.mean(run["final"][key]) - numpy.mean(ppo_run["final"][key])
+    return (f"| {held_at(config)} | {held_at(partner)} | {run['seed']} | {a:.2f} / {b:.2f} | "
+            + (f"{max(a, b) / min(a, b):.2f}" if min(a, b) > 0 else "-") + f" | {'yes' if kl_matched(a, b) else 'no'} | "
+            f"{numpy.mean(ppo_run['final'][key]):.3f} / {numpy.mean(run['final'][key]):.3f} | {gap:+.3f} |")
+
+
+def equal_kl_lines(fit_runs, matched_gaps, key, result):
+    """The comparison at equal KL over every run of a hypothesis: the fit of score on log KL (fit_runs, as
+    equal_kl_fit takes them) and the matched pairs alone (matched_gaps {seed: {pair: per-prompt gaps}})."""
+    fit = equal_kl_fit(distinct_runs(fit_runs))
+    units = [numpy.array(list(v.values())) for _, v in sorted(matched_gaps.items())]
+    pooled = compare(units)
+    result["equal_kl"] = {"fit": fit, "matched_pairs": pooled and {**pooled, "pairs": sum(len(u) for u in units)}}
+    lines = ["", f"At equal KL, over every run of this hypothesis (a repeated run counted once; margin ±{MARGIN:g} "
+             f"{key}, decided by the 90% interval; detectable effect: the true difference these seeds find 80% of "
+             "the time):", ""]
+    if fit:
+        more = (f"; with {RERUN_SEEDS} seeds of the same spread the detectable effect would be "
+                f"{detectable_at(fit, RERUN_SEEDS):.3f}" if fit["seeds"] < RERUN_SEEDS and "se" in fit else "")
+        lines.append(f"- fit of each run's final mean {key} on log final KL, a MA-PPO term and one intercept per seed "
+                     f"({fit['runs']} runs of {fit['seeds']} seeds; slope {fit['slope']:+.3f} {key} per unit of log "
+                     f"KL): MA-PPO minus PPO " + fmt_verdict(fit) + more + ".")
+    if pooled:
+        lines.append(f"- the pairs at matched KL alone ({sum(len(u) for u in units)} pair(s) of {len(units)} seed(s), "
+                     f"each seed's pairs averaged): MA-PPO minus PPO " + fmt_verdict(pooled) + ".")
+    return lines if fit or pooled else []
+
+
 def matched_kl_table(args, h, records, result):
     """Each MA-PPO configuration against its partner PPO, paired by seed: final KLs (run_kl) and how many pairs are
     within MATCH of each other, the final policies' mean score, MA-PPO minus PPO and the win rate (seed-then-prompt
     bootstrap), the iterations to the thresholds `h.matched_kl`; every pair by seed; then the comparison at equal
-    KL two ways over every run of the hypothesis: the fit of score on log KL, and the matched pairs alone."""
+    KL two ways over every run of the hypothesis (equal_kl_lines)."""
     base = h.configs[0]
     key, metric = base.win_key, base.metrics[0]
+    configs = {c.name: c for c in h.configs}
     done = {c.name: [r for r in records.get(c.name, []) if r] for c in h.configs}
     n_prompts = next((len(r["final"][key]) for runs in done.values() for r in runs), 0)
     by_beta = any(c.flag("--kl_target") is None for c in h.configs)
+    thresholds = " / ".join(map(str, h.matched_kl))
     lines = ["", "Each method held by the adaptive controller at a KL target" + (" (KL) or at a fixed beta chosen per "
              "method (beta)" if by_beta else "") + f". KL: each run's mean per-sequence KL over the training batches "
              f"of its last {KL_WINDOW} iterations. A pair (one seed, MA-PPO and its PPO) is at matched KL when the "
              f"larger final KL is at most {MATCH:g} times the smaller. Final {key}: the final policies' mean on "
              f"{n_prompts} held-out prompts (one sampling seed); MA-PPO minus PPO and the win rate paired by seed, "
              "95% intervals from a seed-then-prompt bootstrap (t with seeds - 1 degrees of freedom on its standard "
-             f"error); iterations to reach {metric} " + " / ".join(map(str, h.matched_kl))
-             + " (median over seeds, the seeds that reach it).", ""]
-    lines += [f"| held at | configuration | seeds | final KL | pairs at matched KL | final mean {key} | minus PPO's, same "
-              f"seed [95% CI] | win rate vs PPO [95% CI] | iterations to {metric} " + " / ".join(map(str, h.matched_kl))
-              + " |", "|---" * 9 + "|"]
-    by_seed_lines = ["", f"Every pair by seed: final KL and final mean {key}, PPO / MA-PPO.", "",
-                     "| MA-PPO | PPO | seed | final KL | larger / smaller | matched | final mean " + key
-                     + " | MA-PPO minus PPO |", "|---" * 8 + "|"]
-    verdicts, fit_runs, matched_units = [], [], {}
+             f"error); iterations to reach {metric} {thresholds} (median over seeds, the seeds that reach it).", "",
+             f"| held at | configuration | seeds | final KL | pairs at matched KL | final mean {key} | minus PPO's, "
+             f"same seed [95% CI] | win rate vs PPO [95% CI] | iterations to {metric} {thresholds} |", "|---" * 9 + "|"]
+    by_seed = ["", f"Every pair by seed: final KL and final mean {key}, PPO / MA-PPO.", "",
+               f"| MA-PPO | PPO | seed | final KL | larger / smaller | matched | final mean {key} | MA-PPO minus PPO |",
+               "|---" * 8 + "|"]
+    verdicts, fit_runs, matched_gaps = [], [], {}
     for config in h.configs:
         runs = done[config.name]
         fit_runs += [(r["seed"], not config.is_ppo, run_kl(r), r["final"][key]) for r in runs if has_trace(r)]
@@ -1134,42 +1165,22 @@ def matched_kl_table(args, h, records, result):
                      + (fmt_cmp(gap) if gap else "-") + " | " + (fmt_win(win) if win else "-")
                      + " | " + " / ".join(reach) + " |")
         for r, p in pairs:
-            a, b = run_kl(p), run_kl(r)
-            ok = kl_matched(a, b)
-            g = numpy.array(r["final"][key], float) - numpy.array(p["final"][key], float)
-            by_seed_lines.append(f"| {held_at(config)} | {held_at(next(c for c in h.configs if c.name == config.partner))}"
-                                 f" | {r['seed']} | {a:.2f} / {b:.2f} | "
-                                 + (f"{max(a, b) / min(a, b):.2f}" if min(a, b) > 0 else "-")
-                                 + f" | {'yes' if ok else 'no'} | {numpy.mean(p['final'][key]):.3f} / "
-                                 f"{numpy.mean(r['final'][key]):.3f} | {g.mean():+.3f} |")
-            if ok:
-                matched_units.setdefault(r["seed"], {})[tuple(g)] = g
+            by_seed.append(pair_row(config, configs[config.partner], r, p, key))
+            if kl_matched(run_kl(r), run_kl(p)):       # a pair that repeats another of its seed counts once
+                g = numpy.array(r["final"][key], float) - numpy.array(p["final"][key], float)
+                matched_gaps.setdefault(r["seed"], {})[tuple(g)] = g
         if gap:
             entry["matched_kl"].update(pairs_matched=n_matched, pairs=len(pairs))
-            ppo_at = held_at(next(c for c in h.configs if c.name == config.partner))
+            ppo_at = held_at(configs[config.partner])
             level = held_at(config) + ("" if ppo_at == held_at(config) else f" (PPO at {ppo_at})")
-            at = ("at matched KL on every pair" if n_matched == len(pairs) else
-                  f"NOT at matched KL ({n_matched} of {len(pairs)} pairs within {MATCH:g}x)")
-            verdicts.append(f"- {level}: final KL {kls[0]:.2f} against PPO's {t_interval([run_kl(p) for p in partner])[0]:.2f}, "
-                            f"{at}; MA-PPO minus PPO {key} " + fmt_verdict(gap)
-                            + ("" if n_matched == len(pairs) else ", at the KLs these runs ended at, not at equal KL") + ".")
-    fit = equal_kl_fit(distinct_runs(fit_runs))
-    units = [numpy.array(list(v.values())) for _, v in sorted(matched_units.items())]
-    pooled = compare(units)
-    result["equal_kl"] = {"fit": fit, "matched_pairs": pooled and {**pooled, "pairs": sum(len(u) for u in units)}}
-    summary = ["", f"At equal KL, over every run of this hypothesis (a repeated run counted once; margin ±{MARGIN:g} "
-               f"{key}, decided by the 90% interval; detectable effect: the true difference these seeds find 80% of "
-               "the time):", ""]
-    if fit:
-        summary.append(f"- fit of each run's final mean {key} on log final KL, a MA-PPO term and one intercept per seed "
-                       f"({fit['runs']} runs of {fit['seeds']} seeds; slope {fit['slope']:+.3f} {key} per unit of log KL): "
-                       f"MA-PPO minus PPO " + fmt_verdict(fit) + (f"; with {RERUN_SEEDS} seeds of the same spread the "
-                       f"detectable effect would be {detectable_at(fit, RERUN_SEEDS):.3f}" if fit["seeds"] < RERUN_SEEDS
-                                                                  and "se" in fit else "") + ".")
-    if pooled:
-        summary.append(f"- the pairs at matched KL alone ({sum(len(u) for u in units)} pair(s) of {len(units)} seed(s), each "
-                       f"seed's pairs averaged): MA-PPO minus PPO " + fmt_verdict(pooled) + ".")
-    return lines + ([""] + verdicts if verdicts else []) + by_seed_lines + (summary if fit or pooled else [])
+            every = n_matched == len(pairs)
+            verdicts.append(f"- {level}: final KL {kls[0]:.2f} against PPO's "
+                            f"{t_interval([run_kl(p) for p in partner])[0]:.2f}, "
+                            + ("at matched KL on every pair" if every else
+                               f"NOT at matched KL ({n_matched} of {len(pairs)} pairs within {MATCH:g}x)")
+                            + f"; MA-PPO minus PPO {key} " + fmt_verdict(gap)
+                            + ("" if every else ", at the KLs these runs ended at, not at equal KL") + ".")
+    return lines + ([""] + verdicts if verdicts else []) + by_seed + equal_kl_lines(fit_runs, matched_gaps, key, result)
 
 
 # the fixed-beta runs shown beside each matched-KL hypothesis in its reward-against-KL picture
