@@ -722,3 +722,27 @@ def test_every_unrecorded_paragraph_is_still_there():
     """An exemption outlives its paragraph only by mistake: each UNRECORDED start begins a paragraph of its file."""
     for path, start in UNRECORDED:
         assert re.search(r"(^|\n\s*\n)" + re.escape(start), open(os.path.join(ROOT, path)).read()), (path, start)
+
+
+def test_the_ten_seed_rerun_trains_the_headline_pair_on_one_build_of_its_own(tmp_path, monkeypatch):
+    """real_kl10: PPO at 0.05 and MA-PPO at 0.077 as in real_kl, on runs/smollm2_kl10 (built before its first
+    run, the old build left alone), with its own SFT record; not part of `all`."""
+    from transformers import HfArgumentParser
+    import ppo
+    h = study.HYPOTHESES["real_kl10"]
+    old = {c.name: c for c in study.HYPOTHESES["real_kl"].configs}
+    args = argparse.Namespace(steps=120, eval_every=10, n_eval_prompts=128, ppo_args="", count_args="", code_args="",
+                              models={"smollm2": study.REAL_MODELS, "smollm2_kl10": study.REAL_KL10_MODELS})
+    for config, before in zip(h.configs, ("real_kl_n1_beta0.05", "real_kl_n5_beta0.077")):
+        new_flags = HfArgumentParser(ppo.PPOArgs).parse_args_into_dataclasses(args=study.ppo_flags(args, config, 7, "o"))[0]
+        old_flags = HfArgumentParser(ppo.PPOArgs).parse_args_into_dataclasses(
+            args=study.ppo_flags(args, old[before], 7, "o"))[0]
+        assert vars(new_flags) == {**vars(old_flags), "sft_path": "runs/smollm2_kl10/sft", "rm_path": "runs/smollm2_kl10/rm"}
+        assert study.sft_record_name(config) == "real_kl10_sft" and study.is_real(config)
+    assert h.configs[1].partner == h.configs[0].name and "real_kl10" in study.OPTIONAL
+    stages = []
+    monkeypatch.setattr(study, "run_stages", lambda s: stages.extend(s))
+    monkeypatch.setattr(study, "smollm2_gguf", lambda: "m.gguf")
+    monkeypatch.setattr(study, "ROOT", str(tmp_path))                     # a fresh clone: no build yet
+    study.build_real_models(args, [(c, 1) for c in h.configs])
+    assert [s[s.index("--output_dir") + 1] for s in stages] == list(study.REAL_KL10_MODELS)
