@@ -94,8 +94,10 @@ def ngrams(tokens, n):
 
 
 def distinct_n(texts, n):
-    """Distinct-n of a set of replies (Li et al. 2016): distinct word n-grams over all the n-grams of all the
-    replies, in [0, 1]; 0.0 when the replies hold no n-gram at all (nothing said is not diversity)."""
+    """Distinct-n of a set of replies: distinct word n-grams over all the n-grams of all the replies, in [0, 1];
+    0.0 when the replies hold no n-gram at all (nothing said is not diversity). Li et al. 2016 divide by the
+    number of generated tokens instead: the same for n = 1; for n = 2 each reply has one pair fewer than words,
+    so ours is a little higher on short replies, and bounded by 1."""
     grams = [g for text in texts for g in ngrams(words(text), n)]
     return len(set(grams)) / len(grams) if grams else 0.0
 
@@ -117,7 +119,9 @@ def strict_sentiment(texts):
     """The chitchat gold judge with a price on repetition: d * (g + 1) - 1, with g the VADER score and d the
     reply's own distinct-2 (distinct word pairs over word pairs; 1 for a reply of fewer than two words). In
     [-1, 1] like g: equal to g for a reply that repeats no word pair, down to -1 as its pairs repeat, so one
-    positive word said over and over scores near -1, not near 1."""
+    positive word said over and over scores near -1, not near 1. What it does not price: a word said twice
+    ("love love": one pair, nothing repeated, 0.856 = g), a list of distinct positive words (0.959 = g), and
+    the same reply to every prompt (repetition across replies: distinct-n over the set reads that)."""
     def own_distinct_2(ws):
         pairs = ngrams(ws, 2)
         return len(set(pairs)) / len(pairs) if pairs else 1.0
@@ -819,3 +823,30 @@ def sample(model, tokenizer, prompts, max_prompt_len, max_new_tokens, temperatur
                              synced_gpus=synced_gpus)
     r_ids, r_mask = cut_after_eos(out[:, p_ids.shape[1]:], tokenizer.eos_token_id, tokenizer.pad_token_id)
     return p_ids, p_mask, r_ids, r_mask, truncated
+
+
+@torch.no_grad()
+def sample_continuations(model, tokenizer, prompt_ids, prompt_mask, response_ids, points, rollouts, temperature=1.0,
+                         top_k=0, top_p=1.0, synced_gpus=False):
+    """Monte Carlo continuations (SPO, Guo et al. 2025, §4), in one generate call: `rollouts` samples from each point
+    (b, t) of `points` [B, R] (the order of points.nonzero()), from prompt b and the first t tokens of its response,
+    each cut where its response would have been (R tokens in all). Returns (prompt ids, prompt mask [N, P],
+    response ids, response mask [N, R]), N = points x rollouts: `sample`'s layout, the prefix in the response."""
+    b, t = (i.repeat_interleave(rollouts) for i in points.nonzero(as_tuple=True))
+    P, R, pad = prompt_ids.shape[1], response_ids.shape[1], tokenizer.pad_token_id
+    j = torch.arange(R, device=t.device).unsqueeze(0)                      # [1, R] response positions
+    ids, mask = torch.cat([prompt_ids[b], response_ids[b]], 1), torch.cat([prompt_mask[b], (j < t[:, None]).long()], 1)
+    # prefixes of different lengths left-padded to the longest: row i shifted right by max(t) - t_i
+    src = torch.arange(P + int(t.max()), device=t.device).unsqueeze(0) - (t.max() - t).unsqueeze(1)
+    x_mask = mask.gather(1, src.clamp(min=0)) * (src >= 0)
+    x_ids = ids.gather(1, src.clamp(min=0)).masked_fill(x_mask == 0, pad)
+    config = generation_config(model, R - int(t.min()), temperature, top_k, top_p, False, pad, tokenizer.eos_token_id)
+    with saved_generation_config_off(model):
+        out = model.generate(input_ids=x_ids, attention_mask=x_mask, generation_config=config, synced_gpus=synced_gpus)
+    cont, cont_mask = cut_after_eos(out[:, x_ids.shape[1]:], tokenizer.eos_token_id, pad)
+    cont = torch.nn.functional.pad(cont, (0, R), value=pad)                # at least R wide, so every gather reads
+    cont_mask = torch.nn.functional.pad(cont_mask, (0, R))
+    at = (j - t[:, None]).clamp(min=0)                                     # continuation token of response position j
+    r_mask = torch.where(j < t[:, None], 1, cont_mask.gather(1, at))
+    r_ids = torch.where(j < t[:, None], response_ids[b], cont.gather(1, at)).masked_fill(r_mask == 0, pad)
+    return prompt_ids[b], prompt_mask[b], r_ids, r_mask

@@ -32,6 +32,7 @@ import subprocess
 import sys
 import time
 import warnings
+import weakref
 from dataclasses import asdict
 
 import torch
@@ -47,33 +48,73 @@ def deepspeed_launch():
     return os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true"
 
 
-def deepspeed_plugin(micro_batch_size):
+def deepspeed_plugin(micro_batch_size, grad_accum=1, max_grad_norm=0.0):
     """A DeepSpeedPlugin from the launch config, told what accelerate cannot infer here: the micro-batch
     (no dataloader is prepared), and under ZeRO-3 to gather whole weights for saving (every save of ours
-    is a from_pretrained folder, never a sharded DeepSpeed checkpoint)."""
+    is a from_pretrained folder, never a sharded DeepSpeed checkpoint). The script's --grad_accum and
+    --max_grad_norm become the engine's: a DeepSpeed engine counts its own accumulation steps and clips in
+    its own step, and accelerate lets a launch config's values override the script's, silently. A launch
+    that sets either to another value stops here, naming both (our configs leave them to the script)."""
     from accelerate.utils import DeepSpeedPlugin
     plugin = DeepSpeedPlugin()
-    plugin.deepspeed_config["train_micro_batch_size_per_gpu"] = micro_batch_size
-    zero = plugin.deepspeed_config.get("zero_optimization", {})
+    config = plugin.deepspeed_config
+    config["train_micro_batch_size_per_gpu"] = micro_batch_size
+    for key, ours, flag in (("gradient_accumulation_steps", grad_accum, "--grad_accum"),
+                            ("gradient_clipping", max_grad_norm, "--max_grad_norm")):
+        launch = config.get(key, "auto")
+        if launch != "auto" and float(launch) != float(ours):
+            sys.exit(f"error: {flag} {ours}, but the launch's DeepSpeed config sets {key}: {launch}. Drop {key} from "
+                     f"the launch (configs/zero2.yaml and zero3.yaml leave it to {flag}) or pass {flag} {launch}.")
+        config[key] = ours
+    plugin.gradient_accumulation_steps, plugin.gradient_clipping = grad_accum, max_grad_norm
+    zero = config.get("zero_optimization", {})
     if zero.get("stage") == 3:
         zero["stage3_gather_16bit_weights_on_model_save"] = True
     return plugin
 
 
-def make_accelerator(bf16=False, grad_accum=1, micro_batch_size=1, **kwargs):
+def make_accelerator(bf16=False, grad_accum=1, micro_batch_size=1, max_grad_norm=0.0, **kwargs):
     """Accelerator(cpu=True) without a GPU: `accelerate launch --multi_gpu --num_processes 2` on a
     CPU then runs two synchronised gloo processes instead of two independent ones. (Not under a
     DeepSpeed launch: cpu=True would silently turn DeepSpeed off.) `micro_batch_size`: examples per
-    process per micro-step, which a DeepSpeed engine must be told."""
+    process per micro-step, which a DeepSpeed engine must be told; `grad_accum`, `max_grad_norm`: the
+    script's flags, which no launch setting may change (`deepspeed_plugin`, `same_accumulation`)."""
     from accelerate import Accelerator
+    check_accelerate_version()
     if not torch.cuda.is_available():       # a DeepSpeed launch on a CPU: named, deepspeed does not warn
         os.environ.setdefault("DS_ACCELERATOR", "cpu")   # that it guessed the accelerator
     if deepspeed_launch() and "deepspeed_plugins" not in kwargs:
-        kwargs["deepspeed_plugins"] = deepspeed_plugin(micro_batch_size)
+        kwargs["deepspeed_plugins"] = deepspeed_plugin(micro_batch_size, grad_accum, max_grad_norm)
     accelerator = Accelerator(cpu=not torch.cuda.is_available() and not deepspeed_launch(),
                               gradient_accumulation_steps=grad_accum, mixed_precision="bf16" if bf16 else "no", **kwargs)
     refuse_fallback_from_fsdp(accelerator)
+    return same_accumulation(accelerator, grad_accum)
+
+
+def same_accumulation(accelerator, grad_accum):
+    """`accelerator` if it accumulates --grad_accum micro-steps; else a stop naming both numbers. accelerate takes
+    $ACCELERATE_GRADIENT_ACCUMULATION_STEPS (which `accelerate launch` exports from a config) over the script's
+    argument: the optimizer would step at another rhythm than the loss scaling assumes, with nothing said."""
+    if accelerator.gradient_accumulation_steps != grad_accum:
+        sys.exit(f"error: --grad_accum {grad_accum}, but the launch sets gradient_accumulation_steps "
+                 f"{accelerator.gradient_accumulation_steps} (ACCELERATE_GRADIENT_ACCUMULATION_STEPS or the launch "
+                 "config): drop it from the launch, or pass the same --grad_accum")
     return accelerator
+
+
+# accelerate's behaviour that harness.py relies on beyond its documented API, checked against this version by
+# tests/test_audit5.py: the accumulation grouping (`start_accumulation` sets Accelerator.step, the counter that
+# accumulate() reads) and `saving_without_deepspeed` (accelerate.utils.other.is_deepspeed_available).
+ACCELERATE_CHECKED = "1.15."
+
+
+def check_accelerate_version():
+    import accelerate
+    if not accelerate.__version__.startswith(ACCELERATE_CHECKED):
+        sys.exit(f"error: accelerate {accelerate.__version__}: harness.py groups gradient accumulation through "
+                 f"accelerate's Accelerator.step counter, checked against accelerate {ACCELERATE_CHECKED}x only; "
+                 "install the version pinned in requirements.txt, or run tests/test_audit5.py against yours and "
+                 "update harness.ACCELERATE_CHECKED")
 
 
 def refuse_fallback_from_fsdp(accelerator):
@@ -88,17 +129,17 @@ def refuse_fallback_from_fsdp(accelerator):
                  "(docs/distributed.md).")
 
 
-def make_accelerators(bf16, grad_accum, micro_batch_size, **kwargs):
+def make_accelerators(bf16, grad_accum, micro_batch_size, max_grad_norm=0.0, **kwargs):
     """(policy accelerator, critic accelerator) for two trained models: one and the same, except under
     DeepSpeed, where each trained model needs its own engine. accelerate's multi-model recipe: one
     DeepSpeedPlugin per model (both from the launch config), a second Accelerator for the critic."""
     if not deepspeed_launch():
-        accelerator = make_accelerator(bf16, grad_accum, **kwargs)
+        accelerator = make_accelerator(bf16, grad_accum, max_grad_norm=max_grad_norm, **kwargs)
         return accelerator, accelerator
     from accelerate import Accelerator
-    plugins = {"policy": deepspeed_plugin(micro_batch_size), "critic": deepspeed_plugin(micro_batch_size)}
+    plugins = {name: deepspeed_plugin(micro_batch_size, grad_accum, max_grad_norm) for name in ("policy", "critic")}
     accelerator = make_accelerator(bf16, grad_accum, deepspeed_plugins=plugins, **kwargs)
-    return accelerator, Accelerator(gradient_accumulation_steps=grad_accum)
+    return accelerator, same_accumulation(Accelerator(gradient_accumulation_steps=grad_accum), grad_accum)
 
 
 @dataclasses.dataclass
@@ -134,6 +175,9 @@ def unwrap(accelerator, model):
     return model.module if isinstance(model, torch.nn.parallel.DistributedDataParallel) else model
 
 
+_FSDP_ROOTS = weakref.WeakSet()       # FSDP2 models whose root has run a forward (generation_model)
+
+
 @contextlib.contextmanager
 def generation_model(accelerator, model, gather=True):
     """Yields (module to call generate() on, synced_gpus for generate()).
@@ -145,11 +189,14 @@ def generation_model(accelerator, model, gather=True):
     unwrapped = unwrap(accelerator, model)
     kind = accelerator.distributed_type.value
     zero3 = kind == "DEEPSPEED" and accelerator.state.deepspeed_plugin.zero_stage == 3
-    if kind == "FSDP" and hasattr(model, "unshard"):
+    if kind == "FSDP" and hasattr(model, "unshard") and model not in _FSDP_ROOTS:
         # FSDP2 takes the first module to run forward as its root. A LoRA policy's generate() (peft's) calls
         # the model inside the root PeftModel, so before any training forward the first would be the tied
-        # embedding / lm_head group ("FSDP requires a single root module"): the root is initialised first.
-        model._get_fsdp_state()._lazy_init()
+        # embedding / lm_head group ("FSDP requires a single root module"): the root runs one forward first
+        # (one token, no gradient: every rank, as a sharded forward needs).
+        with torch.no_grad():
+            model(input_ids=torch.zeros(1, 1, dtype=torch.long, device=accelerator.device))
+        _FSDP_ROOTS.add(model)
     if not is_sharded(accelerator) or (kind == "DEEPSPEED" and not zero3):
         yield unwrapped, False
     elif not gather and hasattr(model, "unshard"):
@@ -175,7 +222,8 @@ def generation_model(accelerator, model, gather=True):
         try:
             yield unwrapped, False
         finally:
-            model.set_reshard_after_forward(True)
+            # back to what the launch set (fsdp_reshard_after_forward: accelerate passes it to every module)
+            model.set_reshard_after_forward(bool(accelerator.state.fsdp_plugin.reshard_after_forward))
             for m in parts:
                 m.reshard()
     else:                               # FSDP1
@@ -207,14 +255,17 @@ def saving_without_deepspeed():
 def loading_whole():
     """Loading context for frozen models: under ZeRO-3, transformers would partition them as they load
     (zero.Init), though no engine ever gathers them again. transformers decides that from one
-    module-level DeepSpeed config, set aside here while they load."""
-    from transformers.integrations import deepspeed as hf_deepspeed
-    saved = hf_deepspeed._hf_deepspeed_config_weak_ref
-    hf_deepspeed.unset_hf_deepspeed_config()
+    module-level DeepSpeed config, unset here while they load and set again from the launch's plugin."""
+    from transformers.integrations.deepspeed import is_deepspeed_zero3_enabled, unset_hf_deepspeed_config
+    if not is_deepspeed_zero3_enabled():
+        yield
+        return
+    from accelerate.state import AcceleratorState
+    unset_hf_deepspeed_config()
     try:
         yield
     finally:
-        hf_deepspeed._hf_deepspeed_config_weak_ref = saved
+        AcceleratorState().deepspeed_plugin.set_deepspeed_weakref()
 
 
 def accumulate(accelerator, policy, critic_accelerator, critic):
@@ -233,6 +284,17 @@ def start_accumulation(accelerators, group):
     start of every group, so that a group never spans two calls' worth of data (e.g. two PPO iterations)."""
     for accelerator in set(accelerators):
         accelerator.step = accelerator.gradient_accumulation_steps - group
+
+
+def clip_gradients(accelerator, model, max_norm):
+    """--max_grad_norm, the same in every engine: the L2 norm of all of `model`'s gradients (every process's part,
+    after the all-reduce), returned as a float, and the gradients scaled down to `max_norm` when above it (0 =
+    never). Call it once the last micro-step of an accumulation group has run its backward, before
+    optimizer.step(). DDP and FSDP clip here (accelerate's clip_grad_norm_, DTensor-aware); a DeepSpeed engine
+    clips inside the step its backward took at that point (its gradient_clipping is `max_norm`, set by
+    `deepspeed_plugin`), and the norm it returns is the one it clipped with."""
+    norm = accelerator.clip_grad_norm_(model.parameters(), max_norm if max_norm > 0 else math.inf)
+    return float(norm) if norm is not None else float("nan")
 
 
 def whole_state_dicts(models):
@@ -378,6 +440,41 @@ def check_choices(args):
             sys.exit(f"error: --{f.name} {getattr(args, f.name)!r}: choose from {', '.join(map(repr, choices))}")
 
 
+def in_range(value, interval):
+    """Whether the number `value` lies in `interval`, written as in mathematics: "[1, inf)", "(0, 1]" (a square
+    bracket includes its bound, a round one excludes it). NaN lies in none."""
+    lo, hi = (float(b) for b in interval[1:-1].split(","))
+    above = value >= lo if interval[0] == "[" else value > lo
+    below = value <= hi if interval[-1] == "]" else value < hi
+    return above and below
+
+
+def check_ranges(args):
+    """Every numeric flag of a stage's arguments dataclass (and every number of a list flag such as "1,4,8")
+    declares its range as its metavar ("metavar": "[1, inf)"
+    in the field's metadata, which HfArgumentParser hands to argparse: `--help` shows it as the flag's value): a
+    value outside it stops the run at start, naming the flag, its value and its range, also when the dataclass
+    was built in Python (instead of a ZeroDivisionError or an IndexError mid-run, or a silent misreading such
+    as --n -5 run as 5)."""
+    for f in dataclasses.fields(args):
+        interval, value = f.metadata.get("metavar"), getattr(args, f.name)
+        if interval is None:
+            continue
+        numbers = value.split(",") if isinstance(value, str) else [value]     # a list flag: "1,4,8"
+        try:
+            inside = all(in_range(float(x), interval) for x in numbers)
+        except ValueError:
+            inside = False
+        if not inside:
+            sys.exit(f"error: --{f.name} {value!r}: outside its range {interval}")
+
+
+def check_flags(args):
+    """A stage's first call: its choice flags (check_choices) and numeric flags (check_ranges)."""
+    check_choices(args)
+    check_ranges(args)
+
+
 def start(name, args, accelerator, final="config.json"):
     """Every stage's preamble: a fresh start refused over an interrupted run (it would replace that
     run's checkpoint and metrics), the seed, CPU threads, then the resolved configuration printed once.
@@ -421,7 +518,7 @@ def build_default(accelerator, task, sft_path, rm_path=None, sft_args="", rm_arg
 
 class Stopwatch:
     """Seconds spent per phase of an iteration: `with clock.phase(name):` around it, or `lap(name)` to close the
-    phase that just ended."""
+    phase that just ended; a phase timed in two parts adds them up."""
 
     def __init__(self):
         self.t0 = self.last = time.time()
@@ -429,7 +526,7 @@ class Stopwatch:
 
     def lap(self, name):
         now = time.time()
-        self.laps[name] = now - self.last
+        self.laps[name] = self.laps.get(name, 0.0) + now - self.last
         self.last = now
 
     @contextlib.contextmanager
@@ -754,13 +851,15 @@ def save_optimizer_shards(accelerator, output_dir, optimizers):
 
 
 def _optimizer_shard(path, name, rank, world):
-    """This rank's saved ZeRO optimizer state of `name` (its list for DeepSpeed's loader, which picks its
-    own rank's entry), or None unless every one of `world` ranks saved one."""
+    """Every rank's saved ZeRO optimizer state of `name`, in rank order, for DeepSpeed's loader (it reads its own
+    rank's entry, and every rank's fp32 master partition to rebuild its own), or None unless every one of
+    `world` ranks saved one. The other ranks' files are memory-mapped: read where the loader needs them."""
     folder = os.path.join(path, SHARDS)
     saved = [f for f in os.listdir(folder) if f.startswith(f"{name}.rank")] if os.path.isdir(folder) else []
     if len(saved) != world:
         return None
-    return [torch.load(os.path.join(folder, f"{name}.rank{rank}.pt"), weights_only=False)] * world
+    return [torch.load(os.path.join(folder, f"{name}.rank{r}.pt"), weights_only=False, mmap=r != rank)
+            for r in range(world)]
 
 
 def load_checkpoint(output_dir, optimizers=None, schedulers=None, log=print, rank=0, world=1):
@@ -775,8 +874,10 @@ def load_checkpoint(output_dir, optimizers=None, schedulers=None, log=print, ran
         shard = None if key in state else _optimizer_shard(path, key, rank, world)
         if key in state:
             obj.load_state_dict(state[key])
-        elif shard is not None:
-            obj.load_state_dict(shard)                  # DeepSpeed ZeRO: this rank's partition
+        elif shard is not None:     # DeepSpeed ZeRO: this rank's partition, its fp32 master weights included
+            # (accelerate's load_state_dict would rebuild them from the bf16 weights: every update below bf16's
+            # resolution since the last checkpoint lost, and under bf16 most of them are)
+            obj.optimizer.load_state_dict(shard, load_from_fp32_weights=True)
         else:
             log(f"warning: the checkpoint holds no {key} state (saved under FSDP, or ZeRO with another "
                 "number of processes): it starts afresh")
@@ -891,6 +992,8 @@ class Trainer:
                         loss = loss_fn([rows[i] for i in idx])
                         stop_unless_finite(acc, f"{name} loss at step {step}", args.output_dir, loss)
                         acc.backward(loss)
+                        if acc.sync_gradients:      # the group's last micro-step: the step's gradients
+                            grad_norm = clip_gradients(acc, self.model, args.max_grad_norm)
                         self.optimizer.step()
                         self.optimizer.zero_grad()
                 self.scheduler.step()
@@ -900,7 +1003,8 @@ class Trainer:
                     with torch.no_grad():
                         value, text = evaluate()
                     self.model.train()
-                    acc.print(f"[{name}] step {step + 1}/{self.steps}  train loss {loss.item():.3f}  {text}  "
+                    acc.print(f"[{name}] step {step + 1}/{self.steps}  train loss {loss.item():.3f}  "
+                              f"grad norm {grad_norm:.3g}  {text}  "
                               f"({time.time() - t0:.0f}s)")
                 stop.end_of_step(step + 1, self.steps, args.save_every, self.save)
         self.final = final_model(acc, self.model)       # whole, LoRA merged; on the main process

@@ -468,15 +468,85 @@ def clipped_policy_loss(logp, old_logp, advantages, mask, starts, clip=0.2, rati
     """The clipped surrogate (Schulman et al. 2017, Eq. 7), negated to a loss, and (ratios, log-ratios) [B, T].
     `ratio="token"`: per-token ratios with the macro advantages, a mean over tokens (the released code);
     `"macro"`: each token carries its macro action's ratio, the product of its token ratios (§3.3), and the
-    loss is a mean over macro actions (each weighs the same, whatever its length)."""
+    loss is a mean over macro actions (each weighs the same, whatever its length); `"sequence"`: each token
+    carries its response's length-normalised ratio (GSPO, `sequence_log_ratio`), the loss a mean over responses."""
     log_ratio = (logp - old_logp) * mask
     weights = mask                                       # token ratios: a mean over tokens
     if ratio == "macro":
         log_ratio = macro_sum(log_ratio, starts) * mask
         weights = mask / macro_sum(mask, starts).clamp(min=1)
+    elif ratio == "sequence":
+        log_ratio = sequence_log_ratio(log_ratio, mask)
+        weights = mask / mask.sum(-1, keepdim=True).clamp(min=1)
     elif ratio != "token":
-        raise ValueError(f"unknown ratio {ratio!r}; choose token or macro")
+        raise ValueError(f"unknown ratio {ratio!r}; choose token, macro or sequence")
     ratios = log_ratio.exp()
     # max of the two negated terms = min of the two objectives
     loss = torch.max(-advantages * ratios, -advantages * ratios.clamp(1 - clip, 1 + clip))
     return masked_mean(loss, weights), ratios, log_ratio
+
+
+# ---------------------------------------------------------------------------------------------
+# Credit without a critic: group baselines (GRPO, Dr. GRPO, RLOO), Monte Carlo macro values (SPO-chain),
+# the sequence ratio (GSPO). A group: `group_size` consecutive samples of one prompt (rows i*K .. i*K+K-1).
+# ---------------------------------------------------------------------------------------------
+
+def group_advantages(scores, group_size, norm="std", eps=1e-6):
+    """One advantage per sample [N] from the scores [N] of its group, for every token of its response:
+    std   GRPO (Shao et al. 2024, §4.1.2): (R_i - mean) / std, the group's std with n - 1 (as TRL, OpenRLHF)
+    none  Dr. GRPO (Liu et al. 2025, §3.1): R_i - mean (1/std would weigh nearly unanimous groups up)
+    loo   RLOO (Ahmadian et al. 2024, §2.3): R_i - the mean of the other K - 1 = K / (K - 1) (R_i - mean)
+    A group whose scores tie (std < eps) tells no sample from another: exactly 0 (GRPO names no guard)."""
+    if group_size < 2 or scores.numel() % group_size:
+        raise ValueError(f"group_size {group_size}: groups of 2 or more that divide the {scores.numel()} samples")
+    groups = scores.view(-1, group_size)                                 # [prompts, K]
+    std = groups.std(-1, keepdim=True)
+    if norm == "loo":
+        adv = groups - (groups.sum(-1, keepdim=True) - groups) / (group_size - 1)
+    elif norm in ("std", "none"):
+        adv = groups - groups.mean(-1, keepdim=True)
+        adv = adv / std.clamp(min=eps) if norm == "std" else adv
+    else:
+        raise ValueError(f"unknown group norm {norm!r}; choose std, none or loo")
+    return torch.where(std < eps, torch.zeros_like(adv), adv).view(-1)
+
+
+def sequence_log_ratio(log_ratio, mask, length_normalized=True):
+    """log of one ratio per response, on each of its tokens ([B, T], 0 on padding): GSPO's
+    s_i = (pi(y_i|x) / pi_old(y_i|x))^(1/L_i), the mean of the token log-ratios (Zheng et al. 2025,
+    Eq. 7); unnormalized, log pi(y_i|x) / pi_old(y_i|x), the macro ratio of one macro action holding it all."""
+    m = mask.to(log_ratio.dtype)
+    total = (log_ratio * m).sum(-1, keepdim=True)
+    return (total / m.sum(-1, keepdim=True).clamp(min=1) if length_normalized else total) * m
+
+
+def mc_points(starts, mask, max_points=0):
+    """Which macro starts get a Monte Carlo value (bool [B, T]): all, or under a cap P > 0 the first of each
+    of P runs of (nearly) equal count that cut a row's starts in order: evenly spaced, the first (the
+    prompt's state) always. A start left out joins the macro action before it for the advantage."""
+    starts = starts & mask.bool()
+    if not max_points:
+        return starts
+    k, K = macro_ids(starts), starts.sum(-1, keepdim=True).clamp(min=1)    # rank of a start, starts per row
+    run = k * max_points // K
+    return starts & ((k == 0) | (run != (k - 1) * max_points // K))       # the first start of each run
+
+
+def mc_values(scores, points, rollouts):
+    """V(s) at each point ([B, T], 0 elsewhere): the mean score of its `rollouts` continuations from the
+    policy (SPO, Guo et al. 2025, §4). `scores` [n_points * rollouts]: the points in the order of
+    `points.nonzero()` (row by row), each point's continuations together."""
+    if scores.numel() != int(points.sum()) * rollouts:
+        raise ValueError(f"{scores.numel()} continuation scores for {int(points.sum())} points x {rollouts}")
+    values = torch.zeros(points.shape, dtype=scores.dtype, device=scores.device)
+    values[points] = scores.view(-1, rollouts).mean(-1)
+    return values
+
+
+def mc_advantages(values, rewards, mask, points):
+    """SPO-chain advantages over macro actions (Guo et al. 2025, Eq. 2), on their tokens ([B, T]):
+    A_k = R_k + V(s_{k+1}) - V(s_k), the last A_K = R_K - V(s_K); V the Monte Carlo values at the
+    points (`mc_values`), R_k the macro action's rewards (`macro_rewards`: its KL rewards, the score at
+    the last token). Without KL: V(next start) - V(start), the last the score - V(start): macro GAE with
+    gamma 1, lambda 0 and sigma `first`, the MC value in the critic's place."""
+    return macro_advantages(values, rewards, mask, points, gamma=1.0, lam=0.0, sigma="first")[0]

@@ -11,6 +11,7 @@ update, 7. log; and `finish()`: the final policy and its report. Elsewhere: the 
 reward_model.py (`Scorer`) and segment_rewards.py, the plumbing (accelerators, Ctrl-C / SIGTERM,
 checkpoints, the run log, the default models) in harness.py, the held-out evaluation in evaluate.py.
 """
+import contextlib
 import os
 import sys
 from dataclasses import asdict, dataclass, field
@@ -36,57 +37,65 @@ class PPOArgs:
     sft_args: str = field(default="", metadata={"help": "extra sft.py flags used when the default SFT model is built, e.g. '--max_steps 600'"})
     rm_args: str = field(default="", metadata={"help": "extra reward_model.py flags used when the default RM is built"})
     chat_template: bool = field(default=False, metadata={"help": "render prompts with the tokenizer's chat template (instruct models); same in every stage"})
-    max_prompt_len: int = field(default=48, metadata={"help": "prompt tokens kept (cut from the left, counted)"})
-    max_response_len: int = field(default=0, metadata={"help": "generated tokens at most; 0 = the task's default (64 for count, else 32)"})
+    max_prompt_len: int = field(default=48, metadata={"help": "prompt tokens kept (cut from the left, counted)", "metavar": "[1, inf)"})
+    max_response_len: int = field(default=0, metadata={"help": "generated tokens at most; 0 = the task's default (64 for count, else 32)", "metavar": "[0, inf)"})
     # --- the paper: macro actions (§3.2-3.3) -------------------------------------------------
-    n: int = field(default=5, metadata={"help": "--termination fixed: n-gram length; 1 = vanilla PPO, 0 = the whole response"})
+    n: int = field(default=5, metadata={"help": "--termination fixed: n-gram length; 1 = vanilla PPO, 0 = the whole response", "metavar": "[0, inf)"})
     termination: str = field(default="fixed", metadata={"help": "where macro actions start (§3.2.1): fixed | randomized | parsing | ppl | entropy | segment", "choices": ("fixed", "randomized", "parsing", "ppl", "entropy", "segment")})
-    cutoff: int = field(default=5, metadata={"help": "--termination parsing: the largest parse node kept as one macro action"})
-    entropy_threshold: float = field(default=2.0, metadata={"help": "--termination entropy: a token above this entropy (nats) starts a macro action"})
+    cutoff: int = field(default=5, metadata={"help": "--termination parsing: the largest parse node kept as one macro action", "metavar": "[1, inf)"})
+    entropy_threshold: float = field(default=2.0, metadata={"help": "--termination entropy: a token above this entropy (nats) starts a macro action", "metavar": "[0, inf)"})
     sigma: str = field(default="equal", metadata={"help": "macro value weights (App. D.1): equal | unit | position | first", "choices": ("equal", "unit", "position", "first")})
     reward_agg: str = field(default="sum", metadata={"help": "macro reward: sum (the paper) | mean | released (the released code's)", "choices": ("sum", "mean", "released")})
-    ratio: str = field(default="token", metadata={"help": "policy ratio: token (with macro advantages) | macro (pi(omega) / pi_old(omega), §3.3)", "choices": ("token", "macro")})
+    ratio: str = field(default="token", metadata={"help": "policy ratio: token | macro (pi(omega) / pi_old(omega), §3.3) | sequence (GSPO)", "choices": ("token", "macro", "sequence")})
     # --- PPO (§2; Table 5) --------------------------------------------------------------------
-    beta: float = field(default=0.05, metadata={"help": "KL penalty coefficient (the first one under --kl_target)"})
+    beta: float = field(default=0.05, metadata={"help": "KL penalty coefficient (the first one under --kl_target)", "metavar": "[0, inf)"})
     kl_estimator: str = field(default="k1", metadata={"help": "per-token KL: k1 = logp - logp_ref | k3 = (r - 1) - log r, r = p_ref / p", "choices": ("k1", "k3")})
-    kl_target: float = field(default=0.0, metadata={"help": "adaptive KL controller (Ziegler et al. 2019): per-sequence KL to hold; 0 = fixed --beta"})
-    kl_horizon: int = field(default=10000, metadata={"help": "adaptive KL controller: its horizon in samples (larger = slower)"})
-    clip: float = field(default=0.2, metadata={"help": "policy ratio clip range"})
-    value_clip: float = field(default=0.2, metadata={"help": "value clip range"})
-    gamma: float = field(default=1.0, metadata={"help": "discount"})
-    lam: float = field(default=0.95, metadata={"help": "GAE lambda"})
-    temperature: float = field(default=0.8, metadata={"help": "sampling temperature (the logprobs are taken at the same temperature)"})
-    top_k: int = field(default=0, metadata={"help": "top-k sampling, 0 = off (on: the logprobs no longer follow the sampling distribution)"})
-    top_p: float = field(default=1.0, metadata={"help": "nucleus sampling, 1 = off (on: the logprobs no longer follow the sampling distribution)"})
-    rollout_batch_size: int = field(default=32, metadata={"help": "prompts per process per iteration"})
-    mini_batch_size: int = field(default=16, metadata={"help": "rollouts per PPO minibatch"})
-    grad_accum: int = field(default=1, metadata={"help": "minibatches per optimizer step (an iteration's remainder steps on its own)"})
-    ppo_epochs: int = field(default=1, metadata={"help": "passes over each rollout batch"})
-    steps: int = field(default=120, metadata={"help": "PPO iterations"})
-    policy_lr: float = field(default=3e-4, metadata={"help": "policy learning rate (~1e-6 for Gemma-2B)"})
-    critic_lr: float = field(default=1e-3, metadata={"help": "critic learning rate"})
-    warmup_steps: int = field(default=5, metadata={"help": "linear warmup iterations for both optimizers"})
-    critic_warmup: int = field(default=0, metadata={"help": "value-only updates for the first k iterations (the policy is not stepped)"})
+    kl_target: float = field(default=0.0, metadata={"help": "adaptive KL controller (Ziegler et al. 2019): per-sequence KL to hold; 0 = fixed --beta", "metavar": "[0, inf)"})
+    kl_horizon: int = field(default=10000, metadata={"help": "adaptive KL controller: its horizon in samples (larger = slower)", "metavar": "[1, inf)"})
+    kl_penalty: str = field(default="reward", metadata={"help": "where the KL goes: reward (-beta * KL per token) | loss (beta * k3, GRPO)", "choices": ("reward", "loss")})
+    clip: float = field(default=0.2, metadata={"help": "policy ratio clip range", "metavar": "(0, inf)"})
+    value_clip: float = field(default=0.2, metadata={"help": "value clip range", "metavar": "(0, inf)"})
+    gamma: float = field(default=1.0, metadata={"help": "discount", "metavar": "[0, 1]"})
+    lam: float = field(default=0.95, metadata={"help": "GAE lambda", "metavar": "[0, 1]"})
+    temperature: float = field(default=0.8, metadata={"help": "sampling temperature (the logprobs are taken at the same temperature)", "metavar": "(0, inf)"})
+    top_k: int = field(default=0, metadata={"help": "top-k sampling, 0 = off (on: the logprobs no longer follow the sampling distribution)", "metavar": "[0, inf)"})
+    top_p: float = field(default=1.0, metadata={"help": "nucleus sampling, 1 = off (on: the logprobs no longer follow the sampling distribution)", "metavar": "(0, 1]"})
+    rollout_batch_size: int = field(default=32, metadata={"help": "samples per process per iteration (--advantage group: K of each prompt)", "metavar": "[1, inf)"})
+    mini_batch_size: int = field(default=16, metadata={"help": "rollouts per PPO minibatch", "metavar": "[1, inf)"})
+    grad_accum: int = field(default=1, metadata={"help": "minibatches per optimizer step (an iteration's remainder steps on its own)", "metavar": "[1, inf)"})
+    max_grad_norm: float = field(default=0.0, metadata={"help": "clip each model's gradient L2 norm to this, every engine alike; 0 = never", "metavar": "[0, inf)"})
+    ppo_epochs: int = field(default=1, metadata={"help": "passes over each rollout batch", "metavar": "[1, inf)"})
+    steps: int = field(default=120, metadata={"help": "PPO iterations", "metavar": "[1, inf)"})
+    policy_lr: float = field(default=3e-4, metadata={"help": "policy learning rate (~1e-6 for Gemma-2B)", "metavar": "[0, inf)"})
+    critic_lr: float = field(default=1e-3, metadata={"help": "critic learning rate", "metavar": "[0, inf)"})
+    warmup_steps: int = field(default=5, metadata={"help": "linear warmup iterations for both optimizers", "metavar": "[0, inf)"})
+    critic_warmup: int = field(default=0, metadata={"help": "value-only updates for the first k iterations (the policy is not stepped)", "metavar": "[0, inf)"})
     whiten_advantages: bool = field(default=True, metadata={"help": "normalise advantages over the batch"})
-    missing_eos_penalty: float = field(default=0.0, metadata={"help": "added to the score of a response without EOS (e.g. -1)"})
+    missing_eos_penalty: float = field(default=0.0, metadata={"help": "added to the score of a response without EOS (e.g. -1)", "metavar": "(-inf, inf)"})
     # --- extensions: other scores, segment rewards (Yin et al. 2025) -------------------------
     reward: str = field(default="rm", metadata={"help": "the score: rm | gold (the task's judge) | segment (a segment RM's); code tasks run the program", "choices": ("rm", "gold", "segment")})
     rm_norm: bool = field(default=False, metadata={"help": "--reward rm: the RM's score standardized by its calibration mean and std"})
-    c_ent: float = field(default=0.0, metadata={"help": "segments at this SFT entropy (nats) instead of the RM's own c_ent; 0 = the RM's"})
+    c_ent: float = field(default=0.0, metadata={"help": "segments at this SFT entropy (nats) instead of the RM's own c_ent; 0 = the RM's", "metavar": "[0, inf)"})
     seg_norm: str = field(default="regression", metadata={"help": "--reward segment: normalizer: regression (the paper's) | global | last | none", "choices": ("regression", "global", "last", "none")})
     seg_interp: str = field(default="even", metadata={"help": "--reward segment: a segment's reward on its tokens: even | repeat | end | bandit", "choices": ("even", "repeat", "end", "bandit")})
-    reward_clip: float = field(default=10.0, metadata={"help": "--reward segment: per-token segment rewards clipped to [-c, c]; 0 = off"})
+    reward_clip: float = field(default=10.0, metadata={"help": "--reward segment: per-token segment rewards clipped to [-c, c]; 0 = off", "metavar": "[0, inf)"})
+    # --- credit without a critic: group baselines, Monte Carlo values (SPO) -----------------
+    advantage: str = field(default="gae", metadata={"help": "gae (the critic, the paper) | group (a group baseline) | mc (Monte Carlo values)", "choices": ("gae", "group", "mc")})
+    group_size: int = field(default=4, metadata={"help": "--advantage group: samples per prompt K; it divides --rollout_batch_size", "metavar": "[2, inf)"})
+    group_norm: str = field(default="std", metadata={"help": "--advantage group: std (GRPO) | none (Dr. GRPO) | loo (RLOO: leave-one-out)", "choices": ("std", "none", "loo")})
+    mc_rollouts: int = field(default=4, metadata={"help": "--advantage mc: continuations sampled from each estimation point", "metavar": "[1, inf)"})
+    mc_points: int = field(default=4, metadata={"help": "--advantage mc: estimation points per response at most, evenly spaced; 0 = all", "metavar": "[0, inf)"})
     # --- the run ------------------------------------------------------------------------------
     output_dir: str = field(default="", metadata={"help": "default runs/<task>/ppo_n<n>_fixed, or runs/<task>/ppo_<termination>"})
-    eval_every: int = field(default=20, metadata={"help": "held-out evaluation every k iterations"})
-    save_every: int = field(default=40, metadata={"help": "checkpoint every k iterations (also on Ctrl-C and SIGTERM)"})
-    n_eval_prompts: int = field(default=256, metadata={"help": "held-out prompts per evaluation"})
-    seed: int = field(default=1234, metadata={"help": "random seed"})
+    eval_every: int = field(default=20, metadata={"help": "held-out evaluation every k iterations", "metavar": "[1, inf)"})
+    save_every: int = field(default=40, metadata={"help": "checkpoint every k iterations (also on Ctrl-C and SIGTERM)", "metavar": "[1, inf)"})
+    n_eval_prompts: int = field(default=256, metadata={"help": "held-out prompts per evaluation", "metavar": "[1, inf)"})
+    seed: int = field(default=1234, metadata={"help": "random seed", "metavar": "[0, inf)"})
     resume: bool = field(default=False, metadata={"help": "continue from <output_dir>/checkpoint"})
     plot: bool = field(default=True, metadata={"help": "draw learning_curve.png in the final report (false: skip matplotlib)"})
     report_to: str = field(default="none", metadata={"help": "accelerate trackers: none | tensorboard | wandb", "choices": ("none", "tensorboard", "wandb")})
-    lora_r: int = field(default=0, metadata={"help": "LoRA rank for the policy and the critic (the reference: adapters off); 0 = full"})
-    lora_alpha: int = field(default=16, metadata={"help": "LoRA scale alpha (the update is scaled by alpha / r)"})
+    lora_r: int = field(default=0, metadata={"help": "LoRA rank for the policy and the critic (the reference: adapters off); 0 = full", "metavar": "[0, inf)"})
+    lora_alpha: int = field(default=16, metadata={"help": "LoRA scale alpha (the update is scaled by alpha / r)", "metavar": "(0, inf)"})
     lora_target_modules: str = field(default="all-linear", metadata={"help": "LoRA: all-linear, or module names separated by commas"})
     bf16: bool = field(default=False, metadata={"help": "bf16 mixed precision (GPUs)"})
     gradient_checkpointing: bool = field(default=False, metadata={"help": "recompute activations to save memory (GPUs)"})
@@ -146,7 +155,9 @@ def has_dropout(model):
     """Whether `model` drops anything in train mode: a Dropout module or a config's *dropout* rate above 0."""
     configs = [getattr(m, "config", None) for m in model.modules()]
     rates = [v for c in configs if hasattr(c, "__dict__") for k, v in vars(c).items() if "dropout" in k]
-    return (any(isinstance(m, torch.nn.modules.dropout._DropoutNd) and m.p > 0 for m in model.modules())
+    dropouts = (torch.nn.Dropout, torch.nn.Dropout1d, torch.nn.Dropout2d, torch.nn.Dropout3d, torch.nn.AlphaDropout,
+                torch.nn.FeatureAlphaDropout)
+    return (any(isinstance(m, dropouts) and m.p > 0 for m in model.modules())
             or any(isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0 for v in rates))
 
 
@@ -157,19 +168,19 @@ def fused_update(accelerator, policy, critic, batch_size, mini_batch_size, epoch
     logprobs and values, and the update gathers its minibatch's rows of them. One forward fewer per
     model, and the first ratio is exactly 1 (old = detached new). The numbers equal those of separate
     forwards because a row's forward does not depend on the other rows nor, without dropout, on
-    train() / eval()."""
-    return (epochs == 1 and mini_batch_size >= batch_size and grad_accum == 1
-            and not harness.is_sharded(accelerator) and not has_dropout(policy) and not has_dropout(critic))
+    train() / eval(). `critic` None: there is none (--advantage group / mc)."""
+    return (epochs == 1 and mini_batch_size >= batch_size and grad_accum == 1 and not harness.is_sharded(accelerator)
+            and not has_dropout(policy) and not (critic is not None and has_dropout(critic)))
 
 
 def policy_and_critic_forwards(policy, critic, ids, attention_mask, prompt_width, temperature, keep_graphs):
-    """2. The policy's logprobs and entropy and the critic's values V(s_t) of the rollout, [B, R] each.
-    `keep_graphs` (`fused_update`): both forwards keep their graphs and the update reuses them."""
+    """2. The policy's logprobs and entropy and the critic's values V(s_t) of the rollout, [B, R] each (values None
+    without a critic). `keep_graphs` (`fused_update`): both forwards keep their graphs and the update reuses them."""
     if keep_graphs:
         policy.train()      # as in the update: gradient checkpointing acts in train mode only
     with torch.set_grad_enabled(keep_graphs):
         logp, entropy = response_logprobs(policy, ids, attention_mask, prompt_width, temperature, with_entropy=True)
-        values = critic_values(critic, ids, attention_mask, prompt_width)
+        values = None if critic is None else critic_values(critic, ids, attention_mask, prompt_width)
     policy.eval()
     return logp, entropy, values
 
@@ -177,9 +188,11 @@ def policy_and_critic_forwards(policy, critic, ids, attention_mask, prompt_width
 def reference_logprobs(ref, accelerator, policy, ids, attention_mask, prompt_width, temperature, t1_entropy=False):
     """2. (log pi_ref of the response tokens, the SFT entropy at temperature 1 if `t1_entropy` else None):
     the frozen SFT model's, or under LoRA (ref None) the policy's with its adapters switched off, which
-    is the SFT model."""
+    is the SFT model. The reference computes as the policy does (`load_models`), so that before the first
+    update the KL is exactly 0: under --bf16 unsharded, fp32 weights under the same bf16 autocast."""
     if ref is not None:
-        return response_logprobs(ref, ids, attention_mask, prompt_width, temperature, t1_entropy=t1_entropy)
+        with accelerator.autocast() if not harness.is_sharded(accelerator) else contextlib.nullcontext():
+            return response_logprobs(ref, ids, attention_mask, prompt_width, temperature, t1_entropy=t1_entropy)
     with harness.unwrap(accelerator, policy).disable_adapter():
         return response_logprobs(policy, ids, attention_mask, prompt_width, temperature, t1_entropy=t1_entropy)
 
@@ -198,19 +211,55 @@ def token_rewards_of(kl_rewards, score, response_mask, starts, agg="sum", dense=
             + ma.macro_rewards(dense, penalty, response_mask, starts))
 
 
+def monte_carlo_values(s, args, prompt_ids, prompt_mask, response_ids, points, rows):
+    """5. --advantage mc: V(s) at each point of `points` [B, R] (0 elsewhere), the mean score of --mc_rollouts
+    continuations of the policy from there (SPO, Guo et al. 2025, §4): every point's in one generate call, scored
+    by the run's own scorer, a missing EOS penalized as in step 3. `s`: the Setup; `rows`: the rollout's rows."""
+    acc = s.policy.accelerator
+    with harness.generation_model(acc, s.policy.model, args.gather_for_generation) as (model, synced):
+        p_ids, p_mask, c_ids, c_mask = data.sample_continuations(
+            model, s.tokenizer, prompt_ids, prompt_mask, response_ids, points, args.mc_rollouts, args.temperature,
+            args.top_k, args.top_p, synced_gpus=synced)
+    which = points.nonzero()[:, 0].repeat_interleave(args.mc_rollouts).tolist()     # the row of each continuation
+    with torch.no_grad():
+        score = s.scorer(torch.cat([p_ids, c_ids], 1), torch.cat([p_mask, c_mask], 1), p_ids.shape[1],
+                         [rows[i] for i in which])[0]
+    has_eos = ((c_ids == s.tokenizer.eos_token_id) & c_mask.bool()).any(-1)
+    return ma.mc_values(score + args.missing_eos_penalty * (~has_eos).float(), points, args.mc_rollouts)
+
+
+def advantages_of(args, token_rewards, response_mask, starts, values, points=None):
+    """5. (advantages, returns or None) [B, R] of --advantage: gae, macro GAE on the critic's `values` (§3.3, Eq.
+    4-5); group, each sample's total reward R_i (its score and KL rewards: RLOO's sequence KL, §2.1) against its
+    group's, on every token; mc, SPO-chain on the Monte Carlo `values` at `points` (macro GAE with lambda 0)."""
+    if args.advantage == "gae":
+        return ma.macro_advantages(values, token_rewards, response_mask, starts, args.gamma, args.lam, args.sigma)
+    if args.advantage == "group":
+        adv = ma.group_advantages(token_rewards.sum(-1), args.group_size, args.group_norm)
+        return adv.unsqueeze(-1) * response_mask, None
+    return ma.mc_advantages(values, token_rewards, response_mask, points), None
+
+
 def ppo_losses(logp, old_logp, values, old_values, advantages, returns, response_mask, starts, *,
-               clip=0.2, value_clip=0.2, ratio="token"):
-    """6. The clipped policy loss (token or macro ratio: `macro_actions.clipped_policy_loss`) and the clipped
-    value loss, and their stats. Every tensor [B, R]; `response_mask` 1.0 on real response tokens, `starts`
-    where macro actions begin."""
+               clip=0.2, value_clip=0.2, ratio="token", ref_logp=None, kl_coef=0.0):
+    """6. The clipped policy loss (token, macro or sequence ratio: `macro_actions.clipped_policy_loss`; with
+    `ref_logp`, --kl_penalty loss: plus `kl_coef` times the mean k3 to the reference) and the clipped value loss
+    (None without a critic: `values` None), and their stats. Every tensor [B, R]; `response_mask` 1.0 on real
+    response tokens, `starts` where macro actions begin."""
     pg_loss, ratios, log_ratio = ma.clipped_policy_loss(logp, old_logp, advantages, response_mask, starts, clip, ratio)
-    # clipped value loss around the rollout's values (value clip 0.2, App. B.2 / Table 5)
-    v_clipped = old_values + (values - old_values).clamp(-value_clip, value_clip)
-    vf = 0.5 * torch.max((values - returns) ** 2, (v_clipped - returns) ** 2)
+    vf_loss = None
+    if values is not None:      # clipped value loss around the rollout's values (value clip 0.2, App. B.2 / Table 5)
+        v_clipped = old_values + (values - old_values).clamp(-value_clip, value_clip)
+        vf_loss = ma.masked_mean(0.5 * torch.max((values - returns) ** 2, (v_clipped - returns) ** 2), response_mask)
     stats = {"policy/clipfrac": ma.masked_mean(((ratios - 1).abs() > clip).float(), response_mask),
              "policy/approxkl": ma.masked_mean(0.5 * log_ratio ** 2, response_mask),
              "policy/ratio": ma.masked_mean(ratios, response_mask)}
-    return pg_loss, ma.masked_mean(vf, response_mask), stats
+    if ref_logp is not None:    # GRPO (Shao et al. 2024, Eq. 4): k3 = e^u - u - 1, u = log pi_ref - log pi, in the loss
+        u = (ref_logp - logp) * response_mask
+        stats["loss/kl"] = ma.masked_mean(torch.exp(u) - u - 1, response_mask)
+        pg_loss = pg_loss + kl_coef * stats["loss/kl"]
+        stats["loss/kl"] = stats["loss/kl"].detach()
+    return pg_loss, vf_loss, stats
 
 
 @dataclass
@@ -224,16 +273,22 @@ class UpdateSettings:
     value_clip: float = 0.2
     ratio: str = "token"
     temperature: float = 0.8
+    max_grad_norm: float = 0.0
 
 
-def ppo_update(policy, critic, batch, hp, *, train_policy, reused, generator, prompt_width, step, output_dir):
+def ppo_update(policy, critic, batch, hp, *, train_policy, reused, generator, prompt_width, step, output_dir,
+               kl_coef=0.0):
     """6. PPO epochs over minibatches: the clipped policy and value losses, the policy and the critic (their
-    harness.Trained bundles) each stepping its own optimizer; value-only updates while not `train_policy` (the
-    critic warm-up). `batch`: the rollout's tensors by name, rows first; `hp`: UpdateSettings; `reused`: step
-    2's (logprobs, values) with their graphs (`fused_update`), or None: every minibatch runs its own forwards.
-    Returns the stats of every minibatch."""
-    policy.model.train()
-    critic.model.train()
+    harness.Trained bundles; `critic` None under --advantage group / mc: no value loss) each stepping its own
+    optimizer; value-only updates while not `train_policy` (the critic warm-up). `batch`: the rollout's tensors by
+    name, rows first; `hp`: UpdateSettings; `reused`: step 2's (logprobs, values) with their graphs
+    (`fused_update`), or None: every minibatch runs its own forwards; `kl_coef`: beta, with the batch's ref_logp
+    (--kl_penalty loss). Each optimizer step clips its model's gradients to `hp.max_grad_norm`
+    (harness.clip_gradients, every engine alike). Returns the stats of every minibatch, each with the gradient
+    norms of the step its group took."""
+    trained = [t for t in (policy, critic) if t is not None]
+    for t in trained:
+        t.model.train()
     stats, n_rows = [], len(batch["ids"])
     # accumulation groups of `grad_accum` minibatches, the iteration's remainder a group of its own: the
     # optimizers step at the end of every iteration, never on gradients of an older policy's rollout
@@ -246,32 +301,48 @@ def ppo_update(policy, critic, batch, hp, *, train_policy, reused, generator, pr
             b = {name: tensor[mb] for name, tensor in batch.items()}
             group = min(hp.grad_accum, n_minibatches - j // hp.grad_accum * hp.grad_accum)
             if j % hp.grad_accum == 0:
-                harness.start_accumulation((policy.accelerator, critic.accelerator), group)
+                harness.start_accumulation([t.accelerator for t in trained], group)
+                grouped = []        # this group's minibatch stats, given the norms of its step at its end
             j += 1
-            with harness.accumulate(policy.accelerator, policy.model, critic.accelerator, critic.model):
+            with (policy.accelerator.accumulate(policy.model) if critic is None else
+                  harness.accumulate(policy.accelerator, policy.model, critic.accelerator, critic.model)):
                 if reused is not None:      # the one minibatch: its rows of step 2's forwards, graphs and all
-                    logp, values = reused[0][mb], reused[1][mb]
+                    logp, values = reused[0][mb], None if critic is None else reused[1][mb]
                 else:
                     logp, _ = response_logprobs(policy.model, b["ids"], b["attention_mask"], prompt_width, hp.temperature)
-                    values = critic_values(critic.model, b["ids"], b["attention_mask"], prompt_width)
+                    values = None if critic is None else critic_values(critic.model, b["ids"], b["attention_mask"],
+                                                                       prompt_width)
                     harness.release_freed_memory(b["ids"].device)        # the forwards' temporaries
-                pg_loss, vf_loss, s = ppo_losses(logp, b["old_logp"], values, b["old_values"], b["advantages"],
-                                                 b["returns"], b["response_mask"], b["starts"], clip=hp.clip,
-                                                 value_clip=hp.value_clip, ratio=hp.ratio)
-                harness.stop_unless_finite(policy.accelerator, f"loss at iteration {step}", output_dir, pg_loss, vf_loss)
+                pg_loss, vf_loss, s = ppo_losses(logp, b["old_logp"], values, b.get("old_values"), b["advantages"],
+                                                 b.get("returns"), b["response_mask"], b["starts"], clip=hp.clip,
+                                                 value_clip=hp.value_clip, ratio=hp.ratio, ref_logp=b.get("ref_logp"),
+                                                 kl_coef=kl_coef)
+                losses = [pg_loss] + ([] if critic is None else [vf_loss])
+                harness.stop_unless_finite(policy.accelerator, f"loss at iteration {step}", output_dir, *losses)
                 scale = hp.grad_accum / group      # backward divides by grad_accum: a mean over the group
                 if train_policy:
                     policy.accelerator.backward(pg_loss * scale)    # the two graphs are disjoint: one backward each
-                critic.accelerator.backward(vf_loss * scale)
+                if critic is not None:
+                    critic.accelerator.backward(vf_loss * scale)
+                grouped.append({"loss/policy": pg_loss.detach(),
+                                **({} if critic is None else {"loss/value": vf_loss.detach()}), **s})
+                if trained[-1].accelerator.sync_gradients:       # the group's last minibatch: its step's gradients
+                    norms = {} if critic is None else {
+                        "value/grad_norm": harness.clip_gradients(critic.accelerator, critic.model, hp.max_grad_norm)}
+                    if train_policy:
+                        norms["policy/grad_norm"] = harness.clip_gradients(policy.accelerator, policy.model,
+                                                                           hp.max_grad_norm)
+                    stats += [{**g, **{k: torch.tensor(v) for k, v in norms.items()}} for g in grouped]
                 if train_policy:
                     policy.optimizer.step()
-                critic.optimizer.step()
-                policy.optimizer.zero_grad()
-                critic.optimizer.zero_grad()
-            stats.append({"loss/policy": pg_loss.detach(), "loss/value": vf_loss.detach(), **s})
+                if critic is not None:
+                    critic.optimizer.step()
+                for t in trained:
+                    t.optimizer.zero_grad()
     if train_policy:        # the policy's warmup starts with it
         policy.scheduler.step()
-    critic.scheduler.step()
+    if critic is not None:
+        critic.scheduler.step()
     return stats
 
 
@@ -285,13 +356,14 @@ class Iteration:
     entropy: torch.Tensor           # [B, R] the policy's entropy at each response token
     response_mask: torch.Tensor     # [B, R] 1.0 on real response tokens
     starts: torch.Tensor            # [B, R] bool, where a macro action begins
-    old_values: torch.Tensor        # [B, R] V(s_t) at rollout time
+    old_values: torch.Tensor | None     # [B, R] V(s_t) at rollout time; None without a critic
     advantages: torch.Tensor        # [B, R] macro advantages before whitening
-    returns: torch.Tensor           # [B, R] the critic's targets
+    returns: torch.Tensor | None    # [B, R] the critic's targets; None without a critic
     has_eos: torch.Tensor           # [B] bool, the response ended with EOS
     parse_fallback: float           # share of rows whose parse fell back to n=1
     update_stats: list              # one dict of losses and ratio stats per minibatch
     score_stats: dict = field(default_factory=dict)      # the scorer's (--reward segment: segment counts, rewards)
+    points: torch.Tensor | None = None      # [B, R] bool, --advantage mc: where Monte Carlo values were estimated
 
 
 def iteration_metrics(it, score_name):
@@ -299,17 +371,20 @@ def iteration_metrics(it, score_name):
     reward/<score_name> (rm, gold, segment or exec)."""
     m, starts = it.response_mask, it.starts
     n_macro = starts.sum(-1).clamp(min=1).float()
-    var_r = ma.masked_mean((it.returns - ma.masked_mean(it.returns, m)) ** 2, m)
     lengths = m.sum(-1)
+    critic = {}
+    if it.returns is not None:      # the critic's: none under --advantage group / mc
+        var_r = ma.masked_mean((it.returns - ma.masked_mean(it.returns, m)) ** 2, m)
+        critic = {"value/explained_variance": 1 - ma.masked_mean((it.returns - it.old_values) ** 2, m) / var_r.clamp(min=1e-8),
+                  "q/l2": (it.returns ** 2 * m).sum(-1).sqrt().mean(), "q/l2_macro": (it.returns ** 2 * starts).sum(-1).sqrt().mean()}
     return {f"reward/{score_name}": it.score.mean(),
             **({"reward/pass_rate": it.passed.mean()} if it.passed is not None else {}),
             "reward/total": it.token_rewards.sum(-1).mean(),
-            "kl": (it.kl * m).sum(-1).mean(), "entropy": ma.masked_mean(it.entropy, m),
-            "value/explained_variance": 1 - ma.masked_mean((it.returns - it.old_values) ** 2, m) / var_r.clamp(min=1e-8),
+            "kl": (it.kl * m).sum(-1).mean(), "entropy": ma.masked_mean(it.entropy, m), **critic,
             # Fig. 11: L2 norms per response, over tokens (a macro counted once per token) and over macro actions
-            "adv/l2": (it.advantages ** 2 * m).sum(-1).sqrt().mean(), "q/l2": (it.returns ** 2 * m).sum(-1).sqrt().mean(),
+            "adv/l2": (it.advantages ** 2 * m).sum(-1).sqrt().mean(),
             "adv/l2_macro": (it.advantages ** 2 * starts).sum(-1).sqrt().mean(),
-            "q/l2_macro": (it.returns ** 2 * starts).sum(-1).sqrt().mean(),
+            **({"mc/points": it.points.sum(-1).float().mean()} if it.points is not None else {}),
             "macro/mean_len": (lengths / n_macro).mean(), "macro/parse_fallback": torch.tensor(it.parse_fallback),
             "response/len": lengths.mean(), "response/eos_rate": it.has_eos.float().mean(),
             **{k: torch.stack([s[k] for s in it.update_stats]).mean() for k in it.update_stats[0]}, **it.score_stats}
@@ -318,11 +393,12 @@ def iteration_metrics(it, score_name):
 def adaptive_beta(beta, kl, target, n, horizon):
     """7. The KL coefficient of the next iteration (Ziegler et al. 2019, §2.2): proportional control of the
     per-sequence KL towards `target`, the error clipped to +-20%, the step scaled by the `n` samples seen
-    out of a `horizon`. `target` 0 keeps `beta` fixed."""
+    out of a `horizon`, at most 1: beta moves by at most 20% per iteration and stays positive (with n above
+    5 x the horizon the formula's factor 1 - 0.2 n / horizon would flip its sign). `target` 0 keeps `beta` fixed."""
     if not target:
         return beta
     error = min(max(kl / target - 1, -0.2), 0.2)
-    return beta * (1 + error * n / horizon)
+    return beta * (1 + error * min(n / horizon, 1.0))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -337,7 +413,7 @@ def run_name(n, termination):
 def resolve(args):
     """Derived settings, in one place: default paths, and whether the task's score is running its code
     (returned: `code_task`)."""
-    harness.check_choices(args)
+    harness.check_flags(args)
     data.resolve_paths(args, run_name(args.n, args.termination))
     args.max_response_len = data.response_len(args.task, args.max_response_len)
     code_task = args.task in data.CODE_TASKS       # score = running the program; critic from SFT (App. B.2)
@@ -353,22 +429,30 @@ def resolve(args):
     if args.rm_norm and (code_task or args.reward != "rm"):
         sys.exit(f"error: --rm_norm normalizes the reward model's score under --reward rm, not --reward {args.reward}"
                  + (f" (task {args.task!r} runs its code)" if code_task else ""))
-    if args.kl_target < 0 or args.kl_horizon < 1:
-        sys.exit(f"error: --kl_target {args.kl_target} / --kl_horizon {args.kl_horizon}: a target >= 0 (0 = a fixed "
-                 "--beta) and a horizon of at least 1 sample")
-    if args.reward_clip < 0:
-        sys.exit(f"error: --reward_clip {args.reward_clip}: a bound (> 0) or 0 for none")
+    if args.kl_target and not args.beta:
+        sys.exit(f"error: --kl_target {args.kl_target} with --beta {args.beta}: the controller multiplies beta, so a "
+                 "beta of 0 never moves; start it above 0 (e.g. --beta 0.05)")
+    if args.reward_agg == "released" and args.sigma != "equal":
+        sys.exit(f"error: --reward_agg released with --sigma {args.sigma}: the released code weights each macro "
+                 "action's rewards with the sigma of its values, its own position weights largest on the first "
+                 "token (and unit crashes there); only --sigma equal reproduces it (docs/training.md)")
     if args.reward == "gold" and args.task not in data.GOLD_JUDGES:
         sys.exit(f"error: --reward gold needs a task with a gold judge ({', '.join(data.GOLD_JUDGES)}), not {args.task!r}")
+    if args.advantage == "group" and args.rollout_batch_size % args.group_size:
+        sys.exit(f"error: --group_size {args.group_size}: a divisor of --rollout_batch_size {args.rollout_batch_size} "
+                 "(the samples of a process: its prompts x K)")
+    if args.advantage != "gae" and (args.critic_warmup or args.reward == "segment"):
+        sys.exit(f"error: --advantage {args.advantage} has no critic to warm up (--critic_warmup) and reads one score "
+                 "per sample, not --reward segment's per-token rewards")
     return args, code_task
 
 
 def load_models(sft_path, rm_path, critic_path, *, code_task, bf16=False, lora=None, resume_dir=None,
                 gradient_checkpointing=False, sharded=False):
     """(tokenizer, policy, critic, frozen reference, frozen reward model or None): the policy and the
-    reference from the SFT model, the critic from `critic_path` (App. B.2); `resume_dir`: the trained two
-    from its checkpoint. `lora`: (r, alpha, target modules) or None. `sharded`: ZeRO-3 / FSDP will partition
-    the trained models."""
+    reference from the SFT model, the critic from `critic_path` (App. B.2; None: no critic); `resume_dir`: the
+    trained two from its checkpoint. `lora`: (r, alpha, target modules) or None. `sharded`: ZeRO-3 / FSDP will
+    partition the trained models."""
     from transformers import AutoModelForCausalLM
     dtype = torch.bfloat16 if bf16 else torch.float32
     if resume_dir:
@@ -382,18 +466,23 @@ def load_models(sft_path, rm_path, critic_path, *, code_task, bf16=False, lora=N
         # the reference is the policy with its adapters off; a critic initialised from the RM reads the RM's
         # own weights (a twin of it), unless the weights are sharded (ZeRO-3 / FSDP partition the critic's)
         shared = reward_model is not None and not sharded and os.path.realpath(critic_path) == os.path.realpath(rm_path)
-        critic = harness.twin(reward_model) if shared else rm.load_reward_model(critic_path, bf16)[0]
+        critic = (harness.twin(reward_model) if shared else rm.load_reward_model(critic_path, bf16)[0]) if critic_path else None
         policy = harness.load_lora(policy, part("policy", "")) if resume_dir else harness.with_lora(policy, *lora, "CAUSAL_LM")
-        critic = Critic(harness.load_lora(critic, part("critic", "")) if resume_dir else
-                        harness.with_lora(critic, *lora, "SEQ_CLS"))      # SEQ_CLS: the score head trains too
+        if critic is not None:
+            critic = Critic(harness.load_lora(critic, part("critic", "")) if resume_dir else
+                            harness.with_lora(critic, *lora, "SEQ_CLS"))      # SEQ_CLS: the score head trains too
     else:       # trained weights in fp32 (the master copy); --bf16 autocasts their forwards
         policy = AutoModelForCausalLM.from_pretrained(part("policy", sft_path), dtype=torch.float32)
-        critic = Critic(rm.load_reward_model(part("critic", critic_path))[0])
+        critic = Critic(rm.load_reward_model(part("critic", critic_path))[0]) if critic_path else None
+    # the reference in the precision the policy computes in: bf16 weights where the engine runs the policy's in
+    # bf16 (DeepSpeed, FSDP2's mixed precision), else fp32 weights under the policy's autocast (reference_logprobs)
+    ref_dtype = dtype if sharded else torch.float32
     with harness.loading_whole():
-        ref = None if lora else AutoModelForCausalLM.from_pretrained(sft_path, dtype=dtype).eval().requires_grad_(False)
+        ref = None if lora else AutoModelForCausalLM.from_pretrained(sft_path, dtype=ref_dtype).eval().requires_grad_(False)
     if gradient_checkpointing:
         policy.gradient_checkpointing_enable()
-        critic.model.gradient_checkpointing_enable()
+        if critic is not None:
+            critic.model.gradient_checkpointing_enable()
     return tokenizer, policy, critic, ref, reward_model
 
 
@@ -415,13 +504,13 @@ def score_normalizer(accelerator, rm_path, reward_model, tokenizer, segmenter, *
 
 
 def optimizers(policy, critic, policy_lr, critic_lr, warmup_steps):
-    """AdamW for the policy and for the critic, and their schedules: a linear warmup over `warmup_steps`."""
+    """AdamW for the policy and for the critic (None without one), and their schedules: a linear warmup over
+    `warmup_steps`."""
     trained = (lambda model: [p for p in model.parameters() if p.requires_grad])     # all of them, or LoRA's
-    policy_opt = torch.optim.AdamW(trained(policy), lr=policy_lr)
-    critic_opt = torch.optim.AdamW(trained(critic), lr=critic_lr)
     warmup = (lambda step: min(1.0, (step + 1) / max(1, warmup_steps)))
-    return (policy_opt, critic_opt), (torch.optim.lr_scheduler.LambdaLR(policy_opt, warmup),
-                                      torch.optim.lr_scheduler.LambdaLR(critic_opt, warmup))
+    opts = [None if model is None else torch.optim.AdamW(trained(model), lr=lr)
+            for model, lr in ((policy, policy_lr), (critic, critic_lr))]
+    return opts, [None if opt is None else torch.optim.lr_scheduler.LambdaLR(opt, warmup) for opt in opts]
 
 
 @dataclass
@@ -430,7 +519,7 @@ class Setup:
     scorer of step 2, the prompts, and the settings of the update and of the held-out evaluation."""
     tokenizer: object
     policy: harness.Trained
-    critic: harness.Trained
+    critic: harness.Trained | None  # None under --advantage group / mc: no critic at all
     ref: object                     # the frozen SFT model; None under LoRA (the policy with its adapters off)
     reward_model: object            # frozen; None for code tasks
     scorer: rm.Scorer
@@ -451,7 +540,7 @@ def setup(args, code_task, accelerators):
             "do not: the first ratio is not 1 and the KL is off-policy")
     harness.build_default(acc, args.task, args.sft_path, None if code_task else args.rm_path, args.sft_args, args.rm_args)
     tokenizer, policy, critic, ref, reward_model = load_models(
-        args.sft_path, args.rm_path, args.critic_path, code_task=code_task, bf16=args.bf16,
+        args.sft_path, args.rm_path, args.critic_path if args.advantage == "gae" else "", code_task=code_task, bf16=args.bf16,
         lora=(args.lora_r, args.lora_alpha, args.lora_target_modules) if args.lora_r else None,
         resume_dir=args.output_dir if args.resume else None, gradient_checkpointing=args.gradient_checkpointing,
         sharded=harness.is_sharded(acc))
@@ -465,7 +554,11 @@ def setup(args, code_task, accelerators):
                                         args.chat_template)                # code rows carry their tests
     log(f"[ppo] {len(rows)} training prompts, {len(eval_rows)} held-out prompts, {acc.num_processes} process(es)")
     opts, scheds = optimizers(policy, critic, args.policy_lr, args.critic_lr, args.warmup_steps)
-    policy, policy_opt, critic, critic_opt = harness.prepare_pair(acc, critic_acc, policy, opts[0], critic, opts[1])
+    if critic is None:
+        log(f"[ppo] --advantage {args.advantage}: no critic (none built, trained, saved or resumed)")
+        (policy, policy_opt), critic_opt = acc.prepare(policy, opts[0]), None
+    else:
+        policy, policy_opt, critic, critic_opt = harness.prepare_pair(acc, critic_acc, policy, opts[0], critic, opts[1])
     for frozen_model in (ref, reward_model):
         if frozen_model is not None:
             frozen_model.to(acc.device)
@@ -476,12 +569,12 @@ def setup(args, code_task, accelerators):
                     segment_settings=settings, segment_rm=own is not None, seg_norm=args.seg_norm,
                     seg_interp=args.seg_interp, score_norm=score_norm)
     update = UpdateSettings(args.ppo_epochs, args.mini_batch_size, args.grad_accum, args.clip, args.value_clip,
-                            args.ratio, args.temperature)
+                            args.ratio, args.temperature, args.max_grad_norm)
     sampling = evaluate.Sampling(args.task, args.max_prompt_len, args.max_response_len, args.temperature, args.top_k,
                                  args.top_p, args.seed)
     return Setup(tokenizer, harness.Trained(policy, acc, policy_opt, scheds[0]),
-                 harness.Trained(critic, critic_acc, critic_opt, scheds[1]), ref, reward_model, scorer, rows, eval_rows,
-                 segmenter, update, sampling)
+                 None if critic is None else harness.Trained(critic, critic_acc, critic_opt, scheds[1]), ref,
+                 reward_model, scorer, rows, eval_rows, segmenter, update, sampling)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -490,13 +583,14 @@ def setup(args, code_task, accelerators):
 
 def main(args):
     args, code_task = resolve(args)
-    acc, critic_acc = harness.make_accelerators(args.bf16, args.grad_accum, args.mini_batch_size, project_dir=args.output_dir,
+    acc, critic_acc = harness.make_accelerators(args.bf16, args.grad_accum, args.mini_batch_size, args.max_grad_norm,
+                                                project_dir=args.output_dir,
                                                 log_with=None if args.report_to == "none" else args.report_to)
     harness.start("ppo", args, acc, final=os.path.join("policy", "config.json"))
     log, world, rank = acc.print, acc.num_processes, acc.process_index
     s = setup(args, code_task, (acc, critic_acc))
     policy, critic, scorer, tokenizer = s.policy, s.critic, s.scorer, s.tokenizer
-    trained = {"policy": policy, "critic": critic}
+    trained = {name: t for name, t in (("policy", policy), ("critic", critic)) if t is not None}
     optimizers = {f"{name}_opt": t.optimizer for name, t in trained.items()}    # by their names in a checkpoint
     schedulers = {f"{name}_sched": t.scheduler for name, t in trained.items()}
     generator = torch.Generator().manual_seed(args.seed)       # minibatch order, randomized n-grams
@@ -508,6 +602,7 @@ def main(args):
         log(f"[ppo] resumed at iteration {first_step}")
     run_log = harness.RunLog(acc, args.output_dir, first_step, args.report_to, asdict(args))
     prompts, sft_replies = [r["prompt"] for r in s.rows], {}     # sft_replies: the SFT model's diversity, measured once
+    K = args.group_size if args.advantage == "group" else 1      # samples per prompt, a group's in adjacent rows
     from tqdm.auto import tqdm
     bar = tqdm(range(first_step, args.steps), desc=run_name(args.n, args.termination), disable=not acc.is_local_main_process)
     with harness.GracefulStop(acc, "ppo", "iteration", harness.checkpoint_dir(args.output_dir), first_step) as stop:
@@ -515,7 +610,8 @@ def main(args):
             clock = harness.Stopwatch()     # each phase's seconds; the freed heap handed back after the large ones
             # 1. Rollout: sample responses to this rank's prompts; logprobs under the sampling distribution
             with clock.phase("generate", release=acc.device):
-                idx = harness.batch_indices(len(prompts), args.rollout_batch_size, step, args.seed, rank, world)
+                idx = harness.batch_indices(len(prompts), args.rollout_batch_size // K, step, args.seed, rank, world)
+                idx = [i for i in idx for _ in range(K)]        # a group never spans two processes
                 policy.model.eval()
                 with harness.generation_model(acc, policy.model, args.gather_for_generation) as (model, synced):
                     p_ids, p_mask, r_ids, r_mask, n_cut = data.sample(
@@ -528,11 +624,12 @@ def main(args):
             with clock.phase("forward", release=acc.device):
                 # 2. Score: the policy's logprobs and the critic's values V(s_t) (with their graphs when the update
                 # reuses these forwards), the reference logprobs, the sequence score
-                reuse = fused_update(acc, policy.model, critic.model, len(idx), args.mini_batch_size, args.ppo_epochs,
+                critic_model = None if critic is None else critic.model
+                reuse = fused_update(acc, policy.model, critic_model, len(idx), args.mini_batch_size, args.ppo_epochs,
                                      args.grad_accum)
-                logp, entropy, values = policy_and_critic_forwards(policy.model, critic.model, ids, attention_mask, P,
+                logp, entropy, values = policy_and_critic_forwards(policy.model, critic_model, ids, attention_mask, P,
                                                                    args.temperature, keep_graphs=reuse)
-                old_logp, old_values = logp.detach(), values.detach() * response_mask
+                old_logp, old_values = logp.detach(), None if critic is None else values.detach() * response_mask
                 with torch.no_grad():
                     ref_logp, sft_entropy = reference_logprobs(s.ref, acc, policy.model, ids, attention_mask, P,
                                                                args.temperature, t1_entropy=scorer.segment_settings is not None)
@@ -545,7 +642,7 @@ def main(args):
                 score = score + penalty
                 log_r = old_logp - ref_logp
                 kl = log_r if args.kl_estimator == "k1" else (torch.exp(-log_r) - 1) + log_r    # k1 or k3
-                kl_rewards = -beta * kl * response_mask
+                kl_rewards = -beta * kl * response_mask if args.kl_penalty == "reward" else torch.zeros_like(kl)
                 harness.stop_unless_finite(acc, f"reward at iteration {step}", args.output_dir, kl_rewards, score)
             with clock.phase("macro"):
                 # 4. Macro actions (§3.2.1): which response tokens begin one
@@ -555,27 +652,35 @@ def main(args):
                     language="python" if code_task else "text", generator=generator, segments=seg_starts)
                 if args.reward_agg == "released":    # the released code: the final token a macro action of its own
                     starts = ma.final_token_apart(starts, response_mask)
-                # 5. Advantages (§3.3, Eq. 4-5): macro rewards R_tau, sigma-weighted macro values, macro GAE
+            points = None
+            if args.advantage == "mc":      # 5a. no critic: Monte Carlo values at (at most --mc_points) macro starts
+                with clock.phase("mc", release=acc.device):
+                    points = ma.mc_points(starts, response_mask, args.mc_points)
+                    old_values = monte_carlo_values(s, args, p_ids, p_mask, r_ids, points, [s.rows[i] for i in idx])
+            with clock.phase("macro"):
+                # 5. Advantages (§3.3, Eq. 4-5): macro rewards R_tau, sigma-weighted macro values, macro GAE (or
+                # --advantage group / mc: a group baseline, SPO-chain)
                 agg = "mean" if args.reward_agg == "released" else args.reward_agg
                 token_rewards = token_rewards_of(kl_rewards, score, response_mask, starts, agg, dense, penalty,
                                                  args.reward_clip)
-                advantages, returns = ma.macro_advantages(old_values, token_rewards, response_mask, starts, args.gamma,
-                                                          args.lam, args.sigma)
+                advantages, returns = advantages_of(args, token_rewards, response_mask, starts, old_values, points)
                 raw_adv = advantages
                 if args.whiten_advantages:
                     advantages = masked_whiten(advantages, response_mask)
             with clock.phase("update", release=acc.device):
                 # 6. PPO update: epochs over minibatches; value-only while the critic warms up
-                batch = {"ids": ids, "attention_mask": attention_mask, "old_logp": old_logp, "old_values": old_values,
-                         "advantages": advantages, "returns": returns, "response_mask": response_mask, "starts": starts}
+                batch = {"ids": ids, "attention_mask": attention_mask, "old_logp": old_logp, "advantages": advantages,
+                         "response_mask": response_mask, "starts": starts,
+                         **({} if critic is None else {"old_values": old_values, "returns": returns}),
+                         **({"ref_logp": ref_logp} if args.kl_penalty == "loss" else {})}
                 stats = ppo_update(policy, critic, batch, s.update, train_policy=step >= args.critic_warmup,
                                    reused=(logp, values) if reuse else None, generator=generator, prompt_width=P,
-                                   step=step, output_dir=args.output_dir)
+                                   step=step, output_dir=args.output_dir, kl_coef=beta)
                 logp = values = None        # step 2's graphs (if reused) not kept into the next rollout
             # 7. Log (means over every process), evaluate on held-out prompts, checkpoint
             means = harness.mean_over_processes(acc, iteration_metrics(Iteration(
-                score, passed, token_rewards, kl, entropy, response_mask, starts, old_values, raw_adv, returns, has_eos,
-                fallback, stats, score_stats), scorer.name))
+                score, passed, token_rewards, kl, entropy, response_mask, starts, None if critic is None else old_values,
+                raw_adv, returns, has_eos, fallback, stats, score_stats, points), scorer.name))
             metrics = {**harness.rounded(means), "step": step + 1, "beta": beta, "prompts/truncated": truncated,
                        **clock.metrics(float(response_mask.sum()) * world)}
             if (step + 1) % args.eval_every == 0 or step + 1 == args.steps:
@@ -607,7 +712,7 @@ def finish(args, s, truncated, beta, run_log):
         acc.print(f"[ppo] adaptive KL: beta {args.beta} -> {beta:.5g} (--kl_target {args.kl_target})")
     same_beta = harness.same_on_every_rank(acc, beta)
     if not sharded:
-        in_sync = harness.ranks_in_sync(acc, s.policy.model) and harness.ranks_in_sync(acc, s.critic.model)
+        in_sync = all(harness.ranks_in_sync(acc, t.model) for t in (s.policy, s.critic) if t is not None)
         acc.print(f"[ppo] ranks in sync: {in_sync and same_beta}")
     final_policy = harness.final_model(acc, s.policy.model)        # collective: whole weights, LoRA merged
     if acc.is_main_process:

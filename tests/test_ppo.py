@@ -365,9 +365,13 @@ def test_a_run_is_quiet_no_deepspeed_warning_no_shard_bars_no_deprecation(tiny_m
 
 @pytest.mark.launch
 def test_non_finite_rewards_stop_with_a_clear_message(tiny_models, tmp_path):
-    args = ppo.PPOArgs(sft_path=str(tiny_models / "sft"), rm_path=str(tiny_models / "rm"), output_dir=str(tmp_path),
-                       steps=1, rollout_batch_size=4, mini_batch_size=2, max_prompt_len=16, max_response_len=8,
-                       beta=float("nan"))
+    """A reward model whose head gives NaN (a --beta nan is refused at start: harness.check_ranges)."""
+    from transformers import AutoModelForSequenceClassification
+    broken = AutoModelForSequenceClassification.from_pretrained(tiny_models / "rm")
+    broken.score.weight.data.fill_(float("nan"))
+    ppo.harness.atomic_save(str(tmp_path / "nan_rm"), broken, ppo.data.load_tokenizer(str(tiny_models / "rm")))
+    args = ppo.PPOArgs(sft_path=str(tiny_models / "sft"), rm_path=str(tmp_path / "nan_rm"), output_dir=str(tmp_path / "out"),
+                       steps=1, rollout_batch_size=4, mini_batch_size=2, max_prompt_len=16, max_response_len=8)
     with pytest.raises(FloatingPointError, match="non-finite reward at iteration 0"):
         ppo.main(args)
 

@@ -1,0 +1,47 @@
+"""Run by tests/test_critic_free.py under one 2-process `accelerate launch` (gloo, CPU): ppo.py command lines one
+after the other, as tests/launched_stages.py runs them, with two spies that call the real functions and keep what
+each rank gave them: the prompts of every rollout (data.sample) and the scores and advantages of every call of
+macro_actions.group_advantages. Stage i of rank r writes LOG_DIR/<i>.<r>.pt ({"prompts": [...], "groups":
+[(scores, advantages), ...]}) and what it printed to LOG_DIR/<i>.<r>.txt.
+
+    python tests/critic_free_ranks.py LOG_DIR '[["ppo.py", "--advantage", "group", ...], ...]'
+"""
+import json
+import os
+import sys
+
+import torch
+from accelerate.state import AcceleratorState, GradientState
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))   # the stage modules
+import data  # noqa: E402
+import macro_actions as ma  # noqa: E402
+from stages import run_stage  # noqa: E402
+
+
+def main(log_dir, command_lines):
+    rank = os.environ.get("RANK", "0")
+    sample, group_advantages = data.sample, ma.group_advantages
+    for i, argv in enumerate(command_lines):
+        AcceleratorState._reset_state()
+        GradientState._reset_state()
+        seen = {"prompts": [], "groups": []}
+
+        def spied_sample(model, tokenizer, prompts, *args, **kwargs):
+            seen["prompts"].append(list(prompts))
+            return sample(model, tokenizer, prompts, *args, **kwargs)
+
+        def spied_group_advantages(scores, *args, **kwargs):
+            advantages = group_advantages(scores, *args, **kwargs)
+            seen["groups"].append((scores.clone(), advantages.clone()))
+            return advantages
+
+        data.sample, ma.group_advantages = spied_sample, spied_group_advantages
+        printed = run_stage(*argv)
+        with open(os.path.join(log_dir, f"{i}.{rank}.txt"), "w") as f:
+            f.write(printed)
+        torch.save(seen, os.path.join(log_dir, f"{i}.{rank}.pt"))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], json.loads(sys.argv[2]))

@@ -1,0 +1,449 @@
+"""Credit without a critic, as a specification: group baselines (GRPO, Dr. GRPO, RLOO), Monte Carlo values at
+macro-action starts (SPO-chain) and the sequence ratio (GSPO), each checked against a plain loop written from
+its paper."""
+import math
+import os
+
+import pytest
+import torch
+
+import macro_actions as ma
+
+GROUPS = [[1.0, 0.0, 0.0, 1.0], [0.5, -2.0, 3.0, 0.25], [2.0, 2.0, 2.0, 2.0]]     # 3 prompts x K = 4; one ties
+
+
+# --- plain-loop references ---------------------------------------------------------------------
+
+def group_loop(groups, norm):
+    """One group at a time, from the papers' formulas."""
+    out = []
+    for g in groups:
+        K, mean = len(g), sum(g) / len(g)
+        std = math.sqrt(sum((r - mean) ** 2 for r in g) / (K - 1))
+        for i, r in enumerate(g):
+            if std == 0:
+                out.append(0.0)                                     # a tie says nothing
+            elif norm == "std":
+                out.append((r - mean) / std)                        # GRPO
+            elif norm == "none":
+                out.append(r - mean)                                # Dr. GRPO
+            else:
+                out.append(r - sum(g[j] for j in range(K) if j != i) / (K - 1))    # RLOO
+    return out
+
+
+def spo_chain_loop(points, rewards, values, length):
+    """One response: segments begin at its points; A_k = (the segment's rewards) + V(next point) - V(point),
+    the last segment's V(next) being 0 (its score is in its rewards)."""
+    begin = [t for t in range(length) if points[t]]
+    adv = [0.0] * length
+    for k, a in enumerate(begin):
+        b = begin[k + 1] if k + 1 < len(begin) else length
+        next_value = values[b] if b < length else 0.0
+        for t in range(a, b):
+            adv[t] = sum(rewards[a:b]) + next_value - values[a]
+    return adv
+
+
+def batch(lengths, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    T = max(lengths)
+    mask = (torch.arange(T) < torch.tensor(lengths).unsqueeze(1)).long()
+    return mask, torch.randn(len(lengths), T, generator=g) * mask
+
+
+# --- group baselines ---------------------------------------------------------------------------
+
+@pytest.mark.parametrize("norm", ["std", "none", "loo"])
+def test_group_advantages_match_the_papers_formulas_on_hand_made_groups(norm):
+    scores = torch.tensor(GROUPS).flatten()
+    assert torch.allclose(ma.group_advantages(scores, 4, norm), torch.tensor(group_loop(GROUPS, norm)), atol=1e-6)
+
+
+def test_rloo_on_a_hand_worked_group():
+    """[1, 0, 0, 1]: each 1 is compared with the mean of (0, 0, 1) = 1/3, each 0 with (1, 0, 1) = 2/3."""
+    adv = ma.group_advantages(torch.tensor([1.0, 0.0, 0.0, 1.0]), 4, "loo")
+    assert torch.allclose(adv, torch.tensor([2 / 3, -2 / 3, -2 / 3, 2 / 3]))
+
+
+@pytest.mark.parametrize("norm", ["std", "none", "loo"])
+def test_a_group_whose_scores_tie_gets_exactly_zero(norm):
+    tied = torch.full((7,), 0.1)          # 0.1 seven times: R - mean is -7.5e-9 in float32, not 0, and std 8e-9
+    assert torch.equal(ma.group_advantages(tied, 7, norm), torch.zeros(7))
+
+
+def test_groups_are_independent_and_each_mean_baseline_sums_to_zero():
+    scores = torch.tensor(GROUPS).flatten()
+    other = scores.clone()
+    other[4:8] = torch.tensor([9.0, -1.0, 0.0, 7.0])
+    for norm in ("std", "none", "loo"):
+        a, b = ma.group_advantages(scores, 4, norm), ma.group_advantages(other, 4, norm)
+        assert torch.equal(a[:4], b[:4]) and torch.equal(a[8:], b[8:])
+        assert torch.allclose(a.view(3, 4).sum(-1), torch.zeros(3), atol=1e-6)
+
+
+def test_group_size_that_does_not_divide_the_batch_or_is_one_is_refused():
+    with pytest.raises(ValueError, match="group_size 3"):
+        ma.group_advantages(torch.zeros(8), 3)
+    with pytest.raises(ValueError, match="group_size 1"):
+        ma.group_advantages(torch.zeros(8), 1)
+    with pytest.raises(ValueError, match="choose std, none or loo"):
+        ma.group_advantages(torch.zeros(8), 4, "mean")
+
+
+# --- Monte Carlo values at macro starts (SPO-chain) --------------------------------------------
+
+def test_mc_points_keep_every_start_without_a_cap_and_evenly_spaced_ones_under_it():
+    mask, _ = batch([12, 3, 0])
+    starts = ma.fixed_ngram_starts(mask, 1)                   # 12, 3 and 0 starts
+    assert torch.equal(ma.mc_points(starts, mask, 0), starts)
+    assert torch.equal(ma.mc_points(starts, mask, 12), starts)
+    kept = ma.mc_points(starts, mask, 5)
+    # 12 starts in 5 runs: the first of each is start ceil(j * 12 / 5), j = 0..4; 3 starts under a cap of 5: all
+    assert kept[0].nonzero().flatten().tolist() == [math.ceil(j * 12 / 5) for j in range(5)] == [0, 3, 5, 8, 10]
+    assert kept[1].nonzero().flatten().tolist() == [0, 1, 2] and not kept[2].any()
+    assert torch.equal(ma.mc_points(starts, mask, 1), ma.fixed_ngram_starts(mask, None))    # the prompt alone
+
+
+def test_mc_points_are_a_subset_of_the_starts_with_the_first_always_kept():
+    mask, x = batch([7, 1, 12, 5], seed=3)
+    for starts in (ma.fixed_ngram_starts(mask, 2), ma.entropy_starts(x, mask, 0.3)):
+        for cap in (1, 2, 3, 100):
+            kept = ma.mc_points(starts, mask, cap)
+            assert not (kept & ~starts).any() and torch.equal(kept[:, 0], starts[:, 0])
+            assert torch.equal(kept.sum(-1), starts.sum(-1).clamp(max=cap))
+
+
+def test_mc_advantages_match_a_loop_over_segments():
+    mask, rewards = batch([7, 1, 12, 5])
+    _, values = batch([7, 1, 12, 5], seed=1)
+    for points in (ma.fixed_ngram_starts(mask, 1), ma.fixed_ngram_starts(mask, 3), ma.fixed_ngram_starts(mask, None)):
+        adv = ma.mc_advantages(values * points, rewards, mask, points)
+        for b, L in enumerate(mask.sum(-1).tolist()):
+            ref = spo_chain_loop(points[b].tolist(), rewards[b].tolist(), values[b].tolist(), L)
+            assert torch.allclose(adv[b, :L], torch.tensor(ref), atol=1e-6) and not adv[b, L:].any()
+
+
+def test_mc_values_from_a_deterministic_scorer_give_spo_chain_advantages():
+    """Each point's K continuations completed and scored by a fixed rule (the share of token 7 in the response):
+    V is their mean; with the score alone as reward, A_k = V(next point) - V(point), the last R - V(point), and a
+    row's advantages at its points sum to R - V(s_0) (the chain telescopes)."""
+    g = torch.Generator().manual_seed(5)
+    responses = [[7, 1, 7, 7, 2, 3, 7, 1], [2, 7, 3], [7, 7, 7, 1, 2, 7]]
+    T, K, cap = 8, 3, 2
+    mask = torch.tensor([[1] * len(r) + [0] * (T - len(r)) for r in responses])
+    ids = torch.tensor([r + [0] * (T - len(r)) for r in responses])
+    score = (lambda tokens: sum(t == 7 for t in tokens) / len(tokens))
+    points = ma.mc_points(ma.fixed_ngram_starts(mask, 2), mask, cap)
+    continuations, loop_values = [], {}
+    for b, t in points.nonzero().tolist():              # the order mc_values reads the scores in
+        conts = [responses[b][:t] + torch.randint(0, 9, (T - t,), generator=g).tolist() for _ in range(K)]
+        continuations += [score(c) for c in conts]
+        loop_values[b, t] = sum(score(c) for c in conts) / K
+    values = ma.mc_values(torch.tensor(continuations), points, K)
+    R = torch.tensor([score(r) for r in responses])
+    adv = ma.mc_advantages(values, ma.macro_rewards(torch.zeros(3, T), R, mask, points), mask, points)
+    for b, r in enumerate(responses):
+        begin = [t for t in range(len(r)) if points[b, t]]
+        for k, t in enumerate(begin):
+            assert values[b, t].item() == pytest.approx(loop_values[b, t])
+            after = loop_values[b, begin[k + 1]] if k + 1 < len(begin) else R[b].item()
+            assert adv[b, t].item() == pytest.approx(after - loop_values[b, t])
+        assert adv[b][points[b]].sum().item() == pytest.approx(R[b].item() - loop_values[b, 0])
+
+
+def test_mc_values_refuse_a_wrong_number_of_scores():
+    mask, _ = batch([4, 2])
+    points = ma.fixed_ngram_starts(mask, 2)                     # 3 points
+    with pytest.raises(ValueError, match="5 continuation scores for 3 points x 2"):
+        ma.mc_values(torch.zeros(5), points, 2)
+
+
+# --- the sequence ratio (GSPO) -----------------------------------------------------------------
+
+def test_sequence_ratio_is_gspo_length_normalised():
+    mask, log_w = batch([7, 1, 12, 5])
+    s = ma.sequence_log_ratio(log_w, mask)
+    for b, L in enumerate(mask.sum(-1).tolist()):
+        ref = math.exp(sum(log_w[b, :L].tolist()) / L)          # (pi / pi_old)^(1 / L), Eq. 7
+        assert torch.allclose(s[b, :L].exp(), torch.full((L,), ref)) and not s[b, L:].any()
+
+
+@pytest.mark.parametrize("n", [12, 50, None])
+def test_macro_ratio_with_n_at_least_the_length_is_the_unnormalised_sequence_ratio(n):
+    mask, log_w = batch([7, 1, 12, 5])
+    macro = ma.macro_sum(log_w * mask, ma.fixed_ngram_starts(mask, n)) * mask
+    assert torch.allclose(macro, ma.sequence_log_ratio(log_w, mask, length_normalized=False), atol=1e-6)
+
+
+# --- continuations from macro starts (data.sample_continuations) -------------------------------
+
+def test_continuations_keep_their_prefix_and_continue_it_as_one_prompt_would(tiny_lm, tokenizer):
+    """top_k 1 makes sampling greedy: each continuation, batched with prefixes of every length (left-padded), equals
+    the greedy continuation of its own prefix alone, and its response keeps the first t tokens and R tokens at most."""
+    import data
+    prompts = ["\n\nHuman: how are you\n\nAssistant:", "hi", "\n\nHuman: tell me about the quick brown fox\n\nAssistant:"]
+    torch.manual_seed(2)
+    p_ids, p_mask, r_ids, r_mask, _ = data.sample(tiny_lm, tokenizer, prompts, 32, 10, temperature=1.0)
+    R = r_ids.shape[1]
+    points = ma.mc_points(ma.fixed_ngram_starts(r_mask, 3), r_mask, 3)
+    cp_ids, cp_mask, c_ids, c_mask = data.sample_continuations(tiny_lm, tokenizer, p_ids, p_mask, r_ids, points, 2,
+                                                               temperature=1.0, top_k=1)
+    assert c_ids.shape == (int(points.sum()) * 2, R) and torch.equal(cp_ids, p_ids[points.nonzero()[:, 0].repeat_interleave(2)])
+    for i, (b, t) in enumerate(points.nonzero().repeat_interleave(2, dim=0).tolist()):
+        prefix = torch.cat([p_ids[b][p_mask[b].bool()], r_ids[b, :t]]).unsqueeze(0)
+        alone = tiny_lm.generate(input_ids=prefix, attention_mask=torch.ones_like(prefix), max_new_tokens=R - t,
+                                 do_sample=False, pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
+        tail, tail_mask = data.cut_after_eos(alone[:, prefix.shape[1]:], tokenizer.eos_token_id, tokenizer.pad_token_id)
+        expected = tail[0][tail_mask[0].bool()].tolist()
+        n = int(c_mask[i].sum())
+        assert torch.equal(c_ids[i, :t], r_ids[b, :t]) and c_mask[i, :n].all() and not c_mask[i, n:].any()
+        assert c_ids[i, t:n].tolist() == expected and 0 < n - t <= R - t
+
+
+# --- the objective: token, macro and sequence ratios -------------------------------------------
+
+def gspo_loop(logp, old_logp, adv, mask, clip, normalized=True):
+    """One ratio per response, s_i = exp(sum_t log w_t / L_i) (or without / L_i), one clipped term each, the mean
+    over responses (Zheng et al. 2025, Eq. 5-7); the advantage of the response's first token."""
+    terms = []
+    for b in range(len(mask)):
+        L = int(mask[b].sum())
+        log_s = sum(logp[b, t] - old_logp[b, t] for t in range(L)) / (L if normalized else 1)
+        s, a = torch.exp(log_s), adv[b, 0]
+        terms.append(-torch.min(s * a, s.clamp(1 - clip, 1 + clip) * a))
+    return torch.stack(terms).mean()
+
+
+def ratio_batch():
+    mask, _ = batch([7, 1, 12, 5])
+    g = torch.Generator().manual_seed(4)
+    old = -torch.rand(mask.shape, generator=g) * mask
+    logp = (old + 0.05 * torch.randn(mask.shape, generator=g)) * mask
+    adv = torch.randn(len(mask), 1, generator=g) * mask           # one advantage per response, as a group's
+    return logp.requires_grad_(), old, adv, mask.float()
+
+
+@pytest.mark.parametrize("clip", [0.2, 0.01])
+def test_sequence_ratio_loss_and_gradient_are_gspo(clip):
+    logp, old, adv, mask = ratio_batch()
+    loss, _, _ = ma.clipped_policy_loss(logp, old, adv, mask, mask.bool(), clip, "sequence")
+    ref = gspo_loop(logp, old, adv, mask, clip)
+    assert torch.allclose(loss, ref, atol=1e-6)
+    assert torch.allclose(torch.autograd.grad(loss, logp)[0], torch.autograd.grad(ref, logp)[0], atol=1e-6)
+
+
+def test_macro_ratio_with_n_at_least_the_length_is_the_unnormalised_sequence_ratio_loss():
+    logp, old, adv, mask = ratio_batch()
+    for n in (12, 0):
+        loss, _, _ = ma.clipped_policy_loss(logp, old, adv, mask, ma.fixed_ngram_starts(mask, n), 0.2, "macro")
+        assert torch.allclose(loss, gspo_loop(logp, old, adv, mask, 0.2, normalized=False), atol=1e-6)
+
+
+def test_macro_ratio_at_n1_is_the_token_ratio():
+    logp, old, _, mask = ratio_batch()
+    adv = torch.randn(mask.shape, generator=torch.Generator().manual_seed(6)) * mask     # per-token advantages
+    starts = ma.fixed_ngram_starts(mask, 1)
+    macro, _, _ = ma.clipped_policy_loss(logp, old, adv, mask, starts, 0.2, "macro")
+    token, _, _ = ma.clipped_policy_loss(logp, old, adv, mask, starts, 0.2, "token")
+    assert torch.equal(macro, token)
+    assert torch.equal(torch.autograd.grad(macro, logp)[0], torch.autograd.grad(token, logp)[0])
+
+
+def test_kl_in_the_loss_is_grpos_k3_term_with_its_gradient():
+    """--kl_penalty loss: the policy loss gains beta * the token mean of k3 = e^u - u - 1, u = log pi_ref - log pi
+    (Shao et al. 2024, Eq. 4), written here one token at a time."""
+    import ppo
+    logp, old, adv, mask = ratio_batch()
+    ref = old - 0.3 * torch.rand(mask.shape, generator=torch.Generator().manual_seed(8)) * mask
+    starts = mask.bool()
+    plain = ppo.ppo_losses(logp, old, None, None, adv, None, mask, starts)[0]
+    with_kl, _, stats = ppo.ppo_losses(logp, old, None, None, adv, None, mask, starts, ref_logp=ref, kl_coef=0.04)
+    k3 = [torch.exp(ref[b, t] - logp[b, t]) - (ref[b, t] - logp[b, t]) - 1
+          for b in range(len(mask)) for t in range(int(mask[b].sum()))]
+    expected = plain + 0.04 * torch.stack(k3).mean()
+    assert torch.allclose(with_kl, expected) and torch.allclose(stats["loss/kl"], torch.stack(k3).mean())
+    assert torch.allclose(torch.autograd.grad(with_kl, logp)[0], torch.autograd.grad(expected, logp)[0])
+
+
+# --- ppo.py: --advantage group | mc, no critic -------------------------------------------------
+
+def ppo_args(tiny_models, out, **flags):
+    import ppo
+    return ppo.PPOArgs(**{"sft_path": str(tiny_models / "sft"), "rm_path": str(tiny_models / "rm"), "output_dir": str(out),
+                          "rollout_batch_size": 4, "mini_batch_size": 2, "max_prompt_len": 16, "max_response_len": 8,
+                          "n_eval_prompts": 4, "plot": False, **flags})
+
+
+def metrics_of(out):
+    import json
+    return [json.loads(line) for line in open(out / "metrics.jsonl")]
+
+
+@pytest.mark.launch
+def test_group_rollout_samples_each_prompt_k_times_in_adjacent_rows(tiny_models, tmp_path, monkeypatch):
+    """--rollout_batch_size 4 --group_size 2: two prompts, each twice, side by side (data.sample, spied on)."""
+    import data
+    import ppo
+    asked, sample = [], data.sample
+    monkeypatch.setattr(data, "sample", lambda model, tokenizer, prompts, *a, **k: asked.append(prompts) or
+                        sample(model, tokenizer, prompts, *a, **k))
+    ppo.main(ppo_args(tiny_models, tmp_path, steps=1, advantage="group", group_size=2))
+    prompts = asked[0]
+    assert len(prompts) == 4 and prompts[0] == prompts[1] != prompts[2] == prompts[3]
+
+
+@pytest.mark.launch
+@pytest.mark.parametrize("flags", [
+    {"advantage": "group"}, {"advantage": "group", "group_norm": "none", "ratio": "macro"},
+    {"advantage": "group", "group_norm": "loo", "ratio": "sequence", "kl_estimator": "k3"},
+    {"advantage": "mc", "mc_points": 2, "mc_rollouts": 2},
+    {"advantage": "mc", "mc_points": 0, "mc_rollouts": 1, "termination": "ppl", "ratio": "sequence"},
+    {"advantage": "mc", "mc_rollouts": 2, "termination": "parsing", "ratio": "macro", "lora_r": 4},
+    {"advantage": "group", "group_size": 2, "lora_r": 4, "termination": "randomized"},
+    {"advantage": "group", "kl_penalty": "loss"}, {"advantage": "mc", "mc_rollouts": 2, "kl_penalty": "loss"},
+])
+def test_every_advantage_kind_runs_without_a_critic(tiny_models, tmp_path, flags):
+    import ppo
+    ppo.main(ppo_args(tiny_models, tmp_path, steps=1, **flags))
+    [row] = metrics_of(tmp_path)
+    assert all(v == v for v in row.values())                                       # no NaN
+    assert not {"loss/value", "value/explained_variance", "q/l2", "value/grad_norm"} & row.keys()   # no critic
+    if flags["advantage"] == "mc":
+        cap = flags.get("mc_points", 4) or float("inf")
+        assert 1 <= row["mc/points"] <= min(cap, row["response/len"]) and row["time/mc"] > 0
+
+
+@pytest.mark.launch
+def test_kl_penalty_loss_takes_the_kl_out_of_the_rewards_and_into_the_loss(tiny_models, tmp_path):
+    """Iteration 2 (the policy has moved): under --kl_penalty reward the rewards hold -beta * KL beside the score,
+    under loss they hold the score alone and the loss logs its k3."""
+    import ppo
+    rows = {}
+    for where in ("reward", "loss"):
+        ppo.main(ppo_args(tiny_models, tmp_path / where, steps=2, advantage="group", kl_penalty=where, beta=0.5,
+                          policy_lr=0.05))
+        rows[where] = metrics_of(tmp_path / where)[1]
+    reward, loss = rows["reward"], rows["loss"]
+    assert reward["kl"] != 0 and loss["kl"] != 0 and "loss/kl" not in reward and loss["loss/kl"] > 0
+    assert reward["reward/total"] == pytest.approx(reward["reward/rm"] - 0.5 * reward["kl"], abs=1e-4)
+    assert loss["reward/total"] == pytest.approx(loss["reward/rm"], abs=1e-5)
+
+
+@pytest.mark.launch
+@pytest.mark.parametrize("kind", ["group", "mc"])
+def test_no_critic_is_checkpointed_and_a_resume_is_exact(tiny_models, tmp_path, kind):
+    import ppo
+    from stages import comparable
+    flags = {"advantage": kind, "mc_rollouts": 2, "mc_points": 2, "group_size": 2, "eval_every": 1000}
+    ppo.main(ppo_args(tiny_models, tmp_path / "whole", steps=4, **flags))
+    ppo.main(ppo_args(tiny_models, tmp_path / "split", steps=2, save_every=2, **flags))
+    checkpoint = tmp_path / "split" / "checkpoint"
+    state = torch.load(checkpoint / "trainer_state.pt", weights_only=False)
+    assert (checkpoint / "policy").exists() and not [p for p in checkpoint.iterdir() if "critic" in p.name]
+    assert "policy_opt" in state and not [k for k in state if "critic" in k]
+    ppo.main(ppo_args(tiny_models, tmp_path / "split", steps=4, resume=True, **flags))
+    whole, split = metrics_of(tmp_path / "whole"), metrics_of(tmp_path / "split")
+    assert len(split) == 4 and [comparable(r) for r in split] == [comparable(r) for r in whole]
+
+
+@pytest.mark.launch
+@pytest.mark.parametrize("kind", ["group", "mc"])
+def test_the_code_task_runs_its_programs_for_every_sample_and_continuation(tiny_models, tmp_path, kind):
+    """The execution reward (sandbox.py) scores the rollout and, under mc, every continuation."""
+    import ppo
+    ppo.main(ppo_args(tiny_models, tmp_path, steps=1, task="code", advantage=kind, group_size=2, mc_rollouts=2,
+                      mc_points=2))
+    [row] = metrics_of(tmp_path)
+    assert "reward/exec" in row and "reward/pass_rate" in row and "loss/value" not in row
+
+
+@pytest.mark.parametrize("flags,message", [
+    ({"advantage": "group", "group_size": 3}, "--group_size 3: a divisor of --rollout_batch_size 4"),
+    ({"advantage": "group", "group_size": 1}, "--group_size 1: outside its range [2, inf)"),
+    ({"advantage": "mc", "mc_rollouts": 0}, "--mc_rollouts 0: outside its range [1, inf)"),
+    ({"advantage": "mc", "mc_points": -1}, "--mc_points -1: outside its range [0, inf)"),
+    ({"advantage": "mc", "critic_warmup": 2}, "no critic to warm up (--critic_warmup)"),
+    ({"advantage": "group", "reward": "segment"}, "not --reward segment"),
+    ({"advantage": "critic"}, "--advantage 'critic': choose from 'gae', 'group', 'mc'"),
+    ({"group_norm": "mean"}, "--group_norm 'mean': choose from 'std', 'none', 'loo'"),
+    ({"ratio": "seq"}, "--ratio 'seq': choose from 'token', 'macro', 'sequence'"),
+])
+def test_bad_settings_are_refused_at_start_naming_the_flag(tiny_models, tmp_path, flags, message):
+    import ppo
+    with pytest.raises(SystemExit) as stop:
+        ppo.resolve(ppo_args(tiny_models, tmp_path, **flags))
+    assert message in str(stop.value)
+
+
+@pytest.mark.launch
+def test_two_processes_hold_one_processs_groups_whole_and_stay_in_sync(tiny_models, tmp_path, monkeypatch):
+    """Under `accelerate launch` with 2 processes of 4 samples, group: each iteration's groups are those of one
+    process with 8 samples, every group whole on one rank (the ranks' prompts together are the one process's, in
+    order), and the advantages each rank computes on its own rows are those of all the rows at once. The sampled
+    responses differ (each process draws its own random numbers, as under gae); mc runs too. Both end in sync."""
+    import json
+    import subprocess
+    import data
+    import ppo
+    from stages import LAUNCH
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    flags = ["--sft_path", str(tiny_models / "sft"), "--rm_path", str(tiny_models / "rm"), "--mini_batch_size", "2",
+             "--max_prompt_len", "16", "--max_response_len", "8", "--n_eval_prompts", "4", "--eval_every", "1000",
+             "--plot", "false", "--steps", "2", "--group_size", "2", "--mc_rollouts", "2", "--mc_points", "2"]
+    lines = [["ppo.py", *flags, "--advantage", kind, "--rollout_batch_size", "4", "--output_dir", str(tmp_path / kind)]
+             for kind in ("group", "mc")]
+    proc = subprocess.run([*LAUNCH, "tests/critic_free_ranks.py", str(tmp_path), json.dumps(lines)], cwd=root,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    ranks = [torch.load(tmp_path / f"0.{r}.pt", weights_only=False) for r in (0, 1)]
+    asked, sample = [], data.sample           # one process, 8 samples: the same seed, the same prompt order
+    monkeypatch.setattr(data, "sample", lambda model, tokenizer, prompts, *a, **k: asked.append(list(prompts)) or
+                        sample(model, tokenizer, prompts, *a, **k))
+    ppo.main(ppo_args(tiny_models, tmp_path / "one", steps=2, advantage="group", group_size=2, rollout_batch_size=8,
+                      eval_every=1000))
+    for step in range(2):
+        assert ranks[0]["prompts"][step] + ranks[1]["prompts"][step] == asked[step]
+        (s0, a0), (s1, a1) = ranks[0]["groups"][step], ranks[1]["groups"][step]
+        assert torch.equal(ma.group_advantages(torch.cat([s0, s1]), 2), torch.cat([a0, a1]))
+    for i in (0, 1):
+        assert "2 process(es)" in (tmp_path / f"{i}.0.txt").read_text()
+        assert "ranks in sync: True" in (tmp_path / f"{i}.0.txt").read_text()
+
+
+def test_the_prepared_study_arms_parse_and_pair_each_with_its_tasks_ppo():
+    """bench/learning_efficiency.py's CRITIC_FREE: six arms a task, PPO first, every other paired with it by seed, each
+    command line one ppo.py parses, every arm at the task's KL target."""
+    import sys
+    from transformers import HfArgumentParser
+    import ppo
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench"))
+    import learning_efficiency as study
+    for name, h in study.CRITIC_FREE.items():
+        base, *arms = h.configs
+        assert base.is_ppo and len(arms) == 5 and all(a.partner == base.name and a.task == base.task for a in arms)
+        kinds = set()
+        for c in h.configs:
+            args = HfArgumentParser(ppo.PPOArgs).parse_args_into_dataclasses(c.argv("sft"))[0]
+            assert args.kl_target == float(study.CRITIC_FREE_KL[c.task][0])
+            kinds.add((args.advantage, args.ratio))
+        assert kinds == {("gae", "token"), ("group", "token"), ("group", "macro"), ("group", "sequence"), ("mc", "token")}
+
+
+@pytest.mark.launch
+@pytest.mark.parametrize("kind", ["group", "mc"])
+def test_one_minibatch_reuses_the_policys_scoring_forward_without_a_critic(tiny_models, tmp_path, monkeypatch, kind):
+    """One epoch over one minibatch: the update takes its rows of step 2's policy forward (there is no critic's);
+    the numbers of two iterations are those of separate forwards."""
+    import ppo
+    from stages import comparable
+
+    def run(out):
+        ppo.main(ppo_args(tiny_models, out, steps=2, mini_batch_size=4, advantage=kind, group_size=2, mc_rollouts=2))
+        return [comparable(r) for r in metrics_of(out)]
+
+    fused_update, taken = ppo.fused_update, []
+    monkeypatch.setattr(ppo, "fused_update", lambda *a: taken.append(fused_update(*a)) or taken[-1])
+    fused = run(tmp_path / "fused")
+    monkeypatch.setattr(ppo, "fused_update", lambda *a: False)
+    assert taken == [True, True] and fused == run(tmp_path / "separate")
