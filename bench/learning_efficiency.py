@@ -18,8 +18,7 @@ lambda (H2 effective lambda), critic (H3 RM-initialised critic), lr (H4 learning
 termination (H5), code and count (H6: the execution-reward code task; counting, whose answers are
 2-3x longer and whose gold judge reads the whole response), segment* (segment-level rewards, Yin et al.
 2025) and real (a real pretrained LM: SmolLM2-135M-Instruct with LoRA, its own run length and prompt format,
-not part of `all`; each run peaks at about 9.5 GB, so --jobs 2 needs about 20 GB). docs/study/README.md states
-each one.
+not part of `all`; --jobs 2 needs the memory of two such runs). docs/study/README.md states each one.
 
 Every run is a real `ppo.py` subprocess in runs/study/<config>/seed<k>/ (resumed from its checkpoint
 if interrupted). When a run finishes, a small record goes to docs/study/runs/<config>/seed<k>.json:
@@ -31,9 +30,14 @@ A configuration whose record exists is never run again, and the report reads onl
   mean over --smooth evaluations), against the iterations this configuration needs to reach that
   score; a 95% bootstrap interval over seeds (resampled with replacement, both arms); "never" when
   the curve does not get there, and the share of bootstrap draws where it never does;
-- win rate against PPO: per-prompt comparisons of final policies (same prompts, same seed),
-  pooled over seeds, ties half, with a 95% bootstrap interval over seeds (gold score; on the code
-  task, passing the tests);
+- win rate against PPO: per-prompt comparisons of final policies (same prompts, same seed), ties half,
+  the mean of each seed's rate (gold score; on the code task, passing the tests);
+- gold differences and win rates get 95% intervals from a seed-then-prompt bootstrap (seeds resampled,
+  then each drawn seed's prompts): t with seeds - 1 degrees of freedom on the draws' standard error;
+- one KL everywhere (run_kl: the mean per-sequence KL of the last KL_WINDOW iterations' batches);
+- matched KL per pair (kl_matched: within MATCH); at equal KL a fit of gold on log KL with one
+  intercept per seed, and the matched pairs alone; verdicts (verdict) from the 95% interval and the
+  two one-sided tests against +-MARGIN, with the minimum detectable effect beside each;
 - where a change applies to both methods (critic, lr), each MA-PPO configuration paired by seed with
   PPO under the same change (its `partner`): the gap in first-half mean score and the win rate;
 - the first evaluation (score and KL), the final mean macro and response lengths and, on count, the share
@@ -52,6 +56,8 @@ import statistics
 import subprocess
 import sys
 import time
+
+import numpy
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
@@ -188,6 +194,7 @@ def segment_betas(task, prefix):
 # LoRA adapters and the gold reward (the recipe of docs/real_models.md), 30 iterations of 16 prompts. The study
 # builds its SFT and RM into REAL_MODELS first (the recipe's steps, prompts of 96 tokens in every stage).
 REAL_MODELS = ("runs/smollm2/sft", "runs/smollm2/rm")
+REAL_KL10_MODELS = ("runs/smollm2_kl10/sft", "runs/smollm2_kl10/rm")    # real_kl10's own build, every arm on it
 REAL_STAGE_FLAGS = ("--chat_template", "--max_prompt_len", "96")
 REAL_SFT_FLAGS = ("--max_steps", "6", "--batch_size", "8", "--lr", "2e-5", "--eval_every", "6", "--n_eval", "64")
 REAL_RM_FLAGS = ("--max_steps", "4", "--batch_size", "8", "--lr", "3e-5", "--eval_every", "4", "--n_eval", "64",
@@ -198,11 +205,15 @@ REAL_PPO_FLAGS = (*REAL_STAGE_FLAGS, "--lora_r", "16", "--reward", "gold", "--ro
 REAL_WIN_PROMPTS = 64
 
 
-def real(name, label, flags, partner=None):
+def real(name, label, flags, partner=None, model="smollm2"):
     """One configuration of the real-model study: `flags` after the recipe's (its own win); MA-PPO's partner
-    is the recipe's PPO unless given."""
+    is the recipe's PPO unless given; `model` its SFT / RM build (a key of the study's `models`)."""
     return Config(f"real_{name}", label, (*flags[:2], *REAL_PPO_FLAGS, *flags[2:]), "chitchat",
-                  None if flags[:2] == ("--n", "1") else (partner or "real_n1"), ("eval/gold", "eval/rm"), "smollm2")
+                  None if flags[:2] == ("--n", "1") else (partner or "real_n1"), ("eval/gold", "eval/rm"), model)
+
+
+def is_real(config):
+    return (config.model or "").startswith("smollm2")
 
 
 # Matched KL: PPO and MA-PPO held at the same per-sequence KL from the SFT model by ppo.py's adaptive controller
@@ -236,25 +247,32 @@ def tiny_kl(task):
 # (0.46 of PPO's): MA-PPO's final KL is flat near 0.5 from 0.09 to 0.15 and about 2.5 at 0.05. 0.07 is where PPO's
 # 0.87 falls between 0.05 and 0.09 (about 0.074), interpolating log KL against log beta. Over 6 seeds 0.07 ended
 # at 1.21 against PPO's 0.89 (ratio 1.36, not matched); the same reading between 0.07 and 0.09 (0.51) puts 0.89
-# at about 0.077, which matched (0.91 against 0.89 over 6 seeds). Chosen from KLs only.
+# at about 0.077, which matched on the mean (0.91 against 0.89 over 6 seeds) but in 1 pair of 6 only
+# (kl_matched). Chosen from KLs only.
 REAL_KL_PPO_BETA = "0.05"
 REAL_KL_MA_BETAS = ("0.07", "0.077")   # the headline tries
 # The second level, lower: MA-PPO's final KL sits near 0.5 at 0.09 and 0.12, where the first tries left it, so
 # there PPO's beta is the one to choose, each PPO beta with the MA-PPO betas it partners. 0.1, twice the recipe's,
 # was the first guess: over seeds 4-6 it ended at 0.43 against MA-PPO at 0.09's 0.58 (ratio 1.35, not matched);
 # it keeps 0.12 (one seed) as its partner. Log KL against log beta between PPO's 0.05 (1.02 on seeds 4-6) and 0.1
-# (0.43) puts 0.58 at about 0.08, which partners 0.09 and matched (0.63 against 0.58). Chosen from KLs only.
+# (0.43) puts 0.58 at about 0.08, which partners 0.09: 0.63 against 0.58 on the mean, no pair within MATCH.
+# Chosen from KLs only.
 REAL_KL_LOW = (("0.1", ("0.12",)), ("0.08", ("0.09",)))
 
 
 def beta_pairs(ppo_beta, ma_betas):
-    """PPO (n=1) at `ppo_beta` and MA-PPO (n=5) at each of `ma_betas`: the real recipe, matched KL by a beta per
+    """PPO (n=1) at `ppo_beta` and MA-PPO (n=5) at each of `ma_betas`: the real recipe, held at one KL by a beta per
     method."""
     base = real(f"kl_n1_beta{ppo_beta}", f"PPO (n=1), beta {ppo_beta}", ("--n", "1", "--beta", ppo_beta))
     return base, *(real(f"kl_n5_beta{b}", f"MA-PPO (n=5), beta {b}", ("--n", "5", "--beta", b), base.name)
                    for b in ma_betas)
 
 
+# The headline pair again on 10 seeds (the detectable effect near 0.07 gold at this spread), every arm on one SFT /
+# RM build of its own (REAL_KL10_MODELS) and its own SFT record; prepared with the margin stated, not run yet.
+REAL_KL10 = (real("kl10_n1_beta0.05", "PPO (n=1), beta 0.05", ("--n", "1", "--beta", REAL_KL_PPO_BETA), model="smollm2_kl10"),
+             real("kl10_n5_beta0.077", "MA-PPO (n=5), beta 0.077", ("--n", "5", "--beta", "0.077"), "real_kl10_n1_beta0.05",
+                  model="smollm2_kl10"))
 REAL_KL = (*(c for level in REAL_KL_LEVELS for c in kl_pair("chitchat", level, "kl_", real, REAL_KL_CONTROL)),
            *beta_pairs(REAL_KL_PPO_BETA, REAL_KL_MA_BETAS),
            *(c for ppo_beta, ma_betas in REAL_KL_LOW for c in beta_pairs(ppo_beta, ma_betas)))
@@ -324,18 +342,22 @@ HYPOTHESES = {
     "segment_beta": Hypothesis(
         "The segment quick start on chitchat at a larger beta: does a KL coefficient scaled to the dense rewards keep "
         "the replies from collapsing (distinct-2 at least half the SFT model's) while gold_strict rises?",
-        segment_betas("chitchat", "segment_")),
-    "segment_count_beta": Hypothesis("The same beta sweep on count", segment_betas("count", "segment_count_")),
+        segment_betas("chitchat", "segment_"), final_table=True),
+    "segment_count_beta": Hypothesis("The same beta sweep on count", segment_betas("count", "segment_count_"),
+                                     final_table=True),
     "real": Hypothesis(
         "A real pretrained LM (SmolLM2-135M-Instruct, LoRA, gold reward): does MA-PPO learn faster than PPO?",
         (real("n1", "PPO (n=1)", ("--n", "1")), real("n5", "MA-PPO (n=5)", ("--n", "5")),
          real("n5_sigma_first", "MA-PPO (n=5, sigma=first)", ("--n", "5", "--sigma", "first"))), final_table=True),
     "real_kl": Hypothesis(
-        "The real model at matched KL: does MA-PPO beat PPO for the same distance from the SFT model?",
+        "The real model at equal KL: does MA-PPO beat PPO for the same distance from the SFT model?",
         REAL_KL, final_table=True, matched_kl=(0.4, 0.5, 0.6), kl_points=(0.5, 1.0, 1.5)),
-    "kl": Hypothesis("Chitchat (the baseline's setting) at matched KL: MA-PPO against PPO at the same KL",
+    "real_kl10": Hypothesis(
+        "real_kl's headline pair on 10 seeds and one SFT / RM build: MA-PPO against PPO at equal KL, margin ±0.05 gold",
+        REAL_KL10, final_table=True, matched_kl=(0.4, 0.5, 0.6), kl_points=(0.5, 1.0, 1.5)),
+    "kl": Hypothesis("Chitchat (the baseline's setting) held at one KL: MA-PPO against PPO at the same KL",
                      tiny_kl("chitchat"), matched_kl=(0.0, 1.0, 2.0), kl_points=(4.0, 6.0, 8.0)),
-    "kl_count": Hypothesis("Count (where MA-PPO led early) at matched KL: MA-PPO against PPO at the same KL",
+    "kl_count": Hypothesis("Count (where MA-PPO led early) held at one KL: MA-PPO against PPO at the same KL",
                            tiny_kl("count"), matched_kl=(0.3, 0.5, 0.7), kl_points=(0.4, 0.6, 0.8)),
 }
 # Credit without a critic (--advantage group | mc, docs/training.md): one termination under the critic, a group
@@ -373,7 +395,7 @@ CRITIC_FREE = {
         "matched KL?", critic_free(task), matched_kl=CRITIC_FREE_KL[task][1], kl_points=CRITIC_FREE_KL[task][2])
     for task in ("chitchat", "code")}
 # `all` runs every hypothesis but the real model's (they need requirements-slow.txt and 30-40 minutes a run).
-OPTIONAL = ("real", "real_kl")
+OPTIONAL = ("real", "real_kl", "real_kl10")
 MATCHED_KL = {c.name for h in HYPOTHESES.values() if h.matched_kl for c in h.configs}
 TIE = 1e-9
 T_975 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262, 10: 2.228}
@@ -444,22 +466,6 @@ def bootstrap_parity(base_runs, runs, metric, window, draws=2000, seed=0):
     return {"ppo_steps": point[0], "steps": point[1], "low": pct(0.025), "high": pct(0.975), "never": never}
 
 
-def per_seed_verdicts(base_runs, runs, key):
-    """Per seed, the verdicts (evaluate.compare: "A" this run wins, "B" loses, "E" ties) of `runs`' final
-    per-prompt `key` scores against the same seed's baseline run; seeds without a partner are left out."""
-    by_seed = {r["seed"]: r for r in base_runs}
-    return [evaluate.compare(r["final"][key], by_seed[r["seed"]]["final"][key]) for r in runs if r["seed"] in by_seed]
-
-
-def final_gap(base_runs, runs, key):
-    """The final policies' mean per-prompt `key` score, this run minus the same seed's baseline run:
-    (mean, 95% t half-width) over the seeds both have, and their count."""
-    by_seed = {r["seed"]: r for r in base_runs}
-    mean = lambda xs: sum(xs) / len(xs)                                                  # noqa: E731
-    gaps = [mean(r["final"][key]) - mean(by_seed[r["seed"]]["final"][key]) for r in runs if r["seed"] in by_seed]
-    return (*t_interval(gaps), len(gaps)) if gaps else None
-
-
 def paired_gap(base_runs, runs, metric):
     """First-half mean of `metric`, this run minus the same seed's baseline run: (mean, 95% t half-width)."""
     by_seed = {r["seed"]: r for r in base_runs}
@@ -467,15 +473,138 @@ def paired_gap(base_runs, runs, metric):
                        for r in runs if r["seed"] in by_seed])
 
 
-def bootstrap_win_rate(per_seed, draws=2000, seed=0):
-    """per_seed: [verdicts of one seed] -> evaluate.win_rate pooled over seeds (ties half), 95% bootstrap
-    interval over seeds."""
-    rng = random.Random(seed)
+# ---------------------------------------------------------------- one KL, the matching rule, the margin, verdicts
+# One KL everywhere: the mean per-sequence KL from the SFT model (the frozen reference, k1 summed over the response)
+# over the training batches of the KL_WINDOW iterations up to a point; 80 samples in the real runs, where one
+# iteration's 16 are noisy and sometimes negative. Records made before the trace was kept have only their evaluation
+# rows: one batch at that iteration (run_kl says so with has_trace). The records hold no held-out KL.
+KL_WINDOW = 5
+MATCH = 1.2       # two runs are at matched KL when the larger final KL is at most 1.2 times the smaller
+MARGIN = 0.05     # gold: a difference whose 90% interval lies inside +-MARGIN is "level" (two one-sided tests)
+DRAWS = 4000      # seed-then-prompt bootstrap draws (seeded: the same tables every time)
+RERUN_SEEDS = 10  # the seeds of real_kl10: each fit says what it could detect with them
+T_95 = {1: 6.314, 2: 2.920, 3: 2.353, 4: 2.132, 5: 2.015, 6: 1.943, 7: 1.895, 8: 1.860, 9: 1.833, 10: 1.812}
+T_80 = {1: 1.376, 2: 1.061, 3: 0.978, 4: 0.941, 5: 0.920, 6: 0.906, 7: 0.896, 8: 0.889, 9: 0.883, 10: 0.879}
 
-    def rate(seeds):
-        return evaluate.win_rate([v for verdicts in seeds for v in verdicts])["win_rate"]
-    values = sorted(rate([rng.choice(per_seed) for _ in per_seed]) for _ in range(draws))
-    return rate(per_seed), values[int(0.025 * draws)], values[min(draws - 1, int(0.975 * draws))]
+
+def has_trace(record):
+    return bool(record.get("trace"))
+
+
+def run_kl(record, step=None):
+    """The study's KL of a run at `step` (its end when None): the mean of the trace's KLs of the KL_WINDOW
+    iterations up to it; without a trace, the evaluation row's one batch."""
+    trace = [t["kl"] for t in record.get("trace", []) if step is None or t["step"] <= step][-KL_WINDOW:]
+    if trace:
+        return sum(trace) / len(trace)
+    return next(r for r in reversed(record["rows"]) if step is None or r["step"] == step)["kl"]
+
+
+def kl_rows(record):
+    """A record's evaluation rows with "kl" replaced by run_kl at each one (the curves read against KL)."""
+    return [{**r, "kl": run_kl(record, r["step"])} for r in record["rows"]]
+
+
+def kl_matched(a, b, tolerance=MATCH):
+    """Two runs' final KLs are matched: both positive and the larger at most `tolerance` times the smaller."""
+    return min(a, b) > 0 and max(a, b) <= tolerance * min(a, b)
+
+
+def seed_prompt_draws(units, stat, draws=DRAWS, seed=0):
+    """The seed-then-prompt bootstrap. `units`: one array [runs, prompts] per seed (the runs of a seed answered the
+    same held-out prompts under one sampling seed). Each draw resamples the seeds with replacement, then the prompts
+    of each drawn seed (the same columns for all its runs); stat(picked seed indices, drawn arrays) per draw."""
+    rng = numpy.random.default_rng(seed)
+    out = []
+    for _ in range(draws):
+        picked = rng.integers(len(units), size=len(units))
+        out.append(stat(picked, [units[i][:, rng.integers(units[i].shape[1], size=units[i].shape[1])] for i in picked]))
+    return numpy.array(out)
+
+
+def verdict(mean, se, seeds, margin=MARGIN):
+    """A difference, its standard error and the seeds behind it -> its 95% interval (t with seeds - 1 degrees of
+    freedom), the 90% interval of the two one-sided tests against +-margin, the minimum detectable effect (80% power,
+    5% two-sided) and the one word the rules allow: "ahead" / "behind" (the 95% interval leaves out 0), "level"
+    (the 90% interval inside the margin; "ahead, within the margin" when both hold), else "undecided"."""
+    if seeds < 2 or se != se:
+        return {"mean": mean, "seeds": seeds, "verdict": "one seed: no verdict"}
+    t975, t95, t80 = T_975.get(seeds - 1, 1.96), T_95.get(seeds - 1, 1.645), T_80.get(seeds - 1, 0.842)
+    low, high, low90, high90 = mean - t975 * se, mean + t975 * se, mean - t95 * se, mean + t95 * se
+    level = -margin < low90 and high90 < margin
+    word = "ahead" if low > 0 else "behind" if high < 0 else "level" if level else "undecided"
+    if word in ("ahead", "behind") and level:
+        word += ", within the margin"
+    return {"mean": mean, "se": se, "seeds": seeds, "ci95": (low, high), "ci90": (low90, high90),
+            "mde": (t975 + t80) * se, "margin": margin, "verdict": word}
+
+
+def detectable_at(c, seeds):
+    """The detectable effect of verdict() result `c` had it `seeds` seeds with the same spread (its standard error
+    shrinking as one over the root of the seeds): what a rerun with more seeds can hope to see."""
+    df = seeds - 1
+    return (T_975.get(df, 1.96) + T_80.get(df, 0.842)) * c["se"] * math.sqrt(c["seeds"] / seeds)
+
+
+def paired_units(base_runs, runs, key, win=False):
+    """Per seed both have, this run against the baseline's on the final per-prompt `key` scores: [1, prompts] of
+    differences, or of win values (1 a win, 0.5 a tie, 0 a loss)."""
+    by_seed = {r["seed"]: r for r in base_runs}
+    units = []
+    for r in runs:
+        if r["seed"] in by_seed:
+            a, b = numpy.array(r["final"][key], float), numpy.array(by_seed[r["seed"]]["final"][key], float)
+            units.append(((a > b) + 0.5 * (a == b) if win else a - b)[None, :])
+    return units
+
+
+def mean_of_units(picked, drawn):
+    """The mean over seeds of each seed's mean (over its rows and prompts)."""
+    return float(numpy.mean([u.mean() for u in drawn]))
+
+
+def compare(units, seed=0):
+    """verdict() of the mean over seeds of `units` (paired_units), its SE from the seed-then-prompt bootstrap;
+    None without a seed."""
+    if not units:
+        return None
+    mean = mean_of_units(None, units)
+    se = float(seed_prompt_draws(units, mean_of_units, seed=seed).std(ddof=1)) if len(units) > 1 else float("nan")
+    return verdict(mean, se, len(units))
+
+
+def win_rate(base_runs, runs, key):
+    """This run's final policies against the same seed's baseline: (win rate, 95% low, high), ties half, the mean
+    over seeds of each seed's rate, the interval from the seed-then-prompt bootstrap's SE; None without a seed."""
+    c = compare(paired_units(base_runs, runs, key, win=True))
+    if not c:
+        return None
+    low, high = c.get("ci95", (None, None))
+    return c["mean"], low if low is None else max(low, 0.0), high if high is None else min(high, 1.0)   # a rate
+
+
+def equal_kl_fit(runs, seed=0):
+    """MA-PPO minus PPO at equal KL: the least-squares fit of each run's mean final score on log(final KL), a
+    MA-PPO indicator and one intercept per seed (the runs of a seed share prompts and sampling seed), over `runs`
+    [(seed, is MA-PPO, final KL, per-prompt scores)] of the seeds that have both methods; the indicator's
+    coefficient with verdict(), its SE from the seed-then-prompt bootstrap, and the slope per unit of log KL."""
+    by_seed = {}
+    for s, ma, kl, scores in runs:
+        by_seed.setdefault(s, []).append((float(ma), math.log(kl), scores))
+    by_seed = {s: v for s, v in by_seed.items() if len({ma for ma, _, _ in v}) == 2}
+    if len(by_seed) < 2:
+        return None
+    xs = [numpy.array([(ma, lkl) for ma, lkl, _ in v]) for v in by_seed.values()]
+    units = [numpy.array([scores for _, _, scores in v], float) for v in by_seed.values()]
+
+    def fit(picked, drawn):
+        rows = [(*xs[i][r], *(numpy.arange(len(drawn)) == j)) for j, i in enumerate(picked) for r in range(len(xs[i]))]
+        y = [u[r].mean() for u in drawn for r in range(len(u))]
+        coef = numpy.linalg.lstsq(numpy.array(rows, float), numpy.array(y), rcond=None)[0]
+        return coef[0], coef[1]
+    d, slope = fit(range(len(units)), units)
+    se = float(seed_prompt_draws(units, lambda p, u: fit(p, u)[0], seed=seed).std(ddof=1))
+    return {**verdict(float(d), se, len(units)), "slope": float(slope), "runs": sum(len(u) for u in units)}
 
 
 # ---------------------------------------------------------------- runs
@@ -495,7 +624,7 @@ def final_eval_args(args, run_dir, config):
     """evaluate.py's settings for a run's final scores: the held-out prompts, one sampling seed, the run's
     models and the prompt format it trained on (its --chat_template and --max_prompt_len)."""
     sft_path, rm_path = args.models[config.models_key]
-    n_prompts = min(args.win_prompts, REAL_WIN_PROMPTS) if config.model == "smollm2" else args.win_prompts
+    n_prompts = min(args.win_prompts, REAL_WIN_PROMPTS) if is_real(config) else args.win_prompts
     return evaluate.EvalArgs(task=config.task, n_prompts=n_prompts, seed=args.seed_eval,
                              output_dir=os.path.join(run_dir, "eval"), sft_path=sft_path, rm_path=rm_path,
                              chat_template="--chat_template" in config.flags,
@@ -581,7 +710,9 @@ def sft_record(args, config):
 
 
 def sft_record_name(config):
-    return "real_sft" if config.model == "smollm2" else f"{config.task}_sft"
+    if is_real(config):        # real_sft, or real_kl10_sft for real_kl10's own build
+        return "real_sft" if config.model == "smollm2" else f"real_{config.model.split('_', 1)[1]}_sft"
+    return f"{config.task}_sft"
 
 
 def committed_sft_record(args, config):
@@ -670,7 +801,7 @@ def build_flags(args, task):
 def build_task_models(args, todo):
     """The SFT model and sequence RM of every embedded task in `todo` that has none yet (the code task: no
     RM), with the flags ppo.py would build them with, before the SFT record that needs them."""
-    for task in dict.fromkeys(c.task for c, _ in todo if c.model != "smollm2"):
+    for task in dict.fromkeys(c.task for c, _ in todo if not is_real(c)):
         sft_path, rm_path = args.models[task]
         sft_args, rm_args = build_flags(args, task)
         missing = lambda path: not os.path.exists(os.path.join(ROOT, path, "config.json"))
@@ -734,13 +865,13 @@ def real_model_stages(models, gguf):
 
 
 def build_real_models(args, todo):
-    """The real model's SFT and RM (args.models["smollm2"]), once, before its first run."""
-    if not any(c.model == "smollm2" for c, _ in todo):
-        return
-    missing = [p for p in args.models["smollm2"] if not os.path.exists(os.path.join(ROOT, p, "config.json"))]
-    if missing:
-        run_stages([s for s in real_model_stages(args.models["smollm2"], smollm2_gguf())
-                    if s[s.index("--output_dir") + 1] in missing])
+    """Each real-model build (args.models["smollm2"], ["smollm2_kl10"]) the runs in `todo` need, once, before
+    its first run."""
+    for key in dict.fromkeys(c.model for c, _ in todo if is_real(c)):
+        missing = [p for p in args.models[key] if not os.path.exists(os.path.join(ROOT, p, "config.json"))]
+        if missing:
+            run_stages([s for s in real_model_stages(args.models[key], smollm2_gguf())
+                        if s[s.index("--output_dir") + 1] in missing])
 
 
 def _one_job_threads(threads):
@@ -881,7 +1012,7 @@ def fmt_parity(p):
 
 
 def fmt_win(win):
-    return f"{win[0]:.1%} [{win[1]:.1%}, {win[2]:.1%}]"
+    return f"{win[0]:.1%}" + (f" [{win[1]:.1%}, {win[2]:.1%}]" if win[1] is not None else "")
 
 
 def report(args, hypothesis, records):
@@ -901,18 +1032,23 @@ def report(args, hypothesis, records):
             lines.append(f"| {config.label} | 0 | not run yet | | | | | | |")
             continue
         rows = [r["rows"] for r in runs]
-        finals = {m: t_interval([rr[-1][m] for rr in rows]) for m in (score, second, "kl") if m in rows[0][-1]}
+        finals = {m: t_interval([rr[-1][m] for rr in rows]) for m in (score, second) if m in rows[0][-1]}
+        finals["kl"] = t_interval([run_kl(r) for r in runs])
         early = t_interval([first_half_mean(rr, score) for rr in rows])    # learning speed before saturation
         parity = {m: bootstrap_parity([r["rows"] for r in base_runs], rows, m, args.smooth)
                   for m in (score, second) if base_runs and config is not base and m in rows[0][-1]}
-        per_seed = per_seed_verdicts(base_runs, runs, base.win_key) if config is not base else []
-        win = bootstrap_win_rate(per_seed) if per_seed else None
+        win = win_rate(base_runs, runs, base.win_key) if config is not base else None
         result[config.name] = {"label": config.label, "seeds": [r["seed"] for r in runs], "final": finals,
                                "first_half": early, "parity": parity, "gold_win_rate_vs_ppo": win}
         lines.append(f"| {config.label} | {len(runs)} | " + " | ".join(fmt(*finals[m]) if m in finals else "-"
-                                                                        for m in (score, second, "kl"))
+                                                                        for m in (score, second))
+                     + f" | {fmt(*finals['kl'])}{'' if all(map(has_trace, runs)) else ' *'}"
                      + f" | {fmt(*early)} | {fmt_parity(parity.get(score))} | {fmt_parity(parity.get(second))} | "
                      + (fmt_win(win) if win else "-") + " |")
+    done = [r for c in h.configs for r in records.get(c.name, []) if r]
+    lines += ["", f"KL: each run's mean per-sequence KL from the SFT model over its last {KL_WINDOW} iterations' training "
+              "batches" + ("" if all(map(has_trace, done)) else "; * runs recorded without a trace: the last iteration's "
+                           "batch alone") + f". Win rates: ties half, 95% intervals from a seed-then-prompt bootstrap."]
     sft = committed_sft_record(args, base)
     if sft:
         sft_mean = sum(sft["final"][base.win_key]) / len(sft["final"][base.win_key])
@@ -927,10 +1063,11 @@ def report(args, hypothesis, records):
                              "SFT samples" if "gold_agreement" in e else "") + ".")
             result["sft"]["rm_eval"] = e
         runs = [r for c in h.configs for r in records.get(c.name, []) if r]
-        other = sum(r.get("sft_hash") != sft.get("sft_hash") for r in runs)
+        build = lambda r: (r.get("sft_hash"), r.get("rm_hash"))                   # noqa: E731
+        other = sum(build(r) != build(sft) for r in runs)
         if other:                    # records made before hashes, or from another build of the recipe
-            lines[-1] += (f" {other} of the {len(runs)} runs above record no SFT hash or another one: they were "
-                          "trained from an earlier build of the same recipe.")
+            lines[-1] += (f" {other} of the {len(runs)} runs above record no SFT / RM hashes or others than this "
+                          "record's: they were trained from another build of the same recipe.")
             result["sft"]["runs_from_other_builds"] = other
     if h.paired:
         lines += paired_table(h, records, result)
@@ -944,13 +1081,6 @@ def report(args, hypothesis, records):
     return lines, result
 
 
-def final_kl(record, last=5):
-    """A run's KL from the SFT model at its end: the mean per-sequence KL of its last `last` iterations (one
-    batch's KL is noisy: 16 samples in the real runs); the last evaluation's for records without a trace."""
-    trace = [r["kl"] for r in record.get("trace", [])][-last:]
-    return sum(trace) / len(trace) if trace else record["rows"][-1]["kl"]
-
-
 def steps_to_reach(rows, metric, threshold):
     """The first evaluated iteration whose `metric` is at least `threshold`, or None."""
     return next((r["step"] for r in rows if r.get(metric, float("-inf")) >= threshold), None)
@@ -962,63 +1092,138 @@ def held_at(config):
     return f"KL {target}" if target is not None else f"beta {config.flag('--beta', '0.05')}"
 
 
+def fmt_cmp(c, pct=False):
+    """A compare() result: "+0.007 [-0.089, +0.103]" (a win rate: "50.5% [46.7%, 54.3%]")."""
+    f = (lambda x: f"{x:.1%}") if pct else (lambda x: f"{x:+.3f}")
+    return f(c["mean"]) + (f" [{f(c['ci95'][0])}, {f(c['ci95'][1])}]" if "ci95" in c else "")
+
+
+def fmt_verdict(c):
+    """The difference, its 95% interval, the 90% interval of the equivalence test, the minimum detectable effect
+    and the verdict word, as every verdict line prints them."""
+    if "ci95" not in c:
+        return f"{c['mean']:+.3f} over {c['seeds']} seed: {c['verdict']}"
+    return (f"{fmt_cmp(c)} over {c['seeds']} seeds (90% [{c['ci90'][0]:+.3f}, {c['ci90'][1]:+.3f}] against "
+            f"±{c['margin']:g}; detectable effect {c['mde']:.3f}): **{c['verdict']}**")
+
+
+def distinct_runs(runs):
+    """`runs` [(seed, is MA-PPO, ...,  per-prompt scores)] without a repeat: a controlled run whose KL stayed below
+    both targets is the same run at both (beta moved alike), and PPO at the recipe's beta is `real`'s PPO again."""
+    seen, out = set(), []
+    for run in runs:
+        key = (run[0], run[1], tuple(run[-1]))
+        if key not in seen:
+            seen.add(key)
+            out.append(run)
+    return out
+
+
+def pair_row(config, partner, run, ppo_run, key):
+    """One line of the by-seed table: MA-PPO `run` against its PPO `ppo_run` of the same seed."""
+    a, b = run_kl(ppo_run), run_kl(run)
+    gap = numpy.mean(run["final"][key]) - numpy.mean(ppo_run["final"][key])
+    return (f"| {held_at(config)} | {held_at(partner)} | {run['seed']} | {a:.2f} / {b:.2f} | "
+            + (f"{max(a, b) / min(a, b):.2f}" if min(a, b) > 0 else "-") + f" | {'yes' if kl_matched(a, b) else 'no'} | "
+            f"{numpy.mean(ppo_run['final'][key]):.3f} / {numpy.mean(run['final'][key]):.3f} | {gap:+.3f} |")
+
+
+def equal_kl_lines(fit_runs, matched_gaps, key, result):
+    """The comparison at equal KL over every run of a hypothesis: the fit of score on log KL (fit_runs, as
+    equal_kl_fit takes them) and the matched pairs alone (matched_gaps {seed: {pair: per-prompt gaps}})."""
+    fit = equal_kl_fit(distinct_runs(fit_runs))
+    units = [numpy.array(list(v.values())) for _, v in sorted(matched_gaps.items())]
+    pooled = compare(units)
+    result["equal_kl"] = {"fit": fit, "matched_pairs": pooled and {**pooled, "pairs": sum(len(u) for u in units)}}
+    lines = ["", f"At equal KL, over every run of this hypothesis (a repeated run counted once; margin ±{MARGIN:g} "
+             f"{key}, decided by the 90% interval; detectable effect: the true difference these seeds find 80% of "
+             "the time):", ""]
+    if fit:
+        more = (f"; with {RERUN_SEEDS} seeds of the same spread the detectable effect would be "
+                f"{detectable_at(fit, RERUN_SEEDS):.3f}" if fit["seeds"] < RERUN_SEEDS and "se" in fit else "")
+        lines.append(f"- fit of each run's final mean {key} on log final KL, a MA-PPO term and one intercept per seed "
+                     f"({fit['runs']} runs of {fit['seeds']} seeds; slope {fit['slope']:+.3f} {key} per unit of log "
+                     f"KL): MA-PPO minus PPO " + fmt_verdict(fit) + more + ".")
+    if pooled:
+        lines.append(f"- the pairs at matched KL alone ({sum(len(u) for u in units)} pair(s) of {len(units)} seed(s), "
+                     f"each seed's pairs averaged): MA-PPO minus PPO " + fmt_verdict(pooled) + ".")
+    return lines if fit or pooled else []
+
+
 def matched_kl_table(args, h, records, result):
-    """Each MA-PPO configuration against the PPO held at the same KL target (its partner), paired by seed:
-    the final KLs (within 20% of each other, or the level is not matched), the final policies' mean score and
-    its gap, the win rate, and the iterations each needs to reach the score thresholds `h.matched_kl`."""
+    """Each MA-PPO configuration against its partner PPO, paired by seed: final KLs (run_kl) and how many pairs are
+    within MATCH of each other, the final policies' mean score, MA-PPO minus PPO and the win rate (seed-then-prompt
+    bootstrap), the iterations to the thresholds `h.matched_kl`; every pair by seed; then the comparison at equal
+    KL two ways over every run of the hypothesis (equal_kl_lines)."""
     base = h.configs[0]
     key, metric = base.win_key, base.metrics[0]
+    configs = {c.name: c for c in h.configs}
     done = {c.name: [r for r in records.get(c.name, []) if r] for c in h.configs}
     n_prompts = next((len(r["final"][key]) for runs in done.values() for r in runs), 0)
     by_beta = any(c.flag("--kl_target") is None for c in h.configs)
-    lines = ["", f"At matched KL: each method held at the same per-sequence KL target by the adaptive controller"
-             + (" (KL), or at a fixed beta chosen per method (beta). " if by_beta else ". ") +
-             f"Final KL: the mean of the last 5 iterations; final {key}: the final policies' mean on {n_prompts} held-out "
-             f"prompts (one sampling seed), and MA-PPO minus PPO paired by seed (95% t-interval); iterations to reach "
-             f"{metric} " + " / ".join(map(str, h.matched_kl)) + " (median over seeds, the seeds that reach it).", ""]
-    lines += [f"| held at | configuration | seeds | final KL | final mean {key} | minus PPO's, same seed | win rate vs "
-              f"PPO [95% CI] | iterations to {metric} " + " / ".join(map(str, h.matched_kl)) + " |", "|---" * 8 + "|"]
-    verdicts = []
+    thresholds = " / ".join(map(str, h.matched_kl))
+    lines = ["", "Each method held by the adaptive controller at a KL target" + (" (KL) or at a fixed beta chosen per "
+             "method (beta)" if by_beta else "") + f". KL: each run's mean per-sequence KL over the training batches "
+             f"of its last {KL_WINDOW} iterations. A pair (one seed, MA-PPO and its PPO) is at matched KL when the "
+             f"larger final KL is at most {MATCH:g} times the smaller. Final {key}: the final policies' mean on "
+             f"{n_prompts} held-out prompts (one sampling seed); MA-PPO minus PPO and the win rate paired by seed, "
+             "95% intervals from a seed-then-prompt bootstrap (t with seeds - 1 degrees of freedom on its standard "
+             f"error); iterations to reach {metric} {thresholds} (median over seeds, the seeds that reach it).", "",
+             f"| held at | configuration | seeds | final KL | pairs at matched KL | final mean {key} | minus PPO's, "
+             f"same seed [95% CI] | win rate vs PPO [95% CI] | iterations to {metric} {thresholds} |", "|---" * 9 + "|"]
+    by_seed = ["", f"Every pair by seed: final KL and final mean {key}, PPO / MA-PPO.", "",
+               f"| MA-PPO | PPO | seed | final KL | larger / smaller | matched | final mean {key} | MA-PPO minus PPO |",
+               "|---" * 8 + "|"]
+    verdicts, fit_runs, matched_gaps = [], [], {}
     for config in h.configs:
         runs = done[config.name]
+        fit_runs += [(r["seed"], not config.is_ppo, run_kl(r), r["final"][key]) for r in runs if has_trace(r)]
         if not runs:
-            lines.append(f"| {held_at(config)} | {config.label} | 0 | not run yet | | | | |")
+            lines.append(f"| {held_at(config)} | {config.label} | 0 | not run yet | | | | | |")
             continue
         partner = done.get(config.partner, []) if config.partner else []
-        kls = t_interval([final_kl(r) for r in runs])
+        kls = t_interval([run_kl(r) for r in runs])
         score = t_interval([sum(r["final"][key]) / len(r["final"][key]) for r in runs])
-        gap = final_gap(partner, runs, key) if partner else None
-        per_seed = per_seed_verdicts(partner, runs, key) if partner else []
-        win = bootstrap_win_rate(per_seed) if per_seed else None
+        gap = compare(paired_units(partner, runs, key)) if partner else None
+        win = win_rate(partner, runs, key) if partner else None
+        ppo_of = {r["seed"]: r for r in partner}
+        pairs = [(r, ppo_of[r["seed"]]) for r in runs if r["seed"] in ppo_of]
+        n_matched = sum(kl_matched(run_kl(r), run_kl(p)) for r, p in pairs)
         reach = []
         for threshold in h.matched_kl:
             at = sorted(s for s in (steps_to_reach(r["rows"], metric, threshold) for r in runs) if s is not None)
             reach.append(f"{statistics.median(at):g} ({len(at)}/{len(runs)})" if at else f"never (0/{len(runs)})")
         entry = result.setdefault(config.name, {})
-        entry["matched_kl"] = {"held_at": held_at(config), "final_kl": kls, "final_mean": score,
-                               "gap_vs_ppo": gap, "win_rate": win, "reach": dict(zip(map(str, h.matched_kl), reach))}
-        lines.append(f"| {held_at(config)} | {config.label} | {len(runs)} | {fmt(*kls)} | {fmt(*score)} | "
-                     + (f"{fmt(*gap[:2])} ({gap[2]} paired)" if gap else "-") + " | " + (fmt_win(win) if win else "-")
+        entry["matched_kl"] = {"held_at": held_at(config), "final_kl": kls, "final_mean": score, "gap_vs_ppo": gap,
+                               "win_rate": win, "reach": dict(zip(map(str, h.matched_kl), reach))}
+        lines.append(f"| {held_at(config)} | {config.label} | {len(runs)} | {fmt(*kls)} | "
+                     + (f"{n_matched} of {len(pairs)}" if partner else "-") + f" | {fmt(*score)} | "
+                     + (fmt_cmp(gap) if gap else "-") + " | " + (fmt_win(win) if win else "-")
                      + " | " + " / ".join(reach) + " |")
+        for r, p in pairs:
+            by_seed.append(pair_row(config, configs[config.partner], r, p, key))
+            if kl_matched(run_kl(r), run_kl(p)):       # a pair that repeats another of its seed counts once
+                g = numpy.array(r["final"][key], float) - numpy.array(p["final"][key], float)
+                matched_gaps.setdefault(r["seed"], {})[tuple(g)] = g
         if gap:
-            base_kl = t_interval([final_kl(r) for r in partner])[0]
-            ratio = kls[0] / base_kl if base_kl else float("inf")
-            entry["matched_kl"]["kl_ratio"] = ratio
-            matched = abs(ratio - 1) <= 0.2
-            sign = ("ahead" if gap[0] - gap[1] > 0 else "behind" if gap[0] + gap[1] < 0 else "level (the interval "
-                    "holds 0)") if gap[2] > 1 else "one seed: no interval"
-            ppo_at = held_at(next(c for c in h.configs if c.name == config.partner))
+            entry["matched_kl"].update(pairs_matched=n_matched, pairs=len(pairs))
+            ppo_at = held_at(configs[config.partner])
             level = held_at(config) + ("" if ppo_at == held_at(config) else f" (PPO at {ppo_at})")
-            verdicts.append(f"- {level}: final KL {kls[0]:.2f} against PPO's {base_kl:.2f} "
-                            f"(ratio {ratio:.2f}: {'matched' if matched else 'NOT matched, more than 20% apart'}); "
-                            f"MA-PPO minus PPO {key} {fmt(*gap[:2])} over {gap[2]} seed{'s' if gap[2] != 1 else ''}: {sign}.")
-    return lines + ([""] + verdicts if verdicts else [])
+            every = n_matched == len(pairs)
+            verdicts.append(f"- {level}: final KL {kls[0]:.2f} against PPO's "
+                            f"{t_interval([run_kl(p) for p in partner])[0]:.2f}, "
+                            + ("at matched KL on every pair" if every else
+                               f"NOT at matched KL ({n_matched} of {len(pairs)} pairs within {MATCH:g}x)")
+                            + f"; MA-PPO minus PPO {key} " + fmt_verdict(gap)
+                            + ("" if every else ", at the KLs these runs ended at, not at equal KL") + ".")
+    return lines + ([""] + verdicts if verdicts else []) + by_seed + equal_kl_lines(fit_runs, matched_gaps, key, result)
 
 
 # the fixed-beta runs shown beside each matched-KL hypothesis in its reward-against-KL picture
-FRONTIER_WITH = {"real_kl": "real", "kl": "baseline", "kl_count": "count"}
+FRONTIER_WITH = {"real_kl": "real", "real_kl10": "real", "kl": "baseline", "kl_count": "count"}
 # and the PPO / MA-PPO pair among them read at the same KLs as the controlled pairs
-FIXED_BETA_PAIR = {"real_kl": ("real_n1", "real_n5"), "kl": ("n1", "n5"), "kl_count": ("count_n1", "count_n5")}
+FIXED_BETA_PAIR = {"real_kl": ("real_n1", "real_n5"), "real_kl10": ("real_n1", "real_n5"), "kl": ("n1", "n5"),
+                   "kl_count": ("count_n1", "count_n5")}
 GOLD_CURVE = "eval/gold"
 
 
@@ -1034,10 +1239,10 @@ def score_at_kl(rows, kl, metric=GOLD_CURVE):
 
 
 def gaps_at_kl(base_runs, runs, kl):
-    """MA-PPO minus PPO at the KL `kl` (score_at_kl), paired by seed: [(seed, PPO's, MA-PPO's)] for the
+    """MA-PPO minus PPO at the KL `kl` (score_at_kl on kl_rows), paired by seed: [(seed, PPO's, MA-PPO's)] for the
     seeds whose two runs both passed through `kl`."""
     by_seed = {r["seed"]: r for r in base_runs}
-    pairs = [(r["seed"], score_at_kl(by_seed[r["seed"]]["rows"], kl), score_at_kl(r["rows"], kl))
+    pairs = [(r["seed"], score_at_kl(kl_rows(by_seed[r["seed"]]), kl), score_at_kl(kl_rows(r), kl))
              for r in runs if r["seed"] in by_seed]
     return [(seed, b, o) for seed, b, o in pairs if b is not None and o is not None]
 
@@ -1065,14 +1270,18 @@ def kl_points_table(args, hypothesis, records, result):
     ppo_name, ma_name = FIXED_BETA_PAIR[hypothesis]
     fixed = load_records(args, (ppo_name, ma_name))
     labels = {c.name: c.label for c in (*HYPOTHESES[FRONTIER_WITH[hypothesis]].configs, *h.configs)}
-    sources = [(f"{labels[ma_name]} vs {labels[ppo_name]}, fixed beta", fixed[ppo_name], fixed[ma_name])]
+    traced = all(map(has_trace, fixed[ppo_name] + fixed[ma_name]))
+    sources = [(f"{labels[ma_name]} vs {labels[ppo_name]}, fixed beta", fixed[ppo_name], fixed[ma_name])] if traced else []
     sources += [(f"{c.label} vs {labels[c.partner]}", [r for r in records.get(c.partner, []) if r],
                  [r for r in records.get(c.name, []) if r]) for c in h.configs if c.partner]
-    lines = ["", f"Read at the same KL: each run's {GOLD_CURVE} against the KL of its iteration at every evaluation, "
+    lines = ["", f"Read at the same KL: each run's {GOLD_CURVE} against its KL (run_kl: the last {KL_WINDOW} iterations' "
+             "batches) at every evaluation, "
              "sorted by KL and interpolated linearly, read at each KL below; MA-PPO minus PPO paired by seed where both "
              "runs passed through that KL (95% t-interval over the pairs; `all` averages the pairs of each seed over "
              "every row and gives one gap per seed: the runs of one seed share their sampling seeds, and a run whose KL "
-             "stayed below both targets repeats its run at the other target).", "",
+             "stayed below both targets repeats its run at the other target)."
+             + ("" if traced else f" The fixed-beta pair ({ma_name} against {ppo_name}) is left out: its records keep no "
+                "trace, so their KL would be one batch's."), "",
              "| pair | " + " | ".join(f"KL {k}: pairs, PPO / MA-PPO, MA-PPO minus PPO" for k in h.kl_points) + " |",
              "|---" * (len(h.kl_points) + 1) + "|"]
     pooled = {k: [] for k in h.kl_points}
@@ -1125,13 +1334,13 @@ def kl_frontier(args, hypothesis, records):
     for config, record in runs:
         method, controlled = frontier_method(config)
         colour = colours.setdefault(method, f"C{len(colours)}")
-        points = [(r["kl"], r[metric]) for r in record["rows"] if metric in r]
+        points = [(r["kl"], r[metric]) for r in kl_rows(record) if metric in r]
         ax.scatter(*zip(*points), color=colour, marker="^" if controlled else "o", s=16, alpha=0.6,
                    label=f"{method}, " + ("KL controller" if controlled else "fixed beta"))
     handles, labels = ax.get_legend_handles_labels()
     unique = dict(zip(labels, handles))
     ax.legend(unique.values(), unique.keys(), fontsize=7)
-    ax.set_xlabel("per-sequence KL from the SFT model (the iteration's batch)")
+    ax.set_xlabel(f"per-sequence KL from the SFT model (the last {KL_WINDOW} iterations' batches; one batch without a trace)")
     ax.set_ylabel(metric)
     ax.set_title(f"{hypothesis}: every evaluation of every run")
     fig.tight_layout()
@@ -1150,17 +1359,30 @@ def final_table(h, records, result):
     base_runs = [r for r in records.get(base.name, []) if r]
     n_prompts = next((len(r["final"][key]) for c in h.configs for r in records.get(c.name, []) if r), 0)
     lines = ["", f"The final policies on {n_prompts} held-out prompts (mean {key} per seed, then over seeds), "
-             "and this minus PPO's, paired by seed (95% t-intervals):", "",
-             f"| configuration | seeds | final mean {key} | minus PPO's, same seed | seeds paired |", "|---" * 5 + "|"]
+             "and this minus PPO's, paired by seed (95% interval from a seed-then-prompt bootstrap):", "",
+             f"| configuration | seeds | final mean {key} | minus PPO's, same seed [95% CI] | seeds paired |",
+             "|---" * 5 + "|"]
     for config in h.configs:
         runs = [r for r in records.get(config.name, []) if r]
         if not runs:
             continue
         score = t_interval([sum(r["final"][key]) / len(r["final"][key]) for r in runs])
-        gap = final_gap(base_runs, runs, key) if config is not base else None
+        gap = compare(paired_units(base_runs, runs, key)) if config is not base else None
         result[config.name]["final_policies"] = {"mean": score, "gap_vs_ppo": gap}
-        lines.append(f"| {config.label} | {len(runs)} | {fmt(*score)} | " + (fmt(*gap[:2]) if gap else "-")
-                     + f" | {gap[2] if gap else '-'} |")
+        lines.append(f"| {config.label} | {len(runs)} | {fmt(*score)} | " + (fmt_cmp(gap) if gap else "-")
+                     + f" | {gap['seeds'] if gap else '-'} |")
+    by_seed = {r["seed"]: r for r in base_runs}
+    lines += ["", f"By seed: final KL (run_kl; * one batch, no trace) and final mean {key}, this against PPO's, and the "
+              "win rate against PPO's on the same prompts.", "",
+              f"| configuration | seed | final KL, PPO / this | final mean {key}, PPO / this | win rate vs PPO |",
+              "|---" * 5 + "|"]
+    for config in h.configs[1:]:
+        for r in (r for r in records.get(config.name, []) if r and r["seed"] in by_seed):
+            p = by_seed[r["seed"]]
+            star = "" if has_trace(r) and has_trace(p) else " *"
+            lines.append(f"| {config.label} | {r['seed']} | {run_kl(p):.2f} / {run_kl(r):.2f}{star} | "
+                         f"{numpy.mean(p['final'][key]):.3f} / {numpy.mean(r['final'][key]):.3f} | "
+                         f"{fmt_win(win_rate([p], [r], key))} |")
     return lines
 
 
@@ -1170,19 +1392,20 @@ def paired_table(h, records, result):
     win_key = h.configs[0].win_key
     labels = {c.name: c.label for c in h.configs}
     lines = ["", f"Paired by seed with PPO under the same change: first-half mean {score}, this minus that "
-             f"PPO (95% t-interval), and the {win_key} win rate of the final policies against it.", "",
+             f"PPO (95% t-interval over seeds), and the {win_key} win rate of the final policies against it (95% "
+             "interval from a seed-then-prompt bootstrap).", "",
              "| configuration | against | seeds | first-half mean gap | win rate [95% CI] |", "|---" * 5 + "|"]
     for config in h.configs[1:]:
         if config.is_ppo:
             continue
         runs, others = ([r for r in records.get(k, []) if r] for k in (config.name, config.partner))
-        per_seed = per_seed_verdicts(others, runs, win_key)
-        if not per_seed:
+        seeds = len(paired_units(others, runs, win_key))
+        if not seeds:
             continue
-        gap, win = paired_gap(others, runs, score), bootstrap_win_rate(per_seed)
-        result[config.name]["paired"] = {"against": config.partner, "seeds": len(per_seed), "first_half_gap": gap,
+        gap, win = paired_gap(others, runs, score), win_rate(others, runs, win_key)
+        result[config.name]["paired"] = {"against": config.partner, "seeds": seeds, "first_half_gap": gap,
                                          "win_rate": win}
-        lines.append(f"| {config.label} | {labels[config.partner]} | {len(per_seed)} | {fmt(*gap)} | {fmt_win(win)} |")
+        lines.append(f"| {config.label} | {labels[config.partner]} | {seeds} | {fmt(*gap)} | {fmt_win(win)} |")
     return lines
 
 
@@ -1210,7 +1433,7 @@ def early_table(h, records, result):
             continue
         at_first = [r["rows"][0] for r in runs]
         entry = {"first_step": first, "score_at_first": t_interval([x[score] for x in at_first]),
-                 "kl_at_first": t_interval([x["kl"] for x in at_first]),
+                 "kl_at_first": t_interval([run_kl(r, first) for r in runs]),
                  "macro_len": t_interval([r["rows"][-1]["macro/mean_len"] for r in runs]),
                  "response_len": t_interval([r["rows"][-1]["response/len"] for r in runs])}
         cells = [fmt(*entry["score_at_first"]), fmt(*entry["kl_at_first"]), f"{entry['macro_len'][0]:.1f}",
@@ -1294,7 +1517,7 @@ def main(argv=None):
     args.runs_dir = args.runs_dir or ("runs/study_quick" if args.quick else "runs/study")
     args.models = {"chitchat": (args.sft_path, args.rm_path),
                    **{task: (data.run_dir(task, "sft"), data.run_dir(task, "rm")) for task in ("code", "count")},
-                   "smollm2": REAL_MODELS}
+                   "smollm2": REAL_MODELS, "smollm2_kl10": REAL_KL10_MODELS}
     seeds = [int(s) for s in args.seeds.split(",")]
     print(f"[study] {vars(args)}", flush=True)
     todo = [(config, seed) for h in names for config in HYPOTHESES[h].configs for seed in seeds]

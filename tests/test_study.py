@@ -1,12 +1,16 @@
 """bench/learning_efficiency.py: the study's statistics, checked by hand."""
 import argparse
+import math
 import os
+import re
 import subprocess
 import sys
 
+import numpy
 import pytest
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench"))
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "bench"))
 import learning_efficiency as study  # noqa: E402
 import data  # noqa: E402
 
@@ -51,12 +55,97 @@ def test_bootstrap_parity_interval_covers_the_point_and_counts_never():
     assert 0.6 < mixed["never"] < 0.9          # reached only when both draws are the good run: ~3/4 never
 
 
-def test_bootstrap_win_rate_pools_seeds_with_ties_half():
-    seed1 = ["A"] * 6 + ["E"] * 2 + ["B"] * 2                 # 7 of 10
-    seed2 = ["A"] * 2 + ["B"] * 8                             # 2 of 10
-    rate, low, high = study.bootstrap_win_rate([seed1, seed2], draws=400)
-    assert rate == pytest.approx((8 + 1) / 20) and low <= rate <= high
-    assert low == pytest.approx(0.2) and high == pytest.approx(0.7)   # all-seed-2 and all-seed-1 draws
+def final_run(seed, scores):
+    return {"seed": seed, "final": {"gold": scores}}
+
+
+def test_win_rate_is_the_mean_of_each_seeds_rate_with_ties_half():
+    ppo = [final_run(1, [0.5] * 10), final_run(2, [0.5] * 10)]
+    ma = [final_run(1, [0.9] * 6 + [0.5] * 2 + [0.1] * 2),          # 7 of 10
+          final_run(2, [0.9] * 2 + [0.1] * 8)]                      # 2 of 10
+    rate, low, high = study.win_rate(ppo, ma, "gold")
+    assert rate == pytest.approx(0.45) and low < 0.45 < high
+    assert study.win_rate(ppo, ma[:1], "gold") == (pytest.approx(0.7), None, None)     # one seed: no interval
+
+
+def test_the_seed_then_prompt_bootstrap_counts_prompt_noise_that_seeds_alone_miss():
+    """Three seeds with the same mean gap but noisy prompts: resampling seeds alone would give a zero-width
+    interval; resampling each drawn seed's prompts gives the prompts' standard error (sd / sqrt(prompts * seeds))."""
+    rng = numpy.random.default_rng(7)
+    noise = rng.normal(0, 0.3, 400)
+    units = [(noise - noise.mean())[None, :] + 0.1 for _ in range(3)]
+    draws = study.seed_prompt_draws(units, study.mean_of_units, draws=2000)
+    assert numpy.ptp([u.mean() for u in units]) == pytest.approx(0, abs=1e-12)
+    assert draws.std() == pytest.approx(noise.std() / (400 * 3) ** 0.5, rel=0.15)
+    assert (study.seed_prompt_draws(units, study.mean_of_units, draws=50) ==
+            study.seed_prompt_draws(units, study.mean_of_units, draws=50)).all()       # seeded: the same tables
+
+
+def test_a_seeds_runs_are_resampled_on_the_same_prompts():
+    """The runs of one seed answered the same prompts: a draw picks the same columns for all of them, so two runs
+    that are equal stay equal in every draw."""
+    unit = numpy.array([[0.0, 1.0, 2.0, 3.0], [0.0, 1.0, 2.0, 3.0]])
+    assert all(d == 0 for d in study.seed_prompt_draws([unit], lambda p, u: u[0][0].sum() - u[0][1].sum(), draws=20))
+
+
+def test_verdict_words_come_only_from_the_interval_and_the_margin_by_hand():
+    """6 seeds: t(5) 2.571 (95%), 2.015 (90%), 0.920 (80% power); margin 0.05."""
+    ahead = study.verdict(0.1, 0.02, 6)
+    assert ahead["ci95"] == (pytest.approx(0.1 - 2.571 * 0.02), pytest.approx(0.1 + 2.571 * 0.02))
+    assert ahead["verdict"] == "ahead" and ahead["mde"] == pytest.approx((2.571 + 0.920) * 0.02)
+    assert study.verdict(-0.1, 0.02, 6)["verdict"] == "behind"
+    level = study.verdict(0.01, 0.015, 6)                # 90%: 0.01 +- 0.030, inside +-0.05
+    assert level["verdict"] == "level" and level["ci90"][1] == pytest.approx(0.01 + 2.015 * 0.015)
+    assert study.verdict(0.01, 0.03, 6)["verdict"] == "undecided"       # holds 0, reaches past the margin
+    assert study.verdict(0.03, 0.005, 6)["verdict"] == "ahead, within the margin"
+    assert study.verdict(0.01, float("nan"), 1)["verdict"] == "one seed: no verdict"
+    assert study.verdict(0.0, 0.02, 3)["mde"] == pytest.approx((4.303 + 1.061) * 0.02)   # fewer seeds, larger
+    assert study.detectable_at(study.verdict(0.0, 0.02, 6), 10) == pytest.approx((2.262 + 0.883) * 0.02 * 0.6 ** 0.5)
+
+
+def test_paired_comparison_matches_seeds_and_prompts_by_hand():
+    ppo = [final_run(1, [0.5, 0.5, 0.5]), final_run(2, [0.1, 0.9, 0.5])]
+    ma = [final_run(2, [0.2, 0.2, 0.5]), final_run(1, [0.9, 0.1, 0.5]), final_run(3, [1, 1, 1])]   # 3: no partner
+    units = study.paired_units(ppo, ma, "gold")
+    assert [u.tolist() for u in units] == [[[0.1, -0.7, 0.0]], [[0.4, -0.4, 0.0]]]
+    assert [u.tolist() for u in study.paired_units(ppo, ma, "gold", win=True)] == [[[1, 0, 0.5]], [[1, 0, 0.5]]]
+    c = study.compare(units)
+    assert c["mean"] == pytest.approx((-0.2 + 0.0) / 2) and c["seeds"] == 2
+
+
+def test_the_one_kl_is_the_mean_of_the_last_five_iterations_batches_by_hand():
+    record = {"trace": [{"step": s, "kl": float(s)} for s in range(1, 11)],
+              "rows": [{"step": 5, "kl": 5.0, "eval/gold": 0.1}, {"step": 10, "kl": 10.0, "eval/gold": 0.2}]}
+    assert study.run_kl(record) == 8.0 and study.run_kl(record, 5) == 3.0 and study.run_kl(record, 2) == 1.5
+    assert [r["kl"] for r in study.kl_rows(record)] == [3.0, 8.0]
+    old = {"rows": record["rows"]}                                  # made before the trace was kept: one batch
+    assert study.run_kl(old) == 10.0 and study.run_kl(old, 5) == 5.0 and not study.has_trace(old)
+
+
+def test_matched_kl_is_decided_per_pair_and_both_ways():
+    assert study.kl_matched(1.0, 1.2) and study.kl_matched(1.2, 1.0)
+    assert not study.kl_matched(1.0, 1.21) and not study.kl_matched(1.21, 1.0)
+    assert not study.kl_matched(-0.1, -0.1) and not study.kl_matched(0.0, 0.0)
+
+
+def test_the_equal_kl_fit_recovers_a_known_difference_by_hand():
+    """Each run's gold = its seed's level + 0.1 log KL - 0.03 for MA-PPO (no noise): the fit returns -0.03 and
+    the slope 0.1 exactly, whatever KL each run ended at; a seed with one method only is left out."""
+    runs = []
+    for seed, level in ((1, 0.4), (2, 0.5), (3, 0.45)):
+        for ma, kl in ((False, 0.5), (False, 1.3), (True, 0.7), (True, 2.0)):
+            runs.append((seed, ma, kl, [level + 0.1 * math.log(kl) - 0.03 * ma] * 8))
+    runs.append((4, False, 1.0, [0.9] * 8))
+    fit = study.equal_kl_fit(runs)
+    assert fit["mean"] == pytest.approx(-0.03) and fit["slope"] == pytest.approx(0.1)
+    assert fit["seeds"] == 3 and fit["runs"] == 12 and fit["se"] == pytest.approx(0, abs=1e-9)
+    assert study.equal_kl_fit(runs[:4]) is None                     # one seed: no fit
+
+
+def test_a_repeated_run_is_counted_once():
+    a, b = (1, False, 0.7, [0.1, 0.2]), (1, False, 1.5, [0.1, 0.2])      # the same run under two targets
+    assert study.distinct_runs([a, b, (1, True, 0.7, [0.1, 0.2]), (2, False, 0.7, [0.1, 0.2])]) == [
+        a, (1, True, 0.7, [0.1, 0.2]), (2, False, 0.7, [0.1, 0.2])]
 
 
 def test_every_hypothesis_starts_with_its_baseline_and_names_are_unique():
@@ -163,7 +252,6 @@ def test_paired_comparisons_match_seeds_by_hand():
                 "final": {"gold": gold}}
     ppo = [run(1, [1, 1, 9, 9], [0.5, 0.5, 0.5]), run(2, [2, 2, 9, 9], [0.1, 0.9, 0.5])]
     ma = [run(2, [1, 1, 0, 0], [0.2, 0.2, 0.5]), run(1, [2, 2, 0, 0], [0.9, 0.1, 0.5]), run(3, [5, 5, 5, 5], [1, 1, 1])]
-    assert study.per_seed_verdicts(ppo, ma, "gold") == [["A", "B", "E"], ["A", "B", "E"]]   # seed 3 has no partner
     gap, half = study.paired_gap(ppo, ma, "eval/rm")                             # seed 2: 1 - 2, seed 1: 2 - 1
     assert gap == 0.0 and half == pytest.approx(12.706)   # sd sqrt(2) over 2 seeds
 
@@ -214,10 +302,13 @@ def test_the_real_study_reports_its_final_policies_paired_by_seed_by_hand():
                "real_n5_sigma_first": []}
     lines, result = study.report(argparse.Namespace(smooth=1), "real", records)
     assert result["real_n1"]["final_policies"] == {"mean": (0.4, pytest.approx(12.706 * 0.1)), "gap_vs_ppo": None}
-    mean, half, seeds = result["real_n5"]["final_policies"]["gap_vs_ppo"]        # seed 1: 0.3 - 0.3, seed 2: 0.9 - 0.5
-    assert (mean, seeds) == (pytest.approx(0.2), 2) and half == pytest.approx(12.706 * 0.2)
+    gap = result["real_n5"]["final_policies"]["gap_vs_ppo"]        # seed 1: 0.3 - 0.3, seed 2: 0.9 - 0.5
+    assert (gap["mean"], gap["seeds"]) == (pytest.approx(0.2), 2) and gap["ci95"][0] < 0.2 < gap["ci95"][1]
     assert result["real_n5"]["final_policies"]["mean"][0] == pytest.approx(0.4)
-    assert "| MA-PPO (n=5) | 3 | 0.400 ± 1.138 | 0.200 ± 2.541 | 2 |" in lines
+    assert f"| MA-PPO (n=5) | 3 | 0.400 ± 1.138 | +0.200 [{gap['ci95'][0]:+.3f}, {gap['ci95'][1]:+.3f}] | 2 |" in lines
+    # by seed: seed 1's policies tie on both prompts, seed 2's win both (0.9 against 0.5); no trace: KLs marked *
+    assert "| MA-PPO (n=5) | 1 | 1.00 / 1.00 * | 0.300 / 0.300 | 50.0% |" in lines
+    assert "| MA-PPO (n=5) | 2 | 1.00 / 1.00 * | 0.500 / 0.900 | 100.0% |" in lines
     assert "final_policies" not in study.report(argparse.Namespace(smooth=1), "count", {
         "count_n1": [run(1, [1.0])], "count_n5": [run(1, [0.0])]})[1]["count_n5"]       # only where it is asked
 
@@ -272,22 +363,28 @@ def test_matched_kl_pairs_each_method_with_ppo_at_its_own_target_by_hand(tmp_pat
     args = argparse.Namespace(smooth=1, results_dir=str(tmp_path), report_only=True)
     lines, result = study.report(args, "real_kl", records)
     m = result[n5.name]["matched_kl"]
-    assert m["final_kl"][0] == pytest.approx(0.8) and m["kl_ratio"] == pytest.approx(0.8 / 0.7)   # last 5: 26-30
-    assert m["gap_vs_ppo"][0] == pytest.approx(0.0) and m["gap_vs_ppo"][2] == 2      # seed 1: +0.1, seed 2: -0.1
+    assert m["final_kl"][0] == pytest.approx(0.8) and (m["pairs_matched"], m["pairs"]) == (2, 2)   # last 5: 26-30
+    assert m["gap_vs_ppo"]["mean"] == pytest.approx(0.0) and m["gap_vs_ppo"]["seeds"] == 2   # seed 1: +0.1, 2: -0.1
     assert m["reach"] == {"0.4": "10 (2/2)", "0.5": "10 (2/2)", "0.6": "15 (2/2)"}   # median of 10 and 20
     assert result[n1.name]["matched_kl"]["reach"]["0.5"] == "30 (1/2)"
     assert result[n1.name]["matched_kl"]["reach"]["0.6"] == "never (0/2)"
     assert result["sft"]["final_mean"] == pytest.approx(0.2)
-    assert result[n5_high.name]["matched_kl"]["gap_vs_ppo"][0] == 1.0                # against PPO at 1.5
+    assert result[n5_high.name]["matched_kl"]["gap_vs_ppo"]["mean"] == 1.0          # against PPO at 1.5
     verdicts = [line for line in lines if line.startswith(("- KL ", "- beta "))]
-    assert "(ratio 1.14: matched)" in verdicts[0] and "level (the interval holds 0)" in verdicts[0]
-    assert "NOT matched" in verdicts[1] and "one seed: no interval" in verdicts[1]
-    # the beta pair: MA-PPO's final KL 0.85 against PPO's 0.8, seed by seed +0.3 and +0.1
+    assert "at matched KL on every pair" in verdicts[0] and verdicts[0].endswith(
+        f"detectable effect {m['gap_vs_ppo']['mde']:.3f}): **{m['gap_vs_ppo']['verdict']}**.")
+    assert "NOT at matched KL (0 of 1 pairs within 1.2x)" in verdicts[1] and "one seed: no verdict" in verdicts[1]
+    # the beta pair: seed 1 at 1.0 / 0.9 (matched), seed 2 at 0.6 / 0.8 (1.33 apart); gaps +0.3 and +0.1
     b = result[n5_beta.name]["matched_kl"]
-    assert b["held_at"] == f"beta {n5_beta.flag('--beta')}" and b["kl_ratio"] == pytest.approx(0.85 / 0.8)
-    assert b["gap_vs_ppo"][0] == pytest.approx(0.2) and b["gap_vs_ppo"][2] == 2
+    assert b["held_at"] == f"beta {n5_beta.flag('--beta')}" and (b["pairs_matched"], b["pairs"]) == (1, 2)
+    assert b["gap_vs_ppo"]["mean"] == pytest.approx(0.2) and b["gap_vs_ppo"]["seeds"] == 2
     assert verdicts[2].startswith(f"- beta {n5_beta.flag('--beta')} (PPO at beta {n1_beta.flag('--beta')}): "
-                                  "final KL 0.85 against PPO's 0.80 (ratio 1.06: matched)")
+                                  "final KL 0.85 against PPO's 0.80, NOT at matched KL (1 of 2 pairs within 1.2x)")
+    assert f"| {study.held_at(n5_beta)} | {study.held_at(n1_beta)} | 2 | 0.60 / 0.80 | 1.33 | no | 0.400 / 0.500 | +0.100 |" in lines
+    # at equal KL over every run: the matched pairs alone are KL 0.7's two seeds and the beta pair's seed 1
+    assert result["equal_kl"]["matched_pairs"]["pairs"] == 3 and result["equal_kl"]["matched_pairs"]["seeds"] == 2
+    assert result["equal_kl"]["matched_pairs"]["mean"] == pytest.approx(((0.1 + 0.3) / 2 - 0.1) / 2)
+    assert result["equal_kl"]["fit"]["seeds"] == 2
     assert f"| beta {n1_beta.flag('--beta')} | PPO (n=1), beta" in "\n".join(lines)
 
 
@@ -307,8 +404,10 @@ def test_the_kl_reading_pairs_fixed_beta_and_controlled_runs_by_seed_and_pools_t
     each KL point where both runs passed through it, and `all` averaging each seed's pairs into one gap per seed."""
     args = argparse.Namespace(smooth=1, results_dir=str(tmp_path), report_only=True)
 
-    def run(seed, points):
-        return {"seed": seed, "rows": [{"step": 5 * i, "kl": k, "eval/gold": g} for i, (k, g) in enumerate(points, 1)]}
+    def run(seed, points, traced=True):      # the 5 iterations up to each evaluation at its KL: run_kl is that KL
+        trace = [{"step": 5 * i - j, "kl": k} for i, (k, _) in enumerate(points, 1) for j in (4, 3, 2, 1, 0)]
+        return {"seed": seed, "rows": [{"step": 5 * i, "kl": 9.0, "eval/gold": g} for i, (_, g) in enumerate(points, 1)],
+                **({"trace": trace} if traced else {})}
     for name, seed, points in (("real_n1", 1, [(0.0, 0.2), (2.0, 0.6)]), ("real_n5", 1, [(0.0, 0.1), (2.0, 0.3)]),
                                ("real_n1", 2, [(0.6, 0.5), (0.8, 0.5)]), ("real_n5", 2, [(0.0, 0.0), (3.0, 0.9)])):
         study.write_record(study.record_path(args, name, seed), run(seed, points))
@@ -329,6 +428,12 @@ def test_the_kl_reading_pairs_fixed_beta_and_controlled_runs_by_seed_and_pools_t
     assert at["all"]["0.5"]["pairs"] == 2
     assert at["all"]["0.5"]["gap"][0] == pytest.approx((((0.15 - 0.3) + (0.6 - 0.325)) / 2 + 0.1) / 2)
     assert any(line.startswith("| all, one gap per seed | 2, ") for line in lines)
+    # the fixed-beta runs recorded without a trace have no run_kl: left out, and the table says so
+    for name, seed, points in (("real_n1", 1, [(0.0, 0.2), (2.0, 0.6)]), ("real_n5", 1, [(0.0, 0.1), (2.0, 0.3)])):
+        study.write_record(study.record_path(args, name, seed), run(seed, points, traced=False))
+    result = {}
+    lines = study.kl_points_table(args, "real_kl", records, result)
+    assert fixed not in result["at_kl"] and "The fixed-beta pair (real_n5 against real_n1) is left out" in lines[1]
 
 
 def test_the_kl_picture_gives_each_method_one_colour_and_marks_the_controller(tmp_path):
@@ -341,7 +446,7 @@ def test_the_kl_picture_gives_each_method_one_colour_and_marks_the_controller(tm
     args = argparse.Namespace(results_dir=str(tmp_path))
 
     def record(name):
-        study.write_record(study.record_path(args, name, 1), {"rows": [{"kl": 0.5, "eval/gold": 0.4}]})
+        study.write_record(study.record_path(args, name, 1), {"rows": [{"step": 5, "kl": 0.5, "eval/gold": 0.4}]})
     record("real_n1")
     assert study.kl_frontier(args, "real_kl", {}) is None and not os.path.exists(tmp_path / "real_kl.png")
     record("real_kl_n1_0.7")
@@ -468,10 +573,14 @@ def test_the_sft_line_cites_its_rm_figures_from_the_record(tmp_path):
     line = next(line for line in lines if line.startswith("The SFT model"))
     assert "mean gold 0.500" in line and "held-out pairwise accuracy 0.551 on 1024 pairs" in line
     assert "agreement with the gold judge 0.612 on 256 pairs" in line and result["sft"]["rm_eval"]["accuracy"] == 0.5512
-    assert "1 of the 1 runs above record no SFT hash" in line               # a run made before hashes
+    assert "1 of the 1 runs above record no SFT / RM hashes" in line        # a run made before hashes
     runs = [{"seed": 1, "final": {"gold": [0.5]}, "rows": rows, "sft_hash": h} for h in ("abc", "abd")]
     line = next(line for line in study.report(args, "count", {h.configs[0].name: runs})[0] if line.startswith("The SFT"))
-    assert "1 of the 2 runs above record no SFT hash or another one" in line
+    assert "1 of the 2 runs above record no SFT / RM hashes or others than this record's" in line
+    runs[1]["sft_hash"], runs[0]["rm_hash"] = "abc", "rm2"                   # the same SFT, another RM build
+    line = next(line for line in study.report(args, "count", {h.configs[0].name: runs})[0] if line.startswith("The SFT"))
+    assert "1 of the 2 runs above" in line
+    del runs[0]["rm_hash"]
     runs[1]["sft_hash"] = "abc"
     line = next(line for line in study.report(args, "count", {h.configs[0].name: runs})[0] if line.startswith("The SFT"))
     assert "runs above" not in line
@@ -510,3 +619,130 @@ def test_configs_runs_only_those_configurations(tmp_path, monkeypatch):
     result = study.main(["baseline", "--configs", "n5", "--seeds", "1", "--results_dir", str(tmp_path),
                          "--runs_dir", str(tmp_path / "runs")])
     assert result["baseline"]["n5"]["seeds"] == [1] and "n1" not in result["baseline"]
+
+
+# ---------------------------------------------------------------- no figure in the prose without a record
+# A figure is a decimal or a percentage (counts of seeds, iterations and tokens are not checked). Each one in the
+# prose of these pages must be a figure of the generated tables (docs/study/study.md, written from the records by
+# `learning_efficiency.py report`) of a hypothesis its paragraph is about: named in backticks or linked as #name, or,
+# on the study page, the hypothesis of its section. The prose may round a table's figure, never change it.
+PROSE = ("README.md", "docs/study/README.md", "docs/real_models.md")
+FIGURE = re.compile(r"(?<![\w.#/§-])\d+\.\d+%?(?![\w.]*\d)|(?<![\w.#/§-])\d+%")   # not §3.3, v1.2.3
+# Figures allowed in any paragraph, each with the reason it needs no record.
+ANYWHERE = {
+    "50%": "even odds: the line every win rate is read against",
+    "0.05": "the margin (MARGIN) and the recipe's beta (a flag)",
+    "1.2": "the matching rule (MATCH)",
+    "95%": "the interval's level", "90%": "the equivalence test's interval", "80%": "the detectable effect's power",
+    "5%": "the tests' level",
+    "1.7": "the paper's claim (Fig. 1-2: 1.7-2x)",
+    "1.3": "the tiny model's size, 1.3M parameters (its config)",
+    "0.774": "0.95^5, the lambda of MA-PPO in `lambda` (its flag, 0.7738)",
+    "10%": "the real-model controller's largest step an iteration (--kl_horizon 32 over 16 samples)",
+    "2%": "the tiny tasks' controller's largest step an iteration (--kl_horizon 320 over 32 samples)",
+}
+# Paragraphs whose figures no record holds yet, by (file, how the paragraph begins), with the reason: what is left
+# to record. A figure in any other paragraph that no generated table gives fails the test.
+UNRECORDED = {
+    ("README.md", "Everything works offline"): "the test suite's duration on a fresh clone: not a study figure",
+    ("docs/study/README.md", "The segment and token RMs train"): "the count SFT model's entropy quantiles and segment "
+    "lengths behind c_ent, measured once by hand: to be written by a script into a record",
+    ("docs/real_models.md", "| model | full fine-tuning"): "the recipe's memory table (bench/real_ppo.py): no record",
+    ("docs/real_models.md", "**Why chitchat.**"): "the recipe's own SFT / RM evaluation, run by hand: no record",
+    ("docs/real_models.md", "Measured on a 2-core CPU"): "the recipe's timings (bench/real_ppo.py): no record",
+    ("docs/real_models.md", "| held-out (16 prompts)"): "the recipe's 5-iteration demo run: no record",
+    ("docs/real_models.md", "Five iterations barely move"): "the recipe's 5-iteration demo run: no record",
+    ("docs/real_models.md", "| prompt | SFT | policy after 5"): "sampled replies of the demo run, shown for reading",
+    ("docs/real_models.md", "| prompt (its end) | SFT | PPO, 30"): "sampled replies, shown for reading; the study's "
+    "per-prompt scores of the same runs are in their records",
+    ("docs/real_models.md", "| side | generate | forwards"): "ours against TRL (bench/real_ppo.py): no record",
+    ("docs/real_models.md", "So ours takes 8% less time"): "ours against TRL (bench/real_ppo.py): no record",
+    ("docs/real_models.md", "**Where the memory went.**"): "memory measurements: no record",
+    ("docs/real_models.md", "An earlier sitting on the machine"): "ours against TRL, an earlier sitting: no record",
+}
+
+
+def generated_figures():
+    """{hypothesis: its generated section's figures} from docs/study/study.md."""
+    text = open(os.path.join(ROOT, "docs", "study", "study.md")).read()
+    return {part.split(":", 1)[0]: re.findall(r"\d+(?:\.\d+)?%?", part) for part in text.split("### ")[1:]}
+
+
+def rounds_to(figure, generated):
+    """`figure` ("0.91", "46.7%") is one of `generated` as printed or rounded to the figure's decimals."""
+    percent = figure.endswith("%")
+    value = figure.rstrip("%")
+    decimals = len(value.split(".")[1]) if "." in value else 0
+    return any(g.endswith("%") == percent and f"{float(g.rstrip('%')):.{decimals}f}" == value for g in generated)
+
+
+def unsourced_figures(path):
+    """[(heading, figure, paragraph start)] of `path`'s prose (generated blocks and code blocks left out)."""
+    text = open(os.path.join(ROOT, path)).read()
+    text = re.sub(r"<!-- study:(\S+) -->.*?<!-- /study:\1 -->", "", text, flags=re.S)
+    text = re.sub(r"```.*?```", "", text, flags=re.S)
+    generated, heading, named_by_heading, out = generated_figures(), None, set(), []
+    for paragraph in re.split(r"\n\s*\n", text):
+        if paragraph.startswith("#"):
+            heading = paragraph.splitlines()[0]
+            named_by_heading = set(re.findall(r"`(\w+)`", heading)) if path == "docs/study/README.md" else set()
+        if any(paragraph.startswith(start) for file, start in UNRECORDED if file == path):
+            continue
+        anchors = [w for a in re.findall(r"#([\w-]+)\)", paragraph) for w in (a, *a.split("-"))]
+        named = named_by_heading | set(re.findall(r"`(\w+)`", paragraph)) | set(anchors)
+        allowed = [g for name in named for g in generated.get(name, [])]
+        out += [(heading, f, paragraph[:60]) for f in FIGURE.findall(paragraph)
+                if f not in ANYWHERE and not rounds_to(f, allowed)]
+    return out
+
+
+def test_rounds_to_accepts_a_tables_figure_rounded_never_another():
+    assert rounds_to("11.3", ["11.304"]) and rounds_to("0.91", ["0.914"]) and rounds_to("46.7%", ["46.7%"])
+    assert not rounds_to("0.87", ["0.889", "0.914"]) and not rounds_to("0.5", ["50%"]) and not rounds_to("47%", ["0.47"])
+
+
+def test_a_figure_outside_its_hypothesis_tables_is_caught(tmp_path, monkeypatch):
+    """The check itself: a figure the `real_kl` tables give passes in a paragraph about `real_kl`, fails in one about
+    `kl`, and a figure no table gives fails."""
+    monkeypatch.setattr(sys.modules[__name__], "ROOT", str(tmp_path))
+    (tmp_path / "docs" / "study").mkdir(parents=True)
+    (tmp_path / "docs" / "study" / "study.md").write_text("### real_kl: q\n| a | 0.914 ± 0.640 |\n### kl: q\n| 6.164 |\n")
+    (tmp_path / "page.md").write_text("# t\n\n`real_kl` ends at 0.91 against 6.2.\n\nIn `kl`, 0.91.\n\n"
+                                      "[it](x.md#kl) ends at 6.16; 0.87 in none.\n")
+    assert [f for _, f, _ in unsourced_figures("page.md")] == ["6.2", "0.91", "0.87"]
+
+
+@pytest.mark.parametrize("path", PROSE)
+def test_every_figure_in_the_prose_comes_from_a_generated_table(path):
+    missing = unsourced_figures(path)
+    assert not missing, "\n".join(f"{h} | {f} | {p!r}" for h, f, p in missing)
+
+
+def test_every_unrecorded_paragraph_is_still_there():
+    """An exemption outlives its paragraph only by mistake: each UNRECORDED start begins a paragraph of its file."""
+    for path, start in UNRECORDED:
+        assert re.search(r"(^|\n\s*\n)" + re.escape(start), open(os.path.join(ROOT, path)).read()), (path, start)
+
+
+def test_the_ten_seed_rerun_trains_the_headline_pair_on_one_build_of_its_own(tmp_path, monkeypatch):
+    """real_kl10: PPO at 0.05 and MA-PPO at 0.077 as in real_kl, on runs/smollm2_kl10 (built before its first
+    run, the old build left alone), with its own SFT record; not part of `all`."""
+    from transformers import HfArgumentParser
+    import ppo
+    h = study.HYPOTHESES["real_kl10"]
+    old = {c.name: c for c in study.HYPOTHESES["real_kl"].configs}
+    args = argparse.Namespace(steps=120, eval_every=10, n_eval_prompts=128, ppo_args="", count_args="", code_args="",
+                              models={"smollm2": study.REAL_MODELS, "smollm2_kl10": study.REAL_KL10_MODELS})
+    for config, before in zip(h.configs, ("real_kl_n1_beta0.05", "real_kl_n5_beta0.077")):
+        new_flags = HfArgumentParser(ppo.PPOArgs).parse_args_into_dataclasses(args=study.ppo_flags(args, config, 7, "o"))[0]
+        old_flags = HfArgumentParser(ppo.PPOArgs).parse_args_into_dataclasses(
+            args=study.ppo_flags(args, old[before], 7, "o"))[0]
+        assert vars(new_flags) == {**vars(old_flags), "sft_path": "runs/smollm2_kl10/sft", "rm_path": "runs/smollm2_kl10/rm"}
+        assert study.sft_record_name(config) == "real_kl10_sft" and study.is_real(config)
+    assert h.configs[1].partner == h.configs[0].name and "real_kl10" in study.OPTIONAL
+    stages = []
+    monkeypatch.setattr(study, "run_stages", lambda s: stages.extend(s))
+    monkeypatch.setattr(study, "smollm2_gguf", lambda: "m.gguf")
+    monkeypatch.setattr(study, "ROOT", str(tmp_path))                     # a fresh clone: no build yet
+    study.build_real_models(args, [(c, 1) for c in h.configs])
+    assert [s[s.index("--output_dir") + 1] for s in stages] == list(study.REAL_KL10_MODELS)
