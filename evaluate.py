@@ -44,12 +44,14 @@ JUDGES = ("rm", "gold", "llm")
 
 @dataclass
 class EvalArgs:
+    # --- what is evaluated --------------------------------------------------------------------------
     task: str = field(default="chitchat", metadata={"help": "task whose held-out (test) prompts are used"})
     sft_path: str = field(default="", metadata={"help": "SFT model (default runs/<task>/sft); also the tokenizer"})
     rm_path: str = field(default="", metadata={"help": "reward model (default runs/<task>/rm)"})
     policies: list[str] = field(default_factory=list, metadata={"help": "score / passk: policies (folders or `sft`)"})
     policy: str = field(default="sft", metadata={"help": "winrate / agreement / best_of_n: the policy (A)"})
     baseline: str = field(default="sft", metadata={"help": "winrate / agreement: B = `sft`, `chosen` or a folder"})
+    # --- the judges (winrate, agreement) ------------------------------------------------------------
     judge: str = field(default="gold", metadata={"help": "winrate: rm (higher RM score) | gold (embedded judge) | llm", "choices": JUDGES})
     judges: str = field(default="rm,gold", metadata={"help": "agreement: judges (rm, gold, llm) separated by commas"})
     judge_url: str = field(default="", metadata={"help": "llm: OpenAI-compatible base URL, e.g. https://api.openai.com/v1"})
@@ -58,14 +60,16 @@ class EvalArgs:
     judge_template: str = field(default="", metadata={"help": "llm: tldr | hh | webgpt (default: from --task; chitchat uses hh)", "choices": ("", "tldr", "hh", "webgpt")})
     judge_timeout: float = field(default=60.0, metadata={"help": "llm: seconds per request", "metavar": "(0, inf)"})
     judge_retries: int = field(default=4, metadata={"help": "llm: retries with exponential backoff (1, 2, 4 ... s)", "metavar": "[0, inf)"})
-    judge_mode: str = field(default="text", metadata={"help": "llm: text (the template's answer format) | logprobs (one letter; its probability read from top_logprobs, for small judges)", "choices": ("text", "logprobs")})
+    judge_mode: str = field(default="text", metadata={"help": "llm: text (the template's answer format) | logprobs (one letter's probability, small judges)", "choices": ("text", "logprobs")})
     judge_max_tokens: int = field(default=96, metadata={"help": "llm, text mode: the longest answer asked for (max_tokens)", "metavar": "[1, inf)"})
     judge_min_answered: float = field(default=0.5, metadata={"help": "llm: fewer usable verdicts than this fraction of the items is an error (exit 1)", "metavar": "[0, 1]"})
+    # --- sampling -----------------------------------------------------------------------------------
     n_prompts: int = field(default=256, metadata={"help": "held-out prompts evaluated", "metavar": "[1, inf)"})
     max_prompt_len: int = field(default=48, metadata={"help": "prompt tokens kept", "metavar": "[1, inf)"})
     max_response_len: int = field(default=0, metadata={"help": "generated tokens at most; 0 = the task's default (64 for count, else 32)", "metavar": "[0, inf)"})
-    chat_template: bool = field(default=False, metadata={"help": "render prompts with the tokenizer's own chat template (instruct models); off: the raw HH / TL;DR formats of the paper's base models. Use the same choice in every stage"})
+    chat_template: bool = field(default=False, metadata={"help": "render prompts with the tokenizer's chat template (instruct models); same in every stage"})
     temperature: float = field(default=0.8, metadata={"help": "sampling temperature", "metavar": "(0, inf)"})
+    # --- the commands: best_of_n, curves, passk -----------------------------------------------------
     ns: str = field(default="1,4,8,16", metadata={"help": "best_of_n: values of N", "metavar": "[1, inf)"})
     temperatures: str = field(default="0.4,0.8,1.2", metadata={"help": "best_of_n: sampling temperatures", "metavar": "(0, inf)"})
     runs: list[str] = field(default_factory=list, metadata={"help": "curves: LABEL=GLOB items, one run folder (metrics.jsonl) per seed"})
@@ -73,6 +77,7 @@ class EvalArgs:
     results: str = field(default="", metadata={"help": "passk: JSONL rows {policy, difficulty, n, correct} instead of sampling --policies"})
     samples: int = field(default=10, metadata={"help": "passk: samples per problem (the estimator's n; at least the largest k)", "metavar": "[1, inf)"})
     ks: str = field(default="1,5", metadata={"help": "passk: values of k", "metavar": "[1, inf)"})
+    # --- the run ------------------------------------------------------------------------------------
     seed: int = field(default=1234, metadata={"help": "sampling and response-order seed", "metavar": "[0, inf)"})
     output_dir: str = field(default="runs/eval", metadata={"help": "where results are written"})
 

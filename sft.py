@@ -24,9 +24,11 @@ SPECIAL_TOKENS = {"pad_token": "<pad>", "eos_token": "<eos>", "bos_token": "<bos
 
 @dataclass
 class SFTArgs:
+    # --- the task and the model ---------------------------------------------------------------------
     task: str = field(default="chitchat", metadata={"help": "chitchat, count, tldr, tldr_carper, hh, webgpt, code, apps, or a local json/jsonl/parquet file"})
-    model: str = field(default="tiny", metadata={"help": "'tiny' builds a small Gemma + BPE tokenizer offline; otherwise an HF model id, a local folder, or a local .gguf file (dequantized; needs the gguf package)"})
+    model: str = field(default="tiny", metadata={"help": "'tiny' (a small Gemma + BPE tokenizer, built offline), an HF model id, a folder, or a .gguf file"})
     output_dir: str = field(default="", metadata={"help": "where the final model + tokenizer are saved; default runs/<task>/sft"})
+    # --- supervised fine-tuning ---------------------------------------------------------------------
     max_prompt_len: int = field(default=48, metadata={"help": "prompt tokens kept (truncated from the left)", "metavar": "[1, inf)"})
     max_response_len: int = field(default=0, metadata={"help": "response tokens kept, EOS included; 0 = the task's default (64 for count, else 32)", "metavar": "[0, inf)"})
     batch_size: int = field(default=32, metadata={"help": "examples per process per micro-step", "metavar": "[1, inf)"})
@@ -40,15 +42,17 @@ class SFTArgs:
     eval_every: int = field(default=100, metadata={"help": "held-out loss / perplexity every k steps", "metavar": "[1, inf)"})
     save_every: int = field(default=200, metadata={"help": "resumable checkpoint every k steps", "metavar": "[1, inf)"})
     n_eval: int = field(default=512, metadata={"help": "held-out examples for loss / perplexity", "metavar": "[1, inf)"})
+    # --- the tiny default model (--model tiny) ------------------------------------------------------
     vocab_size: int = field(default=2048, metadata={"help": "tiny model: BPE vocabulary size", "metavar": "[1, inf)"})
     hidden_size: int = field(default=128, metadata={"help": "tiny model: hidden size", "metavar": "[1, inf)"})
     num_layers: int = field(default=4, metadata={"help": "tiny model: transformer layers", "metavar": "[1, inf)"})
+    # --- the run ------------------------------------------------------------------------------------
     bf16: bool = field(default=False, metadata={"help": "bf16 mixed precision (GPUs)"})
     gradient_checkpointing: bool = field(default=False, metadata={"help": "recompute activations to save memory (GPUs)"})
     lora_r: int = field(default=0, metadata={"help": "LoRA rank (peft); 0 = train every weight. Needs a pretrained --model", "metavar": "[0, inf)"})
     lora_alpha: int = field(default=16, metadata={"help": "LoRA scale alpha (the update is scaled by alpha / r)", "metavar": "(0, inf)"})
     lora_target_modules: str = field(default="all-linear", metadata={"help": "LoRA: all-linear, or module names separated by commas (e.g. q_proj,v_proj)"})
-    chat_template: bool = field(default=False, metadata={"help": "render prompts with the tokenizer's own chat template (instruct models); off: the raw HH / TL;DR formats of the paper's base models. Use the same choice in every stage"})
+    chat_template: bool = field(default=False, metadata={"help": "render prompts with the tokenizer's chat template (instruct models); same in every stage"})
     skip_bad_rows: bool = field(default=False, metadata={"help": "drop malformed dataset rows (and report how many) instead of stopping"})
     seed: int = field(default=1234, metadata={"help": "random seed (data split seed is fixed at 1234)", "metavar": "[0, inf)"})
     resume: bool = field(default=False, metadata={"help": "continue from <output_dir>/checkpoint"})
