@@ -399,9 +399,9 @@ def load_models(sft_path, rm_path, critic_path, *, code_task, bf16=False, lora=N
 
 def score_normalizer(accelerator, rm_path, reward_model, tokenizer, segmenter, *, task, chat_template,
                      max_prompt_len, max_response_len):
-    """--rm_norm: (mean, std) of the RM's score on its calibration pairs, from score_norm.json beside it;
-    an RM without one (trained before reward_model.py wrote it) gets it fitted on the first 1024 pairs of the
-    RM split, as reward_model.py does, and written there, once, by the main process."""
+    """--rm_norm: (mean, std) of the RM's score on its calibration pairs, from score_norm.json beside it. The
+    first run that asks fits it on the first 1024 pairs of the RM split (the main process, once) and writes it
+    there: reward_model.py spends nothing on a file that only this flag reads."""
     path = os.path.join(rm_path, rm.SCORE_FILE)
     if accelerator.is_main_process and not os.path.exists(path):
         rows = data.with_chat_template(data.load_task(task, only=("rm",))["rm"][:1024], tokenizer, chat_template)

@@ -55,10 +55,10 @@ class RMArgs:
     resume: bool = field(default=False, metadata={"help": "continue from <output_dir>/checkpoint"})
     unit: str = field(default="sequence", metadata={"help": "what the head scores (Yin et al. 2025): sequence (the whole response, EOS included: the ordinary RM) | segment (entropy segments, each scored at its last token; a response's score e is their mean) | token (one token per segment). EOS belongs to no segment", "choices": ("sequence", "segment", "token")})
     c_ent: float = field(default=6.0, metadata={"help": "--unit segment: a response token whose SFT next-token entropy (nats, temperature 1) exceeds c_ent starts a segment. 6.0 gives the tiny chitchat SFT model (median entropy 5.5 nats) segments of about 3 tokens; a pretrained model's entropies are far lower: check the logged mean segment length"})
-    n_calibration: int = field(default=1024, metadata={"help": "RM-split pairs whose chosen and rejected responses fit the score's mean and std (score_norm.json, every unit) and, --unit segment/token, the location normalizer"})
+    n_calibration: int = field(default=1024, metadata={"help": "--unit segment/token: RM-split pairs (chosen and rejected) the location normalizer is fitted on"})
 
 
-SCORE_FILE = "score_norm.json"           # beside any RM's weights: the mean and std of its score (ppo.py --rm_norm)
+SCORE_FILE = "score_norm.json"           # beside an RM: its score's mean and std, fitted by ppo.py --rm_norm
 EVAL_FILE = "rm_eval.json"               # beside any RM's weights: its held-out accuracy and gold agreement
 SCORE_NORMALIZER_KIND = "score"
 
@@ -284,10 +284,6 @@ def main(args):
 
     accuracy = trainer.fit(train_rows, lambda rows: bradley_terry(trainer.model, pairs_of(rows))[0], evaluate)
     log(f"[rm] held-out pairwise accuracy {accuracy:.3f}")
-    if accelerator.is_main_process:     # the score's mean and std on the calibration pairs (ppo.py --rm_norm)
-        final = trainer.final.to(accelerator.device).eval()                  # the whole trained RM
-        write_json(os.path.join(args.output_dir, SCORE_FILE), fit_score_normalizer(
-            final, tokenizer, train_rows[:args.n_calibration], args.max_prompt_len, args.max_response_len, segmenter))
     if segmenter and accelerator.is_main_process:
         rows = train_rows[:args.n_calibration]
         batches = (pairs_of(rows[i:i + args.batch_size]) for i in range(0, len(rows), args.batch_size))
