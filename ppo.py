@@ -169,7 +169,11 @@ def policy_and_critic_forwards(policy, critic, ids, attention_mask, prompt_width
         policy.train()      # as in the update: gradient checkpointing acts in train mode only
     with torch.set_grad_enabled(keep_graphs):
         logp, entropy = response_logprobs(policy, ids, attention_mask, prompt_width, temperature, with_entropy=True)
+        # each large forward's freed temporaries go back to the OS before the next forward's land above them
+        # (a trim only at the end of step 2 let them pile up: SmolLM2's bench/real_ppo.py peaked 2 GB higher)
+        harness.release_freed_memory(ids.device)
         values = critic_values(critic, ids, attention_mask, prompt_width)
+        harness.release_freed_memory(ids.device)
     policy.eval()
     return logp, entropy, values
 
@@ -179,9 +183,12 @@ def reference_logprobs(ref, accelerator, policy, ids, attention_mask, prompt_wid
     the frozen SFT model's, or under LoRA (ref None) the policy's with its adapters switched off, which
     is the SFT model."""
     if ref is not None:
-        return response_logprobs(ref, ids, attention_mask, prompt_width, temperature, t1_entropy=t1_entropy)
-    with harness.unwrap(accelerator, policy).disable_adapter():
-        return response_logprobs(policy, ids, attention_mask, prompt_width, temperature, t1_entropy=t1_entropy)
+        out = response_logprobs(ref, ids, attention_mask, prompt_width, temperature, t1_entropy=t1_entropy)
+    else:
+        with harness.unwrap(accelerator, policy).disable_adapter():
+            out = response_logprobs(policy, ids, attention_mask, prompt_width, temperature, t1_entropy=t1_entropy)
+    harness.release_freed_memory(ids.device)        # its temporaries, as after the policy's and the critic's
+    return out
 
 
 def token_rewards_of(kl_rewards, score, response_mask, starts, agg="sum", dense=None, penalty=None, clip=0.0):
@@ -525,7 +532,7 @@ def main(args):
             P = p_ids.shape[1]
             ids, attention_mask = torch.cat([p_ids, r_ids], 1), torch.cat([p_mask, r_mask], 1)    # [B, P + R]
             response_mask = r_mask.float()                                                        # [B, R]
-            with clock.phase("forward", release=acc.device):
+            with clock.phase("forward"):         # trimmed after each large forward, inside
                 # 2. Score: the policy's logprobs and the critic's values V(s_t) (with their graphs when the update
                 # reuses these forwards), the reference logprobs, the sequence score
                 reuse = fused_update(acc, policy.model, critic.model, len(idx), args.mini_batch_size, args.ppo_epochs,
