@@ -2,7 +2,12 @@
 peak RSS, on the same SFT and RM folders, prompts, batch, lengths and LoRA setting, back to back.
 
     python bench/real_ppo.py --sft_path runs/chitchat/sft --rm_path runs/chitchat/rm \\
-        [--steps 4] [--trl_python /path/to/trl-venv/bin/python] [--sides ours,trl]
+        [--steps 4] [--trl_python /path/to/trl-venv/bin/python] [--sides ours,trl] [--record FILE]
+    python bench/real_ppo.py --show bench/records/real_ppo.json      # the committed baseline's table
+
+--record writes the sitting's figures with what they depend on (commit, command, versions, threads, load
+average, the weights' hashes): bench/records/real_ppo.json is the baseline that docs/real_models.md quotes
+and that changes to the real-model path are compared with.
 
 Sizes: 16 prompts (at most 48 tokens, the chat template's), at most 64 new tokens, temperature 0.8, one
 PPO epoch over one minibatch of 16, LoRA r=16 (alpha 16) on every linear layer of the policy and of the
@@ -211,7 +216,7 @@ def side_summary(result):
     return {"median_s": {k: {"wall": round(statistics.median(i[k] for i in its), 2),
                              "cpu": round(statistics.median(i["cpu"][k] for i in its), 2)} for k in PHASES},
             "response_len": round(statistics.median(i["response_len"] for i in its), 1),
-            "peak_rss_mb": round(result["peak_rss_mb"]), **{k: result[k] for k in ("threads", "versions") if k in result},
+            "peak_rss_mb": round(result["peak_rss_mb"]), **{k: result[k] for k in ("threads", "versions", "load_average") if k in result},
             "process_s": round(result["wall_s"]), "iterations": result["iterations"]}
 
 
@@ -276,11 +281,12 @@ def main():
     for side in cli.sides.split(","):
         python = cli.trl_python if side == "trl" else sys.executable
         result = os.path.join(keep, f"{side}.json")
-        t0 = time.time()
+        t0, load0 = time.time(), os.getloadavg()[0]
         subprocess.run([python, os.path.abspath(__file__), "--side", side, "--sft_path", cli.sft_path, "--rm_path",
                         cli.rm_path, "--task", cli.task, "--steps", str(cli.steps), "--batches", batches, "--tmp", tmp,
                         "--result", result], check=True)
-        json.dump({**json.load(open(result)), "wall_s": time.time() - t0, "finished": time.strftime("%H:%M:%S")},
+        json.dump({**json.load(open(result)), "wall_s": time.time() - t0, "finished": time.strftime("%H:%M:%S"),
+                   "load_average": [round(load0, 2), round(os.getloadavg()[0], 2)]},      # 1-minute, at start and end
                   open(result, "w"))
     results = {side: json.load(open(os.path.join(keep, f"{side}.json")))
                for side in ("ours", "trl") if os.path.exists(os.path.join(keep, f"{side}.json"))}
