@@ -216,16 +216,17 @@ def side_summary(result):
     return {"median_s": {k: {"wall": round(statistics.median(i[k] for i in its), 2),
                              "cpu": round(statistics.median(i["cpu"][k] for i in its), 2)} for k in PHASES},
             "response_len": round(statistics.median(i["response_len"] for i in its), 1),
-            "peak_rss_mb": round(result["peak_rss_mb"]), **{k: result[k] for k in ("threads", "versions", "load_average") if k in result},
-            "process_s": round(result["wall_s"]), "iterations": result["iterations"]}
+            "peak_rss_mb": round(result["peak_rss_mb"]), "process_s": round(result["wall_s"]),
+            **{k: result[k] for k in ("threads", "versions", "load_average") if k in result},
+            "iterations": result["iterations"]}
 
 
 def table(record):
     """The markdown table of a record (docs/real_models.md quotes it) and, with both sides, ours over TRL's."""
     lines = ["| side | generate | forwards | update | iteration | response tokens | peak RSS |",
              "|---|---|---|---|---|---|---|"]
-    names = {"ours": "ours (`ppo.py --n 1`)", "trl": f"TRL {record['sides'].get('trl', {}).get('versions', {}).get('trl', '')}"
-             " `PPOTrainer`"}
+    trl_version = record["sides"].get("trl", {}).get("versions", {}).get("trl", "")
+    names = {"ours": "ours (`ppo.py --n 1`)", "trl": f"TRL {trl_version} `PPOTrainer`"}
     for side, r in record["sides"].items():
         cell = (lambda k: f"{r['median_s'][k]['wall']:.1f} ({r['median_s'][k]['cpu']:.1f})")
         lines.append(f"| {names[side]} | {cell('generate')} | {cell('forwards')} | {cell('update')} | "
@@ -261,6 +262,8 @@ def main():
         return
     if not (cli.sft_path and cli.rm_path):
         parser.error("--sft_path and --rm_path are required (unless --show)")
+    if cli.steps < 2:
+        parser.error(f"--steps {cli.steps}: at least 2 (the first iteration is warm-up, the table reads the others)")
     if cli.side:
         json.dump({"ours": ours, "trl": trl}[cli.side](cli), open(cli.result, "w"))
         return
