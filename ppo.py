@@ -158,7 +158,11 @@ def policy_and_critic_forwards(policy, critic, ids, attention_mask, prompt_width
         policy.train()      # as in the update: gradient checkpointing acts in train mode only
     with torch.set_grad_enabled(keep_graphs):
         logp, entropy = response_logprobs(policy, ids, attention_mask, prompt_width, temperature, with_entropy=True)
+        # each large forward's freed temporaries go back to the OS before the next forward's land above them
+        # (a trim only at the end of step 2 let them pile up: SmolLM2's bench/real_ppo.py peaked 2 GB higher)
+        harness.release_freed_memory(ids.device)
         values = None if critic is None else critic_values(critic, ids, attention_mask, prompt_width)
+        harness.release_freed_memory(ids.device)
     policy.eval()
     return logp, entropy, values
 
@@ -170,9 +174,12 @@ def reference_logprobs(ref, accelerator, policy, ids, attention_mask, prompt_wid
     update the KL is exactly 0: under --bf16 unsharded, fp32 weights under the same bf16 autocast."""
     if ref is not None:
         with accelerator.autocast() if not harness.is_sharded(accelerator) else contextlib.nullcontext():
-            return response_logprobs(ref, ids, attention_mask, prompt_width, temperature, t1_entropy=t1_entropy)
-    with harness.unwrap(accelerator, policy).disable_adapter():
-        return response_logprobs(policy, ids, attention_mask, prompt_width, temperature, t1_entropy=t1_entropy)
+            out = response_logprobs(ref, ids, attention_mask, prompt_width, temperature, t1_entropy=t1_entropy)
+    else:
+        with harness.unwrap(accelerator, policy).disable_adapter():
+            out = response_logprobs(policy, ids, attention_mask, prompt_width, temperature, t1_entropy=t1_entropy)
+    harness.release_freed_memory(ids.device)        # its temporaries, as after the policy's and the critic's
+    return out
 
 
 def token_rewards_of(kl_rewards, score, response_mask, starts, agg="sum", dense=None, penalty=None, clip=0.0):
@@ -410,23 +417,6 @@ def load_models(sft_path, rm_path, critic_path, *, code_task, bf16=False, lora=N
     return tokenizer, policy, critic, ref, reward_model
 
 
-def score_normalizer(accelerator, rm_path, reward_model, tokenizer, segmenter, *, task, chat_template,
-                     max_prompt_len, max_response_len):
-    """--rm_norm: (mean, std) of the RM's score on its calibration pairs, from score_norm.json beside it;
-    an RM without one (trained before reward_model.py wrote it) gets it fitted on the first 1024 pairs of the
-    RM split, as reward_model.py does, and written there, once, by the main process."""
-    path = os.path.join(rm_path, rm.SCORE_FILE)
-    if accelerator.is_main_process and not os.path.exists(path):
-        rows = data.with_chat_template(data.load_task(task, only=("rm",))["rm"][:1024], tokenizer, chat_template)
-        rm.write_json(path, rm.fit_score_normalizer(reward_model, tokenizer, rows, max_prompt_len, max_response_len,
-                                                    segmenter))
-        accelerator.print(f"[ppo] --rm_norm: {path} missing: fitted on {len(rows)} RM-split pairs and written")
-    accelerator.wait_for_everyone()
-    mean, std = rm.read_score_normalizer(rm_path)
-    accelerator.print(f"[ppo] --rm_norm: the RM's score as (r - {mean:.4g}) / {std:.4g}")
-    return mean, std
-
-
 @dataclass
 class Setup:
     """What `setup` builds for `main`: the four models of PPO (the trained two as harness.Trained bundles), the
@@ -476,9 +466,9 @@ def setup(args, code_task, accelerators):
     for frozen_model in (ref, reward_model):
         if frozen_model is not None:
             frozen_model.to(acc.device)
-    score_norm = score_normalizer(acc, args.rm_path, reward_model, tokenizer, segmenter, task=args.task,
-                                  chat_template=args.chat_template, max_prompt_len=args.max_prompt_len,
-                                  max_response_len=args.max_response_len) if args.rm_norm else None
+    score_norm = rm.score_normalizer(acc, args.rm_path, reward_model, tokenizer, segmenter, task=args.task,
+                                     chat_template=args.chat_template, max_prompt_len=args.max_prompt_len,
+                                     max_response_len=args.max_response_len) if args.rm_norm else None
     scorer = rm.Scorer("exec" if code_task else args.reward, tokenizer, task=args.task, reward_model=reward_model,
                     segment_settings=settings, segment_rm=own is not None, seg_norm=args.seg_norm,
                     seg_interp=args.seg_interp, score_norm=score_norm)
@@ -531,7 +521,7 @@ def main(args):
                 truncated += n_cut
             P, ids, attention_mask = p_ids.shape[1], torch.cat([p_ids, r_ids], 1), torch.cat([p_mask, r_mask], 1)
             response_mask = r_mask.float()                       # [B, R]; ids, attention_mask [B, P + R]
-            with clock.phase("forward", release=acc.device):
+            with clock.phase("forward", release=acc.device):   # and after each large forward
                 # 2. Score: the policy's logprobs and the critic's values V(s_t) (with their graphs when the update
                 # reuses these forwards), the reference logprobs, the sequence score
                 critic_model = critic and critic.model      # None under --advantage group / mc

@@ -32,9 +32,11 @@ import segment_rewards as sr
 
 @dataclass
 class RMArgs:
+    # --- the task and the models --------------------------------------------------------------------
     task: str = field(default="chitchat", metadata={"help": "chitchat, count, tldr, tldr_carper, hh, webgpt, or a local json/jsonl/parquet file"})
     sft_path: str = field(default="", metadata={"help": "SFT checkpoint (save_pretrained folder) or HF model id to start from; default runs/<task>/sft"})
     output_dir: str = field(default="", metadata={"help": "where the reward model + tokenizer are saved; default runs/<task>/rm"})
+    # --- Bradley-Terry training ---------------------------------------------------------------------
     max_prompt_len: int = field(default=48, metadata={"help": "prompt tokens kept (truncated from the left)", "metavar": "[1, inf)"})
     max_response_len: int = field(default=0, metadata={"help": "response tokens kept, EOS included; 0 = the task's default (64 for count, else 32)", "metavar": "[0, inf)"})
     batch_size: int = field(default=32, metadata={"help": "preference pairs per process per micro-step", "metavar": "[1, inf)"})
@@ -47,19 +49,21 @@ class RMArgs:
     eval_every: int = field(default=100, metadata={"help": "held-out accuracy every k steps", "metavar": "[1, inf)"})
     save_every: int = field(default=100, metadata={"help": "resumable checkpoint every k steps", "metavar": "[1, inf)"})
     n_eval: int = field(default=1024, metadata={"help": "held-out pairs for the pairwise accuracy", "metavar": "[1, inf)"})
-    n_gold_prompts: int = field(default=256, metadata={"help": "tasks with a gold judge (chitchat, count): held-out prompts whose two SFT samples test RM-gold agreement (0 = skip)", "metavar": "[0, inf)"})
+    n_gold_prompts: int = field(default=256, metadata={"help": "held-out prompts whose two SFT samples test RM-gold agreement (chitchat, count); 0 = skip", "metavar": "[0, inf)"})
+    # --- the run ------------------------------------------------------------------------------------
     bf16: bool = field(default=False, metadata={"help": "bf16 mixed precision (GPUs)"})
     gradient_checkpointing: bool = field(default=False, metadata={"help": "recompute activations to save memory (GPUs)"})
-    chat_template: bool = field(default=False, metadata={"help": "render prompts with the tokenizer's own chat template (instruct models); off: the raw HH / TL;DR formats of the paper's base models. Use the same choice in every stage"})
+    chat_template: bool = field(default=False, metadata={"help": "render prompts with the tokenizer's chat template (instruct models); same in every stage"})
     skip_bad_rows: bool = field(default=False, metadata={"help": "drop malformed dataset rows (and report how many) instead of stopping"})
     seed: int = field(default=1234, metadata={"help": "random seed (data split seed is fixed at 1234)", "metavar": "[0, inf)"})
     resume: bool = field(default=False, metadata={"help": "continue from <output_dir>/checkpoint"})
-    unit: str = field(default="sequence", metadata={"help": "what the head scores (Yin et al. 2025): sequence (the whole response, EOS included: the ordinary RM) | segment (entropy segments, each scored at its last token; a response's score e is their mean) | token (one token per segment). EOS belongs to no segment", "choices": ("sequence", "segment", "token")})
-    c_ent: float = field(default=6.0, metadata={"help": "--unit segment: a response token whose SFT next-token entropy (nats, temperature 1) exceeds c_ent starts a segment. 6.0 gives the tiny chitchat SFT model (median entropy 5.5 nats) segments of about 3 tokens; a pretrained model's entropies are far lower: check the logged mean segment length", "metavar": "[0, inf)"})
-    n_calibration: int = field(default=1024, metadata={"help": "RM-split pairs whose chosen and rejected responses fit the score's mean and std (score_norm.json, every unit) and, --unit segment/token, the location normalizer", "metavar": "[1, inf)"})
+    # --- extension: segment-level rewards (Yin et al. 2025) -----------------------------------------
+    unit: str = field(default="sequence", metadata={"help": "what the head scores (Yin et al. 2025): sequence (the ordinary RM) | segment | token", "choices": ("sequence", "segment", "token")})
+    c_ent: float = field(default=6.0, metadata={"help": "--unit segment: a token whose SFT entropy (nats, T=1) exceeds it starts a segment", "metavar": "[0, inf)"})
+    n_calibration: int = field(default=1024, metadata={"help": "--unit segment/token: RM-split pairs (chosen and rejected) the location normalizer is fitted on", "metavar": "[1, inf)"})
 
 
-SCORE_FILE = "score_norm.json"           # beside any RM's weights: the mean and std of its score (ppo.py --rm_norm)
+SCORE_FILE = "score_norm.json"           # beside an RM: its score's mean and std, fitted by ppo.py --rm_norm
 EVAL_FILE = "rm_eval.json"               # beside any RM's weights: its held-out accuracy and gold agreement
 SCORE_NORMALIZER_KIND = "score"
 
@@ -249,6 +253,23 @@ class Scorer:
         return score, dense, None, stats
 
 
+def score_normalizer(accelerator, rm_path, reward_model, tokenizer, segmenter, *, task, chat_template,
+                     max_prompt_len, max_response_len):
+    """ppo.py --rm_norm: (mean, std) of the RM's score on its calibration pairs, from score_norm.json beside it. The
+    first run that asks fits it on the first 1024 pairs of the RM split (the main process, once) and writes it
+    there: reward_model.py spends nothing on a file that only this flag reads."""
+    path = os.path.join(rm_path, SCORE_FILE)
+    if accelerator.is_main_process and not os.path.exists(path):
+        rows = data.with_chat_template(data.load_task(task, only=("rm",))["rm"][:1024], tokenizer, chat_template)
+        write_json(path, fit_score_normalizer(reward_model, tokenizer, rows, max_prompt_len, max_response_len,
+                                                    segmenter))
+        accelerator.print(f"[ppo] --rm_norm: {path} missing: fitted on {len(rows)} RM-split pairs and written")
+    accelerator.wait_for_everyone()
+    mean, std = read_score_normalizer(rm_path)
+    accelerator.print(f"[ppo] --rm_norm: the RM's score as (r - {mean:.4g}) / {std:.4g}")
+    return mean, std
+
+
 def main(args):
     harness.check_flags(args)
     data.resolve_paths(args, "rm")
@@ -299,10 +320,6 @@ def main(args):
 
     accuracy = trainer.fit(train_rows, lambda rows: bradley_terry(trainer.model, pairs_of(rows))[0], evaluate)
     log(f"[rm] held-out pairwise accuracy {accuracy:.3f}")
-    if accelerator.is_main_process:     # the score's mean and std on the calibration pairs (ppo.py --rm_norm)
-        final = trainer.final.to(accelerator.device).eval()                  # the whole trained RM
-        write_json(os.path.join(args.output_dir, SCORE_FILE), fit_score_normalizer(
-            final, tokenizer, train_rows[:args.n_calibration], args.max_prompt_len, args.max_response_len, segmenter))
     if segmenter and accelerator.is_main_process:
         rows = train_rows[:args.n_calibration]
         batches = (pairs_of(rows[i:i + args.batch_size]) for i in range(0, len(rows), args.batch_size))

@@ -2,7 +2,12 @@
 peak RSS, on the same SFT and RM folders, prompts, batch, lengths and LoRA setting, back to back.
 
     python bench/real_ppo.py --sft_path runs/chitchat/sft --rm_path runs/chitchat/rm \\
-        [--steps 4] [--trl_python /path/to/trl-venv/bin/python] [--sides ours,trl]
+        [--steps 4] [--trl_python /path/to/trl-venv/bin/python] [--sides ours,trl] [--record FILE]
+    python bench/real_ppo.py --show bench/records/real_ppo.json      # the committed baseline's table
+
+--record writes the sitting's figures with what they depend on (commit, command, versions, threads, load
+average, the weights' hashes): bench/records/real_ppo.json is the baseline that docs/real_models.md quotes
+and that changes to the real-model path are compared with.
 
 Sizes: 16 prompts (at most 48 tokens, the chat template's), at most 64 new tokens, temperature 0.8, one
 PPO epoch over one minibatch of 16, LoRA r=16 (alpha 16) on every linear layer of the policy and of the
@@ -58,6 +63,14 @@ def peak_rss_mb():
     raise RuntimeError("no VmHWM in /proc/self/status")
 
 
+def environment(*extra):
+    """What a side's figures depend on besides the code: torch's threads and the libraries' versions."""
+    import importlib.metadata
+    import torch
+    names = ("torch", "transformers", "peft", "accelerate", *extra)
+    return {"threads": torch.get_num_threads(), "versions": {n: importlib.metadata.version(n) for n in names}}
+
+
 def ours(cli):
     sys.path.insert(0, ROOT)
     import harness
@@ -90,7 +103,7 @@ def ours(cli):
                             "response_len": r["response/len"], "cpu": {"generate": c["generate"], "forwards": c["forward"],
                                                                       "update": c["macro"] + c["update"],
                                                                       "total": sum(c.values())}}
-                           for r, c in zip(rows, cpu)], "peak_rss_mb": peak_rss_mb()}
+                           for r, c in zip(rows, cpu)], "peak_rss_mb": peak_rss_mb(), **environment()}
 
 
 def trl(cli):
@@ -157,7 +170,7 @@ def trl(cli):
                                     collate_fn=DataCollatorWithPadding(tokenizer))
     clock["t0"] = stamp()
     trainer.train()
-    return {"iterations": clock["iters"], "peak_rss_mb": peak_rss_mb()}
+    return {"iterations": clock["iters"], "peak_rss_mb": peak_rss_mb(), **environment("trl")}
 
 
 def our_batches(cli):
@@ -176,26 +189,93 @@ def our_batches(cli):
     return batches
 
 
+PHASES = ("generate", "forwards", "update", "total")
+
+
+def weights_hash(folder):
+    """sha256 of a model folder's weight files (the names and bytes of its *.safetensors, sorted), 16 hex digits:
+    which SFT / RM a record measured, whatever else (evaluation files) the folder holds."""
+    import hashlib
+    digest = hashlib.sha256()
+    for name in sorted(n for n in os.listdir(folder) if n.endswith(".safetensors")):
+        digest.update(name.encode())
+        with open(os.path.join(folder, name), "rb") as f:
+            for block in iter(lambda: f.read(1 << 20), b""):
+                digest.update(block)
+    return digest.hexdigest()[:16]
+
+
+def git(*args):
+    return subprocess.run(["git", "-C", ROOT, *args], capture_output=True, text=True).stdout.strip()
+
+
+def side_summary(result):
+    """One side's figures: the median over the iterations after the first (warm-up) of each phase's wall-clock
+    and CPU seconds and of the response length, its peak RSS, threads, versions, and every iteration."""
+    its = result["iterations"][1:]
+    return {"median_s": {k: {"wall": round(statistics.median(i[k] for i in its), 2),
+                             "cpu": round(statistics.median(i["cpu"][k] for i in its), 2)} for k in PHASES},
+            "response_len": round(statistics.median(i["response_len"] for i in its), 1),
+            "peak_rss_mb": round(result["peak_rss_mb"]), "process_s": round(result["wall_s"]),
+            **{k: result[k] for k in ("threads", "versions", "load_average") if k in result},
+            "iterations": result["iterations"]}
+
+
+def table(record):
+    """The markdown table of a record (docs/real_models.md quotes it) and, with both sides, ours over TRL's."""
+    lines = ["| side | generate | forwards | update | iteration | response tokens | peak RSS |",
+             "|---|---|---|---|---|---|---|"]
+    trl_version = record["sides"].get("trl", {}).get("versions", {}).get("trl", "")
+    names = {"ours": "ours (`ppo.py --n 1`)", "trl": f"TRL {trl_version} `PPOTrainer`"}
+    for side, r in record["sides"].items():
+        cell = (lambda k: f"{r['median_s'][k]['wall']:.1f} ({r['median_s'][k]['cpu']:.1f})")
+        lines.append(f"| {names[side]} | {cell('generate')} | {cell('forwards')} | {cell('update')} | "
+                     f"**{cell('total')}** | {r['response_len']:.1f} | **{r['peak_rss_mb'] / 1000:.1f} GB** |")
+    if {"ours", "trl"} <= set(record["sides"]):
+        ours_, trl_ = record["sides"]["ours"], record["sides"]["trl"]
+        ratio = (lambda k: ours_["median_s"]["total"][k] / trl_["median_s"]["total"][k])
+        lines.append(f"\nours / TRL: {ratio('wall'):.2f}x the time of an iteration ({ratio('cpu'):.2f}x its CPU "
+                     f"seconds), {ours_['peak_rss_mb'] / trl_['peak_rss_mb']:.2f}x the peak RSS")
+    return "\n".join(lines)
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--sft_path", required=True, help="SFT model folder (sft.py's output)")
-    parser.add_argument("--rm_path", required=True, help="reward model folder (reward_model.py's output)")
+    parser.add_argument("--sft_path", help="SFT model folder (sft.py's output)")
+    parser.add_argument("--rm_path", help="reward model folder (reward_model.py's output)")
     parser.add_argument("--task", default="chitchat", help="the task whose PPO prompts are used")
     parser.add_argument("--steps", type=int, default=4, help="iterations per side, the first one warm-up")
     parser.add_argument("--trl_python", default=".venv-trl/bin/python", help="python of the TRL venv")
     parser.add_argument("--sides", default="ours,trl", help="which sides to run, in this order")
     parser.add_argument("--results_dir", default="", help="keep each side's timings here (<side>.json) and print the "
                         "table of every side found there: one side per call, e.g. with a pause in between")
+    parser.add_argument("--record", default="", help="also write the record (JSON) here: the table's figures, every "
+                        "iteration, commit, command, versions, threads, load, the folders' weights hashes")
+    parser.add_argument("--show", default="", help="print the table of a record written by --record, and exit")
     parser.add_argument("--side", default="", help=argparse.SUPPRESS)           # internal: one side, in a child
     parser.add_argument("--batches", default="", help=argparse.SUPPRESS)
     parser.add_argument("--tmp", default="", help=argparse.SUPPRESS)
     parser.add_argument("--result", default="", help=argparse.SUPPRESS)
     cli = parser.parse_args()
+    if cli.show:
+        print(table(json.load(open(cli.show))))
+        return
+    if not (cli.sft_path and cli.rm_path):
+        parser.error("--sft_path and --rm_path are required (unless --show)")
+    if cli.steps < 2:
+        parser.error(f"--steps {cli.steps}: at least 2 (the first iteration is warm-up, the table reads the others)")
     if cli.side:
         json.dump({"ours": ours, "trl": trl}[cli.side](cli), open(cli.result, "w"))
         return
     if "trl" in cli.sides.split(",") and not os.path.exists(cli.trl_python):
         sys.exit(f"error: --trl_python {cli.trl_python!r} does not exist: make TRL's venv first (see --help)")
+    record = {"command": " ".join(["python", os.path.relpath(__file__, ROOT), *sys.argv[1:]]),
+              "commit": git("rev-parse", "HEAD"), "dirty": bool(git("status", "--porcelain", "--untracked-files=no")),
+              "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "cpus": os.cpu_count(),
+              "load_average": [round(x, 2) for x in os.getloadavg()],
+              "sizes": {"prompts": B, "max_prompt_len": PROMPT, "max_new_tokens": RESPONSE, "lora_r": R,
+                        "temperature": TEMPERATURE, "lr": LR, "seed": SEED, "steps": cli.steps},
+              "weights_sha256": {"sft": weights_hash(cli.sft_path), "rm": weights_hash(cli.rm_path)}}
     tmp = tempfile.mkdtemp(prefix="real_ppo_bench_")
     keep = cli.results_dir or tmp
     os.makedirs(keep, exist_ok=True)
@@ -204,32 +284,31 @@ def main():
     for side in cli.sides.split(","):
         python = cli.trl_python if side == "trl" else sys.executable
         result = os.path.join(keep, f"{side}.json")
-        t0 = time.time()
+        t0, load0 = time.time(), os.getloadavg()[0]
         subprocess.run([python, os.path.abspath(__file__), "--side", side, "--sft_path", cli.sft_path, "--rm_path",
                         cli.rm_path, "--task", cli.task, "--steps", str(cli.steps), "--batches", batches, "--tmp", tmp,
                         "--result", result], check=True)
-        json.dump({**json.load(open(result)), "wall_s": time.time() - t0, "finished": time.strftime("%H:%M:%S")},
+        json.dump({**json.load(open(result)), "wall_s": time.time() - t0, "finished": time.strftime("%H:%M:%S"),
+                   "load_average": [round(load0, 2), round(os.getloadavg()[0], 2)]},      # 1-minute, at start and end
                   open(result, "w"))
     results = {side: json.load(open(os.path.join(keep, f"{side}.json")))
                for side in ("ours", "trl") if os.path.exists(os.path.join(keep, f"{side}.json"))}
+    record["sides"] = {side: side_summary(r) for side, r in results.items()}
+    record["load_average_end"] = [round(x, 2) for x in os.getloadavg()]
     print(f"\n{B} prompts (<= {PROMPT} tokens, chat template), <= {RESPONSE} new tokens, LoRA r={R} on policy and "
           f"critic, 1 epoch x 1 minibatch, median of the iterations after the first\n")
     print("wall-clock seconds (CPU seconds of the process, all threads)\n")
-    print("| side | generate | no-grad forwards | update | iteration | response tokens | peak RSS MB | process s | finished |")
-    print("|---|---|---|---|---|---|---|---|---|")
-    for side, r in results.items():
-        its = r["iterations"][1:]
-        cell = (lambda k: f"{statistics.median(i[k] for i in its):.1f} ({statistics.median(i['cpu'][k] for i in its):.1f})")
-        print(f"| {side} | {cell('generate')} | {cell('forwards')} | {cell('update')} | {cell('total')} | "
-              f"{statistics.median(i['response_len'] for i in its):.1f} | {r['peak_rss_mb']:.0f} | {r['wall_s']:.0f} | "
-              f"{r['finished']} |")
+    print(table(record))
     print("\nevery iteration (wall s, then CPU s: generate / forwards / update / total; response tokens):")
-    phases = ("generate", "forwards", "update", "total")
     for side, r in results.items():
-        print(f"  {side}: " + "; ".join("/".join(f"{i[k]:.1f}" for k in phases) + " (" +
-                                        "/".join(f"{i['cpu'][k]:.1f}" for k in phases) + f"), {i['response_len']:.0f}"
+        print(f"  {side}: " + "; ".join("/".join(f"{i[k]:.1f}" for k in PHASES) + " (" +
+                                        "/".join(f"{i['cpu'][k]:.1f}" for k in PHASES) + f"), {i['response_len']:.0f}"
                                         for i in r["iterations"]))
     print(f"\nraw: {keep}/<side>.json")
+    if cli.record:
+        with open(cli.record, "w") as f:
+            json.dump(record, f, indent=1)
+        print(f"record: {cli.record}")
 
 
 if __name__ == "__main__":

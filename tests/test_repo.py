@@ -119,14 +119,18 @@ def flag_table(doc, heading):
             for flag in re.findall(r"`--(\w+)", line.split("|")[1])}
 
 
-def test_every_ppo_flag_has_a_one_line_help_and_a_row_in_the_training_docs_flag_table():
-    """PPOArgs' help is one line (<= 100 characters); the long story is docs/training.md's flag table, which names
-    every field and nothing else."""
+def test_every_flag_has_a_one_line_help_and_every_ppo_flag_a_row_in_the_training_docs_flag_table():
+    """Every stage's help is one line (<= 100 characters); the long story of ppo.py's flags is docs/training.md's
+    flag table, which names every field and nothing else."""
     import dataclasses
 
+    import evaluate
     import ppo
-    fields = {f.name: f.metadata["help"] for f in dataclasses.fields(ppo.PPOArgs)}
-    too_long = {name: len(text) for name, text in fields.items() if len(text) > 100 or "\n" in text}
-    assert not too_long, f"help over 100 characters: {too_long}"
+    import reward_model
+    import sft
+    for cls in (ppo.PPOArgs, sft.SFTArgs, reward_model.RMArgs, evaluate.EvalArgs):
+        too_long = {f.name: len(f.metadata["help"]) for f in dataclasses.fields(cls)
+                    if len(f.metadata["help"]) > 100 or "\n" in f.metadata["help"]}
+        assert not too_long, f"{cls.__name__}: help over 100 characters: {too_long}"
     doc = (ROOT / "docs" / "training.md").read_text()
-    assert flag_table(doc, "**Flags** (`python ppo.py --help`") == set(fields)
+    assert flag_table(doc, "**Flags** (`python ppo.py --help`") == {f.name for f in dataclasses.fields(ppo.PPOArgs)}

@@ -661,10 +661,11 @@ def test_bandit_as_segment_reads_a_sequence_rm_at_the_ends_of_c_ent_segments(tin
 
 # --- the plain RM score normalized (ppo.py --rm_norm; Yin et al. 2025, §2.1) ---------------------------------
 
-def test_every_rm_saves_the_mean_and_std_of_its_score_on_the_calibration_pairs(tiny_models, tmp_path):
-    """reward_model.py writes score_norm.json beside any RM: the mean and std (ddof 0) of its score (the head
-    at the last token; a segment RM's e(x, y)) over the chosen and the rejected responses of the calibration
-    pairs, computed here again from the saved RM by rm.score."""
+def test_rm_stage_writes_no_score_norm_and_the_fit_is_the_mean_and_std_of_the_rm_score(tiny_models, tmp_path):
+    """reward_model.py spends nothing on score_norm.json (only ppo.py --rm_norm reads it, and fits it when it is
+    missing): no RM folder holds one. rm.fit_score_normalizer, which ppo.py calls, gives the mean and std (ddof 0)
+    of the RM's score (the head at the last token; a segment RM's e(x, y)) over the chosen and the rejected
+    responses of the pairs: here against rm.score run on one response at a time."""
     import data
     from transformers import AutoModelForCausalLM
     rows = data.load_task("chitchat", only=("rm",))["rm"][:6]
@@ -673,14 +674,15 @@ def test_every_rm_saves_the_mean_and_std_of_its_score_on_the_calibration_pairs(t
     for unit in ("sequence", "segment"):
         out = tmp_path / unit
         train_small(tiny_models, out, "--unit", unit, "--c_ent", "1.0")
+        assert not (out / rm.SCORE_FILE).exists()
         model, tokenizer = rm.load_reward_model(str(out))
         segmenter = sr.segmenter(sr.read_segment_settings(str(out)), sft_model, tokenizer.eos_token_id)
-        scores = rm.score(model.eval(), tokenizer, prompts, texts, 24, 12, segmenter=segmenter).double()
-        saved = json.loads((out / rm.SCORE_FILE).read_text())
-        assert saved["kind"] == "score" and saved["n_responses"] == 12
-        assert saved["mean"] == pytest.approx(scores.mean().item(), abs=1e-6)
-        assert saved["std"] == pytest.approx(scores.std(correction=0).item(), abs=1e-6) and saved["std"] > 0
-        assert rm.read_score_normalizer(str(out)) == (saved["mean"], saved["std"])
+        scores = torch.tensor([rm.score(model.eval(), tokenizer, [p], [t], 24, 12, batch_size=1,
+                                        segmenter=segmenter).item() for p, t in zip(prompts, texts)], dtype=torch.float64)
+        fitted = rm.fit_score_normalizer(model, tokenizer, rows, 24, 12, segmenter)
+        assert fitted["kind"] == "score" and fitted["n_responses"] == 12
+        assert fitted["mean"] == pytest.approx(scores.mean().item(), abs=1e-5)
+        assert fitted["std"] == pytest.approx(scores.std(correction=0).item(), abs=1e-5) and fitted["std"] > 0
         assert (segmenter is None) == (unit == "sequence")
 
 

@@ -655,8 +655,9 @@ UNRECORDED = {
     ("docs/real_models.md", "| prompt | SFT | policy after 5"): "sampled replies of the demo run, shown for reading",
     ("docs/real_models.md", "| prompt (its end) | SFT | PPO, 30"): "sampled replies, shown for reading; the study's "
     "per-prompt scores of the same runs are in their records",
-    ("docs/real_models.md", "| side | generate | forwards"): "ours against TRL (bench/real_ppo.py): no record",
-    ("docs/real_models.md", "So ours takes 8% less time"): "ours against TRL (bench/real_ppo.py): no record",
+    ("docs/real_models.md", "| side | generate | forwards"): "bench/records/real_ppo.json (bench/real_ppo.py --show, tested)",
+    ("docs/real_models.md", "ours / TRL: "): "bench/records/real_ppo.json, printed by bench/real_ppo.py --show (tested)",
+    ("docs/real_models.md", "Measured on the 2-core CPU with nothing else"): "bench/records/real_ppo.json's sitting",
     ("docs/real_models.md", "**Where the memory went.**"): "memory measurements: no record",
     ("docs/real_models.md", "An earlier sitting on the machine"): "ours against TRL, an earlier sitting: no record",
 }
