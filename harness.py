@@ -168,8 +168,11 @@ class Trained:
 
 
 def prepare_pair(accelerator, critic_accelerator, policy, policy_opt, critic, critic_opt):
-    """accelerator.prepare for the policy and the critic (under DeepSpeed, each with its own engine)."""
+    """accelerator.prepare for the policy and the critic (under DeepSpeed, each with its own engine); a critic
+    that is None (PPO without one) stays None."""
     policy, policy_opt = accelerator.prepare(policy, policy_opt)
+    if critic is None:
+        return policy, policy_opt, None, None
     if critic_accelerator is not accelerator:
         accelerator.state.select_deepspeed_plugin("critic")
     critic, critic_opt = critic_accelerator.prepare(critic, critic_opt)

@@ -2,14 +2,11 @@
 
     accelerate launch ppo.py --n 5       # builds (or reuses) runs/chitchat/{sft,rm}, then trains MA-PPO
 
-Read top to bottom: the arguments; the helpers, in the order of the steps they serve (the forwards of
-step 2, the rewards of step 5, the losses and `ppo_update` of step 6, the metrics of step 7); the setup
-(derived settings, models, data, optimizers, the scorer); then `main()`, whose loop is the paper's
-Algorithm 1 as numbered steps: 1. rollout, 2. score, 3. rewards, 4. macro actions, 5. advantages, 6. PPO
-update, 7. log; and `finish()`: the final policy and its report. Elsewhere: the macro-action math
-(terminations, macro GAE, the clipped macro loss) in macro_actions.py, the score of step 2 in
-reward_model.py (`Scorer`) and segment_rewards.py, the plumbing (accelerators, Ctrl-C / SIGTERM,
-checkpoints, the run log, the default models) in harness.py, the held-out evaluation in evaluate.py.
+Read top to bottom: the arguments; the helpers in the order of the steps they serve; the setup; `main()`,
+whose loop is Algorithm 1 as numbered steps (1. rollout, 2. score, 3. rewards, 4. macro actions, 5. advantages,
+6. PPO update, 7. log); `finish()`. Elsewhere: the macro-action math in macro_actions.py, the score of step 2
+in reward_model.py (`Scorer`) and segment_rewards.py, the metrics and held-out evaluation in evaluate.py, the
+plumbing (accelerators, signals, checkpoints, the run log, the default models) in harness.py.
 """
 import contextlib
 import os
@@ -134,11 +131,6 @@ def response_logprobs(model, ids, attention_mask, prompt_width, temperature, wit
     return logp, entropy
 
 
-def critic_values(critic, ids, attention_mask, prompt_width):
-    """2, 6. V(s_t) for the state before each response token: the head at the preceding position [B, R]."""
-    return critic(ids, attention_mask)[:, prompt_width - 1:-1]
-
-
 def fused_update(accelerator, policy, critic, batch_size, mini_batch_size, epochs, grad_accum):
     """2, 6. Whether the update reuses step 2's policy and critic forwards instead of running its own: one
     epoch over one minibatch holding the whole rollout batch, no gradient accumulation, unsharded
@@ -161,7 +153,7 @@ def policy_and_critic_forwards(policy, critic, ids, attention_mask, prompt_width
         # each large forward's freed temporaries go back to the OS before the next forward's land above them
         # (a trim only at the end of step 2 let them pile up: SmolLM2's bench/real_ppo.py peaked 2 GB higher)
         harness.release_freed_memory(ids.device)
-        values = None if critic is None else critic_values(critic, ids, attention_mask, prompt_width)
+        values = None if critic is None else critic(ids, attention_mask, prompt_width)
         harness.release_freed_memory(ids.device)
     policy.eval()
     return logp, entropy, values
@@ -180,20 +172,6 @@ def reference_logprobs(ref, accelerator, policy, ids, attention_mask, prompt_wid
             out = response_logprobs(policy, ids, attention_mask, prompt_width, temperature, t1_entropy=t1_entropy)
     harness.release_freed_memory(ids.device)        # its temporaries, as after the policy's and the critic's
     return out
-
-
-def token_rewards_of(kl_rewards, score, response_mask, starts, agg="sum", dense=None, penalty=None, clip=0.0):
-    """5. Per-token rewards [B, R] whose macro sums are the rewards R_tau: the KL rewards with the sequence
-    `score` [B] at the last real token (`macro_rewards`). With `dense` segment rewards [B, R] the score (e,
-    their mean) is only logged: the tokens get the KL rewards plus `dense`, clipped to [-clip, clip] (0 = off;
-    the released code clips the segment rewards, not the KL term), plus the missing-EOS `penalty` [B] at the
-    last real token. So a segment reward equal to the score at the last token gives exactly the score's rewards."""
-    if dense is None:
-        return ma.macro_rewards(kl_rewards, score, response_mask, starts, agg)
-    dense = dense.clamp(-clip, clip) if clip else dense
-    penalty = torch.zeros_like(score) if penalty is None else penalty
-    return (ma.macro_rewards(kl_rewards, torch.zeros_like(score), response_mask, starts, agg)
-            + ma.macro_rewards(dense, penalty, response_mask, starts))
 
 
 def monte_carlo_values(s, args, prompt_ids, prompt_mask, response_ids, starts, response_mask, rows):
@@ -268,7 +246,7 @@ def minibatch_forwards(policy, critic, b, rows, reused, prompt_width, temperatur
     if reused is not None:
         return reused[0][rows], None if critic is None else reused[1][rows]
     logp, _ = response_logprobs(policy.model, b["ids"], b["attention_mask"], prompt_width, temperature)
-    values = None if critic is None else critic_values(critic.model, b["ids"], b["attention_mask"], prompt_width)
+    values = None if critic is None else critic.model(b["ids"], b["attention_mask"], prompt_width)
     harness.release_freed_memory(b["ids"].device)        # the forwards' temporaries
     return logp, values
 
@@ -342,16 +320,12 @@ def adaptive_beta(beta, kl, target, n, horizon):
 # Setup: derived settings, the four models of PPO, the scorer, optimizers
 # ---------------------------------------------------------------------------------------------
 
-def run_name(n, termination):
-    """ppo_n<n>_fixed for fixed n-grams, else ppo_<termination> (the other terminations ignore --n)."""
-    return f"ppo_n{n}_fixed" if termination == "fixed" else f"ppo_{termination}"
-
-
 def resolve(args):
     """Derived settings, in one place: default paths, and whether the task's score is running its code
     (returned: `code_task`)."""
     harness.check_flags(args)
-    data.resolve_paths(args, run_name(args.n, args.termination))
+    # runs/<task>/ppo_n<n>_fixed for fixed n-grams, else ppo_<termination> (the other terminations ignore --n)
+    data.resolve_paths(args, f"ppo_n{args.n}_fixed" if args.termination == "fixed" else f"ppo_{args.termination}")
     args.max_response_len = data.response_len(args.task, args.max_response_len)
     code_task = args.task in data.CODE_TASKS       # score = running the program; critic from SFT (App. B.2)
     args.critic_path = args.critic_path or (args.sft_path if code_task else args.rm_path)
@@ -399,9 +373,9 @@ def load_models(sft_path, rm_path, critic_path, *, code_task, bf16=False, lora=N
         shared = reward_model is not None and not sharded and os.path.realpath(critic_path) == os.path.realpath(rm_path)
         critic = (harness.twin(reward_model) if shared else rm.load_reward_model(critic_path, bf16)[0]) if critic_path else None
         policy = harness.load_lora(policy, part("policy", "")) if resume_dir else harness.with_lora(policy, *lora, "CAUSAL_LM")
-        if critic is not None:
+        if critic is not None:      # SEQ_CLS: the score head trains too
             critic = rm.Critic(harness.load_lora(critic, part("critic", "")) if resume_dir else
-                            harness.with_lora(critic, *lora, "SEQ_CLS"))      # SEQ_CLS: the score head trains too
+                               harness.with_lora(critic, *lora, "SEQ_CLS"))
     else:       # trained weights in fp32 (the master copy); --bf16 autocasts their forwards
         policy = AutoModelForCausalLM.from_pretrained(part("policy", sft_path), dtype=torch.float32)
         critic = rm.Critic(rm.load_reward_model(part("critic", critic_path))[0]) if critic_path else None
@@ -460,9 +434,7 @@ def setup(args, code_task, accelerators):
     opts, scheds = harness.adamw_with_warmup([(policy, args.policy_lr), (critic, args.critic_lr)], args.warmup_steps)
     if critic is None:
         log(f"[ppo] --advantage {args.advantage}: no critic (none built, trained, saved or resumed)")
-        (policy, policy_opt), critic_opt = acc.prepare(policy, opts[0]), None
-    else:
-        policy, policy_opt, critic, critic_opt = harness.prepare_pair(acc, critic_acc, policy, opts[0], critic, opts[1])
+    policy, policy_opt, critic, critic_opt = harness.prepare_pair(acc, critic_acc, policy, opts[0], critic, opts[1])
     for frozen_model in (ref, reward_model):
         if frozen_model is not None:
             frozen_model.to(acc.device)
@@ -505,7 +477,7 @@ def main(args):
         log(f"[ppo] resumed at iteration {first_step}")
     run_log = harness.RunLog(acc, args.output_dir, first_step, args.report_to, asdict(args))
     prompts, sft_replies = [r["prompt"] for r in s.rows], {}     # sft_replies: the SFT model's diversity, measured once
-    bar = tqdm(range(first_step, args.steps), desc=run_name(args.n, args.termination), disable=not acc.is_local_main_process)
+    bar = tqdm(range(first_step, args.steps), desc=os.path.basename(args.output_dir), disable=not acc.is_local_main_process)
     with harness.GracefulStop(acc, "ppo", "iteration", harness.checkpoint_dir(args.output_dir), first_step) as stop:
         for step in bar:
             clock = harness.Stopwatch()     # each phase's seconds; the freed heap handed back after the large ones
@@ -561,8 +533,8 @@ def main(args):
                 # 5. Advantages (§3.3, Eq. 4-5): macro rewards R_tau, sigma-weighted macro values, macro GAE (or
                 # --advantage group / mc: a group baseline, SPO-chain)
                 agg = "mean" if args.reward_agg == "released" else args.reward_agg
-                token_rewards = token_rewards_of(kl_rewards, score, response_mask, starts, agg, dense, penalty,
-                                                 args.reward_clip)
+                token_rewards = sr.token_rewards(kl_rewards, score, response_mask, starts, agg, dense, penalty,
+                                                  args.reward_clip)
                 advantages, returns = advantages_of(args, token_rewards, response_mask, starts, old_values, points)
                 raw_adv = advantages        # logged as they are; the update reads them normalised over the batch
                 advantages = masked_whiten(advantages, response_mask) if args.whiten_advantages else advantages

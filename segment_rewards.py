@@ -147,6 +147,20 @@ def segment_rewards(values, starts, inside, settings, how="regression", interp="
     return dense, segment_evaluation(values, ends), stats
 
 
+def token_rewards(kl_rewards, score, response_mask, starts, agg="sum", dense=None, penalty=None, clip=0.0):
+    """ppo.py's step 5: per-token rewards [B, R] whose macro sums are the rewards R_tau: the KL rewards with the sequence
+    `score` [B] at the last real token (`macro_rewards`). With `dense` segment rewards [B, R] the score (e,
+    their mean) is only logged: the tokens get the KL rewards plus `dense`, clipped to [-clip, clip] (0 = off;
+    the released code clips the segment rewards, not the KL term), plus the missing-EOS `penalty` [B] at the
+    last real token. So a segment reward equal to the score at the last token gives exactly the score's rewards."""
+    if dense is None:
+        return ma.macro_rewards(kl_rewards, score, response_mask, starts, agg)
+    dense = dense.clamp(-clip, clip) if clip else dense
+    penalty = torch.zeros_like(score) if penalty is None else penalty
+    return (ma.macro_rewards(kl_rewards, torch.zeros_like(score), response_mask, starts, agg)
+            + ma.macro_rewards(dense, penalty, response_mask, starts))
+
+
 def segmenter(settings, sft, eos_token_id):
     """What `score` needs to score e(x, y) with a segment / token RM (`settings`, its own): the segments of the
     SFT model `sft` (`segment_layout`, as in its training); None for a sequence RM (settings None)."""

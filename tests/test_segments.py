@@ -354,7 +354,7 @@ def test_unknown_unit_is_refused(tiny_models, tmp_path, capsys):
 def test_sequence_rm_through_the_segment_path_is_exactly_reward_rm(n, agg):
     """The bandit identity: one segment holding the whole response (EOS included), its reward on its last
     token, no normalization, gives the per-token rewards and the advantages of --reward rm exactly, called
-    as ppo.main calls token_rewards_of (the score with the missing-EOS penalty in it, the penalty apart)."""
+    as ppo.main calls segment_rewards.token_rewards (the score with the missing-EOS penalty in it, the penalty apart)."""
     import ppo
     ids, mask, _, _ = mixed_batch(3)
     g = torch.Generator().manual_seed(3)
@@ -368,11 +368,11 @@ def test_sequence_rm_through_the_segment_path_is_exactly_reward_rm(n, agg):
     # --reward rm: the head at the last real token; an empty response's last real token is a prompt token
     raw = rm.last_token(head, attention)
     score = raw + penalty
-    seq_rewards = ppo.token_rewards_of(kl_rewards, score, mask, starts, agg)
+    seq_rewards = sr.token_rewards(kl_rewards, score, mask, starts, agg)
     settings = {"unit": "sequence", "normalizer": None}
     seg_starts, inside = sr.rollout_segments(settings, ids, mask, EOS, None)
     dense, e, _ = sr.segment_rewards(head[:, P:], seg_starts, inside, settings, how="none", interp="end")
-    seg_rewards = ppo.token_rewards_of(kl_rewards, e + penalty, mask, starts, agg, dense, penalty, clip=0.0)
+    seg_rewards = sr.token_rewards(kl_rewards, e + penalty, mask, starts, agg, dense, penalty, clip=0.0)
     real = mask.sum(-1) > 0
     assert torch.equal(e[real], raw[real]) and (penalty[real] != 0).any()
     assert torch.equal(seg_rewards[real], seq_rewards[real])
@@ -389,11 +389,11 @@ def test_reward_clip_bounds_the_segment_rewards_not_the_kl_penalty():
     starts = ma.fixed_ngram_starts(mask, 1)
     kl_rewards = torch.randn(ids.shape, generator=torch.Generator().manual_seed(4)) * 30 * mask   # beyond the clip
     dense, penalty = values * 100 * mask, torch.full((len(ids),), -1.0)
-    got = ppo.token_rewards_of(kl_rewards, torch.zeros(len(ids)), mask, starts, dense=dense, penalty=penalty, clip=10.0)
+    got = sr.token_rewards(kl_rewards, torch.zeros(len(ids)), mask, starts, dense=dense, penalty=penalty, clip=10.0)
     last = torch.nn.functional.one_hot((mask.sum(-1) - 1).clamp(min=0), ids.shape[1]).float()
     assert torch.allclose(got, kl_rewards + dense.clamp(-10, 10) - last, atol=1e-5)
     assert (dense.abs() > 10).any() and (kl_rewards.abs() > 10).any()
-    assert torch.equal(ppo.token_rewards_of(kl_rewards, torch.zeros(len(ids)), mask, starts, dense=dense, clip=0.0),
+    assert torch.equal(sr.token_rewards(kl_rewards, torch.zeros(len(ids)), mask, starts, dense=dense, clip=0.0),
                        kl_rewards + dense)
 
 
@@ -637,7 +637,7 @@ def test_segment_as_bandit_and_bandit_as_segment_by_hand():
     starts, inside = sr.rollout_segments(settings, ids, mask, EOS, entropy)
     dense, e, _ = sr.segment_rewards(values, starts, inside, settings, "none", "bandit")
     assert dense is None and e.tolist() == pytest.approx([0.2, -0.2])
-    rewards = ppo.token_rewards_of(torch.zeros(2, 6), e, mask.float(), ma.fixed_ngram_starts(mask, 1), "sum", dense)
+    rewards = sr.token_rewards(torch.zeros(2, 6), e, mask.float(), ma.fixed_ngram_starts(mask, 1), "sum", dense)
     assert close(rewards, [[0, 0, 0, 0, 0, 0.2], [0, 0, 0, -0.2, 0, 0]])
     dense, e, _ = sr.segment_rewards(values, starts, inside, settings, "none", "even")
     assert close(dense, [[0.4, 0.4, -0.4 / 3, -0.4 / 3, -0.4 / 3, 0], [1.0, -2.0, 0.4, 0, 0, 0]])
