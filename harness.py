@@ -103,7 +103,7 @@ def same_accumulation(accelerator, grad_accum):
 
 
 # accelerate's behaviour that harness.py relies on beyond its documented API, checked against this version by
-# tests/test_audit5.py: the accumulation grouping (`start_accumulation` sets Accelerator.step, the counter that
+# tests/spec/test_audit5.py: the accumulation grouping (`start_accumulation` sets Accelerator.step, the counter that
 # accumulate() reads) and `saving_without_deepspeed` (accelerate.utils.other.is_deepspeed_available).
 ACCELERATE_CHECKED = "1.15."
 
@@ -113,7 +113,7 @@ def check_accelerate_version():
     if not accelerate.__version__.startswith(ACCELERATE_CHECKED):
         sys.exit(f"error: accelerate {accelerate.__version__}: harness.py groups gradient accumulation through "
                  f"accelerate's Accelerator.step counter, checked against accelerate {ACCELERATE_CHECKED}x only; "
-                 "install the version pinned in requirements.txt, or run tests/test_audit5.py against yours and "
+                 "install the version pinned in requirements.txt, or run tests/spec/test_audit5.py against yours and "
                  "update harness.ACCELERATE_CHECKED")
 
 
@@ -121,11 +121,11 @@ def refuse_fallback_from_fsdp(accelerator):
     """An FSDP launch that accelerate did not start as FSDP stops here. accelerate (1.15) starts FSDP only
     on an accelerator (CUDA, XPU, ...): on a CPU a `--config_file configs/fsdp.yaml` launch runs every
     process as plain DDP over gloo (MULTI_CPU), with nothing said, so a run meant to test FSDP tests DDP.
-    tests/fsdp_cpu.py sets accelerate's state to FSDP on a CPU (torch's FSDP2 runs on gloo): that launch passes."""
+    tests/launch/fsdp_cpu.py sets accelerate's state to FSDP on a CPU (torch's FSDP2 runs on gloo): that launch passes."""
     if os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true" and accelerator.distributed_type.value != "FSDP":
         sys.exit(f"error: this is an FSDP launch, but accelerate started {accelerator.distributed_type.value} on "
                  f"{accelerator.device}: it starts FSDP only on GPUs (or another accelerator), never on a CPU. "
-                 "On a CPU, launch DDP (--multi_gpu), DeepSpeed ZeRO-3, or FSDP2 through tests/fsdp_cpu.py "
+                 "On a CPU, launch DDP (--multi_gpu), DeepSpeed ZeRO-3, or FSDP2 through tests/launch/fsdp_cpu.py "
                  "(docs/distributed.md).")
 
 

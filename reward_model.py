@@ -103,11 +103,12 @@ class Critic(torch.nn.Module):
         super().__init__()
         self.model = model
 
-    def forward(self, ids, attention_mask, prompt_width):
+    def forward(self, ids, attention_mask, prompt_width=None):
         """V(s_t) for the state before each response token of [prompt | response] `ids`: the head at the
-        preceding position, [B, R]."""
+        preceding position, [B, R]; without `prompt_width`, the head at every position [B, T]."""
         model = self.model.get_base_model() if harness.is_lora(self.model) else self.model   # LoRA layers inside
-        return token_values(model, ids, attention_mask)[:, prompt_width - 1:-1]
+        values = token_values(model, ids, attention_mask)
+        return values if prompt_width is None else values[:, prompt_width - 1:-1]
 
 
 

@@ -16,12 +16,12 @@
 #
 # --cpu: two gloo processes, a 1-layer model (SFT and RM built first, 2 steps each, in one process), one step or
 # iteration a run (STEPS=1), under DDP (--multi_gpu), ZeRO-2 and ZeRO-3 (configs/zero*.yaml through
-# tests/deepspeed_cpu.py, DeepSpeed's CPU shim) and FSDP2 (configs/fsdp.yaml through tests/fsdp_cpu.py, which
+# tests/launch/deepspeed_cpu.py, DeepSpeed's CPU shim) and FSDP2 (configs/fsdp.yaml through tests/launch/fsdp_cpu.py, which
 # gives accelerate the FSDP state it starts only on GPUs), each with sft.py, sft.py --gradient_checkpointing,
 # sft.py --lora_r 4, reward_model.py, reward_model.py --gradient_checkpointing, ppo.py, ppo.py
 # --gradient_checkpointing and ppo.py --lora_r 4, all with --bf16: 32 runs, the same checks. A launch costs more
 # than a tiny run, so each configuration is one launch whose processes run its 8 stages one after the other
-# (tests/launched_stages.py --keep_going: accelerate's state reset between stages, as the tests do; a stage that
+# (tests/launch/launched_stages.py --keep_going: accelerate's state reset between stages, as the tests do; a stage that
 # fails is recorded and the next one runs; a launch still running after LAUNCH_TIMEOUT seconds, 480 by default,
 # is stopped and its unfinished runs fail). The seconds column is then a stage's own time (the launch's start
 # excluded; the first stage pays the stage modules' imports). 3.5 to 4.5 minutes on 2 busy cores.
@@ -59,7 +59,7 @@ if [ "$CPU" = 1 ]; then
   python - "$SFT" "$RM" "${TINY[@]}" > "$OUT/build.log" 2>&1 <<'PY' \
       || { echo "gpu_check: building the tiny SFT and reward models failed: $OUT/build.log"; exit 1; }
 import sys
-sys.path.insert(0, "tests")
+sys.path.insert(0, "tests/spec")
 from stages import run_stage     # both stages in one process: an interpreter's imports take ~5 s on 2 cores
 sft, rm, tiny = sys.argv[1], sys.argv[2], sys.argv[3:]
 print(run_stage("sft.py", "--hidden_size", "32", "--num_layers", "1", "--vocab_size", "300", *tiny, "--max_steps", "2",
@@ -103,15 +103,15 @@ launcher() {
             --mixed_precision no --dynamo_backend no)
   elif [ "$1" = fsdp ]; then
     launch=(python -m accelerate.commands.launch --config_file configs/fsdp.yaml --num_processes 2
-            --mixed_precision no --dynamo_backend no tests/fsdp_cpu.py)
+            --mixed_precision no --dynamo_backend no tests/launch/fsdp_cpu.py)
   else
     launch=(python -m accelerate.commands.launch --config_file "configs/$1.yaml" --num_processes 2
-            tests/deepspeed_cpu.py)
+            tests/launch/deepspeed_cpu.py)
   fi
 }
 
 # verdict STEPS [RUN STATUS SECONDS CONFIG JOB]...: one table row per run, from what it left. STATUS is the
-# launch's exit status, or (--cpu) the prefix of the per-rank <prefix>.<rank>.json that tests/launched_stages.py
+# launch's exit status, or (--cpu) the prefix of the per-rank <prefix>.<rank>.json that tests/launch/launched_stages.py
 # --keep_going wrote for the stage (none: the launch stopped before the stage ended).
 verdict() {
   TRANSFORMERS_VERBOSITY=error HF_HUB_DISABLE_PROGRESS_BARS=1 python - "$@" <<'PY'
@@ -198,7 +198,7 @@ for config in "${CONFIGS[@]}"; do
       lines+=("$(python -c 'import json, sys; print(json.dumps(sys.argv[1:]))' "${args[@]}")")
     done
     json="[$(IFS=,; echo "${lines[*]}")]"
-    timeout -k 30 "$LAUNCH_TIMEOUT" "${launch[@]}" tests/launched_stages.py --keep_going "$dir" "$json" \
+    timeout -k 30 "$LAUNCH_TIMEOUT" "${launch[@]}" tests/launch/launched_stages.py --keep_going "$dir" "$json" \
         > "$dir/launch.log" 2>&1
     spec=()
     for i in "${!JOBS[@]}"; do

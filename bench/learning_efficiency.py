@@ -405,7 +405,7 @@ KEPT = ("step", "eval/rm", "eval/gold", "eval/exec", "eval/pass@1", "reward/rm",
         "adv/l2", "q/l2", "adv/l2_macro", "q/l2_macro", "macro/mean_len", "response/len")
 
 
-# ---------------------------------------------------------------- statistics (tested in tests/test_study.py)
+# ---------------------------------------------------------------- statistics (tested in tests/repo/test_study.py)
 
 def t_interval(values):
     """(mean, half-width of the 95% t-interval); half-width nan for one value."""

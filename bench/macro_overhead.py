@@ -15,7 +15,7 @@ import time
 import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path[:0] = [ROOT, os.path.join(ROOT, "tests")]
+sys.path[:0] = [ROOT, os.path.join(ROOT, "tests", "spec")]
 import macro_actions as ma  # noqa: E402
 from reference import fixed_ngram_loop, macro_gae_loop, perplexity_loop  # noqa: E402
 

@@ -7,7 +7,7 @@ same tiny models, seed and flags, must write the same metrics.jsonl values (timi
 
 Use it for any change that should not change training (refactors, renames, moving code). It builds a
 random tiny SFT model and RM once (tests/conftest.py's recipe; `--segment_rm`: the RM with a segment_reward.json,
-tests/test_segments.py's recipe), checks out --rev into a temporary git
+tests/spec/test_segments.py's recipe), checks out --rev into a temporary git
 worktree, runs both ppo.py's as subprocesses and prints every value that differs; exit 1 if any does.
 """
 import argparse

@@ -21,7 +21,7 @@ def pytest_configure(config):
 # about 95, 55, 50 and 45 s). `pytest -n 2 --dist loadfile` hands whole files to its two workers in collection
 # order; started first, these overlap with the many short files instead of leaving one worker alone with them
 # at the end. Without -n the order changes nothing but the order.
-LONGEST_FIRST = ("test_ppo.py", "test_gpu_paths_on_cpu.py", "test_scale.py", "test_two_processes.py")
+LONGEST_FIRST = ("test_ppo_runs.py", "test_gpu_paths_on_cpu_runs.py", "test_scale.py", "test_two_processes.py")
 
 
 def pytest_collection_modifyitems(config, items):

@@ -1,6 +1,6 @@
 """Run a script under a CPU DeepSpeed launch, for tests only:
 
-    accelerate launch --use_deepspeed --zero_stage 3 --num_processes 2 ... tests/deepspeed_cpu.py ppo.py ...
+    accelerate launch --use_deepspeed --zero_stage 3 --num_processes 2 ... tests/launch/deepspeed_cpu.py ppo.py ...
 
 accelerate does not support DeepSpeed on CPU: it starts DeepSpeed's process group (gloo, world size
 2) but then reports one process per rank. This corrects accelerate's process count and rank from the

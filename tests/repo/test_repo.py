@@ -3,7 +3,7 @@ import pathlib
 import subprocess
 import re
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
+ROOT = pathlib.Path(__file__).resolve().parent.parent.parent
 
 
 def test_ci_runs_exactly_the_readme_test_command():

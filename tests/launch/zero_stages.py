@@ -1,4 +1,4 @@
-"""Run by test_scale.py under a 2-process DeepSpeed launch (through tests/deepspeed_cpu.py): the three stages
+"""Run by test_scale.py under a 2-process DeepSpeed launch (through tests/launch/deepspeed_cpu.py): the three stages
 one after the other in this process, each as its command line runs it, each stopped and resumed once, first
 under ZeRO-2, then under ZeRO-3 (OUT_DIR/zero2, OUT_DIR/zero3):
 
@@ -6,10 +6,10 @@ under ZeRO-2, then under ZeRO-3 (OUT_DIR/zero2, OUT_DIR/zero3):
     (2 steps) -> ppo.py (1 iteration) and ppo.py --lora_r 4 (1 iteration, then --resume to 2; and 2 at once)
 
 each followed by ppo.py with --gradient_checkpointing and with --bf16 (variants()); then, last,
-tests/zero3_generation.py on the ZeRO-3 SFT model (it counts the launch's all-gathers).
+tests/launch/zero3_generation.py on the ZeRO-3 SFT model (it counts the launch's all-gathers).
 
-    python tests/zero_stages.py OUT_DIR          # all of it
-    python tests/zero_stages.py OUT_DIR 2        # test_scale.py's two machines: ZeRO-2, five of the stages
+    python tests/launch/zero_stages.py OUT_DIR          # all of it
+    python tests/launch/zero_stages.py OUT_DIR 2        # test_scale.py's two machines: ZeRO-2, five of the stages
 
 One launch instead of fifteen (a DeepSpeed launch costs ~30 s of imports and setup on 2 cores). accelerate's
 process-wide state is reset between stages, as accelerate's own tests do, so that each stage builds its
@@ -22,7 +22,8 @@ import sys
 
 from accelerate.state import AcceleratorState, GradientState
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))   # the stage modules
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))   # the stage modules
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "spec"))   # stages.py
 from stages import run_stage  # noqa: E402
 
 TINY = ["--hidden_size", "32", "--num_layers", "1", "--vocab_size", "300", "--batch_size", "4", "--max_prompt_len",

@@ -1,10 +1,10 @@
 """Run by the tests (and by bench/gpu_check.sh --cpu) under one 2-process `accelerate launch` (gloo, CPU): stage
 command lines one after the other in this process, each as `accelerate launch <stage>.py ...` runs it;
-accelerate's process-wide state is reset between them (as in tests/zero_stages.py), the process group is kept.
+accelerate's process-wide state is reset between them (as in tests/launch/zero_stages.py), the process group is kept.
 What stage i printed on rank r goes to LOG_DIR/<i>.<r>.txt.
 
-    python tests/launched_stages.py LOG_DIR '[["sft.py", "--max_steps", "60", ...], ["ppo.py", ...], ...]'
-    python tests/launched_stages.py --keep_going LOG_DIR '[...]'
+    python tests/launch/launched_stages.py LOG_DIR '[["sft.py", "--max_steps", "60", ...], ["ppo.py", ...], ...]'
+    python tests/launch/launched_stages.py --keep_going LOG_DIR '[...]'
 
 One launch instead of one per command line (a launch costs ~15 s of imports and setup on 2 cores). The first
 stage that fails ends the launch; with --keep_going each stage's outcome is written to LOG_DIR/<i>.<r>.json
@@ -21,7 +21,8 @@ import traceback
 
 from accelerate.state import AcceleratorState, GradientState
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))   # the stage modules
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))   # the stage modules
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "spec"))   # stages.py
 from stages import run_stage  # noqa: E402
 
 

@@ -1,5 +1,5 @@
 """The scale path on a CPU: every stage under DeepSpeed ZeRO-2 and ZeRO-3 with two gloo processes (one launch
-for both ZeRO stages, tests/zero_stages.py): whatever is saved loads with from_pretrained, key for key, and holds
+for both ZeRO stages, tests/launch/zero_stages.py): whatever is saved loads with from_pretrained, key for key, and holds
 the trained weights; --resume continues under each; LoRA's final policy is the plain merged model; ZeRO-3
 generation gathers the partitioned policy once and samples the unsharded tokens."""
 import json
@@ -12,10 +12,10 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
+ROOT = pathlib.Path(__file__).resolve().parent.parent.parent
 LAUNCH = (sys.executable, "-m", "accelerate.commands.launch", "--use_deepspeed", "--zero_stage", "3",
           "--gradient_accumulation_steps", "1", "--num_processes", "2", "--num_machines", "1",
-          "--mixed_precision", "no", "--dynamo_backend", "no", "tests/deepspeed_cpu.py")
+          "--mixed_precision", "no", "--dynamo_backend", "no", "tests/launch/deepspeed_cpu.py")
 
 
 def free_port():
@@ -27,7 +27,7 @@ def free_port():
 
 
 def two_machines_launch(out):
-    """The two `accelerate launch` commands (machine ranks 0 and 1, one process each) of tests/zero_stages.py's
+    """The two `accelerate launch` commands (machine ranks 0 and 1, one process each) of tests/launch/zero_stages.py's
     ZeRO-2 two-machine stages: DeepSpeed's standard multi-node launcher, 127.0.0.1 as the main address."""
     port = free_port()
     launch = [a if a != "3" else "2" for a in LAUNCH]          # --zero_stage 2
@@ -35,17 +35,17 @@ def two_machines_launch(out):
     launch[i:i + 4] = ["--num_processes", "2", "--num_machines", "2"]
     return [[*launch[:i], "--deepspeed_multinode_launcher", "standard", "--machine_rank", str(rank),
              "--main_process_ip", "127.0.0.1", "--main_process_port", str(port), *launch[i:],
-             "tests/zero_stages.py", str(out), "2"] for rank in (0, 1)]
+             "tests/launch/zero_stages.py", str(out), "2"] for rank in (0, 1)]
 
 
 @pytest.fixture(scope="module")
 def zero_launches(tmp_path_factory):
     """This file's DeepSpeed launches, all at once (each leaves the 2 cores idle at times, e.g. while rank 0
-    alone saves and reports): tests/zero_stages.py on 1 machine x 2 processes, and five of its ZeRO-2 stages on
+    alone saves and reports): tests/launch/zero_stages.py on 1 machine x 2 processes, and five of its ZeRO-2 stages on
     2 machines x 1 process. {"one": (output folder, stdout), "two": output folder of the two machines}."""
     one, two = tmp_path_factory.mktemp("zero"), tmp_path_factory.mktemp("zero2_machines")
     procs = [subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-             for cmd in [[*LAUNCH[:-1], "--main_process_port", str(free_port()), LAUNCH[-1], "tests/zero_stages.py",
+             for cmd in [[*LAUNCH[:-1], "--main_process_port", str(free_port()), LAUNCH[-1], "tests/launch/zero_stages.py",
                           str(one)], *two_machines_launch(two)]]
     printed = [proc.communicate(timeout=900) for proc in procs]
     for proc, (stdout, stderr) in zip(procs, printed):
@@ -55,7 +55,7 @@ def zero_launches(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def zero_launch(zero_launches):
-    """(output folder, stdout) of tests/zero_stages.py: ZeRO-2, then ZeRO-3, then ZeRO-3 generation."""
+    """(output folder, stdout) of tests/launch/zero_stages.py: ZeRO-2, then ZeRO-3, then ZeRO-3 generation."""
     return zero_launches["one"]
 
 
@@ -158,7 +158,7 @@ def test_zero3_generation_gathers_the_weights_once_and_samples_the_unsharded_tok
     """Under a 2-process ZeRO-3 launch: generation inside harness.generation_model gives the tokens of an
     unsharded copy for the same seed, needs no synced_gpus, and its number of all-gathers does not grow with
     the number of generated tokens; sharded generation (the fallback) gives the same tokens, gathering
-    again for every token (tests/zero3_generation.py)."""
+    again for every token (tests/launch/zero3_generation.py)."""
     printed = zero_launch[1].split("ZERO3 GENERATION", 1)[1]
     ranks = json.loads(next(line for line in printed.splitlines() if line.startswith("RESULT "))[7:])
     assert len(ranks) == 2
@@ -190,7 +190,7 @@ def test_a_zero_checkpoint_keeps_each_ranks_adamw_state_and_resumes_exactly(zero
 
 @pytest.fixture(scope="module")
 def zero2_two_machines(zero_launches):
-    """The output folder of five of the ZeRO-2 stages of tests/zero_stages.py on 2 machines x 1 process, one
+    """The output folder of five of the ZeRO-2 stages of tests/launch/zero_stages.py on 2 machines x 1 process, one
     `accelerate launch` per machine, both at once."""
     return zero_launches["two"]
 
@@ -230,7 +230,7 @@ def test_bf16_under_zero_runs_within_tolerance_of_fp32(zero_runs, stage):
     """ppo.py --bf16 under ZeRO-2 (full weights) and ZeRO-3 (LoRA: its adapters and the critic's score head
     once failed ZeRO-3's partitioning, an fp32 and a bf16 trained tensor in one engine): finite losses, the
     final policy loads key for key, the first iteration within BF16_RTOL / BF16_ATOL of fp32's."""
-    from test_gpu_paths_on_cpu import BF16_ATOL, BF16_METRICS, BF16_RTOL
+    from test_gpu_paths_on_cpu_runs import BF16_ATOL, BF16_METRICS, BF16_RTOL
     out = zero_runs[stage][0]
     fp32 = "ppo" if stage == "3" else "ppo_full"                          # LoRA under ZeRO-3, as ppo_bf16
     bf16, fp32 = (json.loads(open(out / run / "metrics.jsonl").readline()) for run in ("ppo_bf16", fp32))

@@ -22,7 +22,7 @@ pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux") or platform
 
 ADD = {"fn_name": "add", "inputs": [[1, 2], [3, 4]], "outputs": [[3], [7]]}
 PATIENT = sandbox.Limits(timeout=30.0, cpu_seconds=20, memory_mb=256)
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SCRIPT = os.path.abspath(sandbox.__file__)
 CGROUP_PARENT = getattr(sandbox, "CGROUP_PARENT", "ma_sandbox")
 # ctypes back, past the in-process guard (which is an extra layer, not a boundary)
@@ -62,7 +62,7 @@ def test_a_test_process_answers_for_its_own_runs_not_for_a_live_neighbours():
         assert mine and all(owner_of(pid) == os.getpid() for pid in mine)
         neighbour = subprocess.run([sys.executable, "-c", "from sandbox_runs import leftover_processes\n"
                                     "print(leftover_processes())"], capture_output=True, text=True, timeout=60,
-                                   env={**os.environ, "PYTHONPATH": os.pathsep.join([ROOT, os.path.join(ROOT, "tests")])})
+                                   env={**os.environ, "PYTHONPATH": os.pathsep.join([ROOT, os.path.join(ROOT, "tests", "spec")])})
         assert neighbour.returncode == 0 and neighbour.stdout.strip() == "[]", neighbour.stdout + neighbour.stderr
     finally:
         done.join()

@@ -9,7 +9,7 @@ import sys
 import numpy
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.join(ROOT, "bench"))
 import learning_efficiency as study  # noqa: E402
 import data  # noqa: E402
@@ -322,7 +322,7 @@ def test_fill_blocks_replaces_only_between_its_markers():
 
 def test_the_study_page_holds_exactly_the_generated_tables():
     """docs/study/README.md's tables are the report's (docs/study/study.md), not typed by hand."""
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     generated = open(os.path.join(root, "docs", "study", "study.md")).read()
     page = open(os.path.join(root, "docs", "study", "README.md")).read()
     sections = {}
@@ -512,7 +512,7 @@ def test_the_segment_beta_sweep_runs_the_readmes_segment_quick_start_at_each_bet
     import shlex
     from transformers import HfArgumentParser
     import ppo
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     readme = open(os.path.join(root, "README.md")).read()
     quick = shlex.split(re.search(r"accelerate launch ppo\.py (--rm_path runs/chitchat/rm_segment --reward segment[^\n#]*)",
                                   readme).group(1))

@@ -1,10 +1,10 @@
-"""Run by tests/test_critic_free.py under one 2-process `accelerate launch` (gloo, CPU): ppo.py command lines one
-after the other, as tests/launched_stages.py runs them, with two spies that call the real functions and keep what
+"""Run by tests/spec/test_critic_free.py under one 2-process `accelerate launch` (gloo, CPU): ppo.py command lines one
+after the other, as tests/launch/launched_stages.py runs them, with two spies that call the real functions and keep what
 each rank gave them: the prompts of every rollout (data.sample) and the scores and advantages of every call of
 macro_actions.group_advantages. Stage i of rank r writes LOG_DIR/<i>.<r>.pt ({"prompts": [...], "groups":
 [(scores, advantages), ...]}) and what it printed to LOG_DIR/<i>.<r>.txt.
 
-    python tests/critic_free_ranks.py LOG_DIR '[["ppo.py", "--advantage", "group", ...], ...]'
+    python tests/launch/critic_free_ranks.py LOG_DIR '[["ppo.py", "--advantage", "group", ...], ...]'
 """
 import json
 import os
@@ -13,7 +13,8 @@ import sys
 import torch
 from accelerate.state import AcceleratorState, GradientState
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))   # the stage modules
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))   # the stage modules
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "spec"))   # stages.py
 import data  # noqa: E402
 import macro_actions as ma  # noqa: E402
 from stages import run_stage  # noqa: E402

@@ -1,10 +1,10 @@
-"""Run last by tests/zero_stages.py under its 2-process DeepSpeed launch, with ZeRO-3 and without zero.Init
-(or alone under a `--zero_stage 3 --zero3_init_flag false` launch through tests/deepspeed_cpu.py): generation
+"""Run last by tests/launch/zero_stages.py under its 2-process DeepSpeed launch, with ZeRO-3 and without zero.Init
+(or alone under a `--zero_stage 3 --zero3_init_flag false` launch through tests/launch/deepspeed_cpu.py): generation
 from the partitioned policy, gathered once (harness.generation_model) or sharded (synced_gpus), against an
 unsharded copy of the same weights, same seed. Prints one JSON line from rank 0. It wraps the process's
 all-gathers with a counter, so it runs last in a process.
 
-    python tests/zero3_generation.py SFT_DIR
+    python tests/launch/zero3_generation.py SFT_DIR
 """
 import json
 import sys

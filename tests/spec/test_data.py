@@ -7,7 +7,7 @@ import torch
 
 import data
 
-FIXTURES = pathlib.Path(__file__).resolve().parent / "fixtures"
+FIXTURES = pathlib.Path(__file__).resolve().parent.parent / "fixtures"
 
 
 @pytest.fixture(scope="module")

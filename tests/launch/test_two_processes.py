@@ -4,7 +4,7 @@ continues with the numbers of an uninterrupted 2-process run: SIGINT to one rank
 to the launcher, which passes it on to its workers, as SLURM / Kubernetes do before preempting (ppo.py).
 
 A launch costs ~15 s of imports and setup on 2 cores: the two interrupted runs are launches of their own (a
-signal ends the process); the rest is one launch of tests/launched_stages.py: the two resumed runs first,
+signal ends the process); the rest is one launch of tests/launch/launched_stages.py: the two resumed runs first,
 then the uninterrupted runs they are compared with, a PPO run with LoRA, and the runs that check each rank's
 own random numbers across a resume."""
 import json
@@ -20,7 +20,7 @@ from safetensors.torch import load_file
 
 from stages import LAUNCH, comparable
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
+ROOT = pathlib.Path(__file__).resolve().parent.parent.parent
 SFT = ["--hidden_size", "32", "--num_layers", "1", "--vocab_size", "300", "--batch_size", "4", "--max_prompt_len",
        "24", "--max_response_len", "12", "--n_eval", "16", "--seed", "3", "--max_steps", "60"]
 
@@ -116,7 +116,7 @@ def eos_prone(tiny_models, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def launched(tiny_models, tmp_path_factory, sft_interrupted, ppo_interrupted, eos_prone):
-    """One 2-process launch of tests/launched_stages.py: {name: (output_dir, [what rank 0 printed, rank 1])}
+    """One 2-process launch of tests/launch/launched_stages.py: {name: (output_dir, [what rank 0 printed, rank 1])}
     for the resumed runs (where the interrupted ones left a checkpoint), an uninterrupted SFT run of 60 steps
     (held-out loss at 30 and 60), an uninterrupted PPO run of 6 iterations, a PPO run with --lora_r 4, and the
     per-rank RNG runs on the eos_prone task: 4 iterations at once, and 2 then --resume to 4."""
@@ -139,7 +139,7 @@ def launched(tiny_models, tmp_path_factory, sft_interrupted, ppo_interrupted, eo
     runs["rng_split"] = (tmp / "rng_split", ["ppo.py", *rng, "--steps", "2", "--save_every", "2"])
     runs["rng_resumed"] = (tmp / "rng_split", ["ppo.py", *rng, "--steps", "4", "--resume"])
     lines = [[*argv, "--output_dir", str(out)] for out, argv in runs.values()]
-    proc = subprocess.run([*LAUNCH, "tests/launched_stages.py", str(tmp), json.dumps(lines)], cwd=ROOT,
+    proc = subprocess.run([*LAUNCH, "tests/launch/launched_stages.py", str(tmp), json.dumps(lines)], cwd=ROOT,
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return {name: (out, [(tmp / f"{i}.{rank}.txt").read_text() for rank in (0, 1)])

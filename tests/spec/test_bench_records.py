@@ -5,7 +5,7 @@ import json
 import pathlib
 import re
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
+ROOT = pathlib.Path(__file__).resolve().parent.parent.parent
 RECORD = ROOT / "bench" / "records" / "real_ppo.json"
 
 

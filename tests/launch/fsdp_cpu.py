@@ -1,6 +1,6 @@
 """Run a script under a CPU FSDP2 launch, for tests only:
 
-    accelerate launch --config_file configs/fsdp.yaml --num_processes 2 --mixed_precision no ... tests/fsdp_cpu.py sft.py ...
+    accelerate launch --config_file configs/fsdp.yaml --num_processes 2 --mixed_precision no ... tests/launch/fsdp_cpu.py sft.py ...
 
 accelerate (1.15) starts FSDP only for accelerator process groups: on a CPU it starts the processes as
 plain DDP over gloo (MULTI_CPU) although the launch asked for FSDP and the FSDP plugin was built from the
@@ -22,7 +22,7 @@ _init = state.AcceleratorState.__init__
 
 def _init_as_fsdp(self, *args, fsdp_plugin=None, **kwargs):
     _init(self, *args, fsdp_plugin=fsdp_plugin, **kwargs)
-    # MULTI_CPU on a fresh state; FSDP already after a reset of AcceleratorState alone (tests/launched_stages.py)
+    # MULTI_CPU on a fresh state; FSDP already after a reset of AcceleratorState alone (tests/launch/launched_stages.py)
     if fsdp_plugin is not None and self.distributed_type in (DistributedType.MULTI_CPU, DistributedType.FSDP):
         self.distributed_type, self.fsdp_plugin = DistributedType.FSDP, fsdp_plugin
         if self._mixed_precision != "no":     # as accelerate's FSDP branch does: --bf16 is FSDP's param_dtype

@@ -1,0 +1,145 @@
+"""The launch tests of test_critic_free.py: ppo.py and sandbox.py run in processes of their own."""
+import os
+
+import pytest
+import torch
+
+import macro_actions as ma
+from test_critic_free import ppo_args
+
+
+def metrics_of(out):
+    import json
+    return [json.loads(line) for line in open(out / "metrics.jsonl")]
+
+
+@pytest.mark.launch
+def test_group_rollout_samples_each_prompt_k_times_in_adjacent_rows(tiny_models, tmp_path, monkeypatch):
+    """--rollout_batch_size 4 --group_size 2: two prompts, each twice, side by side (data.sample, spied on)."""
+    import data
+    import ppo
+    asked, sample = [], data.sample
+    monkeypatch.setattr(data, "sample", lambda model, tokenizer, prompts, *a, **k: asked.append(prompts) or
+                        sample(model, tokenizer, prompts, *a, **k))
+    ppo.main(ppo_args(tiny_models, tmp_path, steps=1, advantage="group", group_size=2))
+    prompts = asked[0]
+    assert len(prompts) == 4 and prompts[0] == prompts[1] != prompts[2] == prompts[3]
+
+
+@pytest.mark.launch
+@pytest.mark.parametrize("flags", [
+    {"advantage": "group"}, {"advantage": "group", "group_norm": "none", "ratio": "macro"},
+    {"advantage": "group", "group_norm": "loo", "ratio": "sequence", "kl_estimator": "k3"},
+    {"advantage": "mc", "mc_points": 2, "mc_rollouts": 2},
+    {"advantage": "mc", "mc_points": 0, "mc_rollouts": 1, "termination": "ppl", "ratio": "sequence"},
+    {"advantage": "mc", "mc_rollouts": 2, "termination": "parsing", "ratio": "macro", "lora_r": 4},
+    {"advantage": "group", "group_size": 2, "lora_r": 4, "termination": "randomized"},
+    {"advantage": "group", "kl_penalty": "loss"}, {"advantage": "mc", "mc_rollouts": 2, "kl_penalty": "loss"},
+])
+def test_every_advantage_kind_runs_without_a_critic(tiny_models, tmp_path, flags):
+    import ppo
+    ppo.main(ppo_args(tiny_models, tmp_path, steps=1, **flags))
+    [row] = metrics_of(tmp_path)
+    assert all(v == v for v in row.values())                                       # no NaN
+    assert not {"loss/value", "value/explained_variance", "q/l2", "value/grad_norm"} & row.keys()   # no critic
+    if flags["advantage"] == "mc":
+        cap = flags.get("mc_points", 4) or float("inf")
+        assert 1 <= row["mc/points"] <= min(cap, row["response/len"]) and row["time/mc"] > 0
+
+
+@pytest.mark.launch
+def test_kl_penalty_loss_takes_the_kl_out_of_the_rewards_and_into_the_loss(tiny_models, tmp_path):
+    """Iteration 2 (the policy has moved): under --kl_penalty reward the rewards hold -beta * KL beside the score,
+    under loss they hold the score alone and the loss logs its k3."""
+    import ppo
+    rows = {}
+    for where in ("reward", "loss"):
+        ppo.main(ppo_args(tiny_models, tmp_path / where, steps=2, advantage="group", kl_penalty=where, beta=0.5,
+                          policy_lr=0.05))
+        rows[where] = metrics_of(tmp_path / where)[1]
+    reward, loss = rows["reward"], rows["loss"]
+    assert reward["kl"] != 0 and loss["kl"] != 0 and "loss/kl" not in reward and loss["loss/kl"] > 0
+    assert reward["reward/total"] == pytest.approx(reward["reward/rm"] - 0.5 * reward["kl"], abs=1e-4)
+    assert loss["reward/total"] == pytest.approx(loss["reward/rm"], abs=1e-5)
+
+
+@pytest.mark.launch
+@pytest.mark.parametrize("kind", ["group", "mc"])
+def test_no_critic_is_checkpointed_and_a_resume_is_exact(tiny_models, tmp_path, kind):
+    import ppo
+    from stages import comparable
+    flags = {"advantage": kind, "mc_rollouts": 2, "mc_points": 2, "group_size": 2, "eval_every": 1000}
+    ppo.main(ppo_args(tiny_models, tmp_path / "whole", steps=4, **flags))
+    ppo.main(ppo_args(tiny_models, tmp_path / "split", steps=2, save_every=2, **flags))
+    checkpoint = tmp_path / "split" / "checkpoint"
+    state = torch.load(checkpoint / "trainer_state.pt", weights_only=False)
+    assert (checkpoint / "policy").exists() and not [p for p in checkpoint.iterdir() if "critic" in p.name]
+    assert "policy_opt" in state and not [k for k in state if "critic" in k]
+    ppo.main(ppo_args(tiny_models, tmp_path / "split", steps=4, resume=True, **flags))
+    whole, split = metrics_of(tmp_path / "whole"), metrics_of(tmp_path / "split")
+    assert len(split) == 4 and [comparable(r) for r in split] == [comparable(r) for r in whole]
+
+
+@pytest.mark.launch
+@pytest.mark.parametrize("kind", ["group", "mc"])
+def test_the_code_task_runs_its_programs_for_every_sample_and_continuation(tiny_models, tmp_path, kind):
+    """The execution reward (sandbox.py) scores the rollout and, under mc, every continuation."""
+    import ppo
+    ppo.main(ppo_args(tiny_models, tmp_path, steps=1, task="code", advantage=kind, group_size=2, mc_rollouts=2,
+                      mc_points=2))
+    [row] = metrics_of(tmp_path)
+    assert "reward/exec" in row and "reward/pass_rate" in row and "loss/value" not in row
+
+
+@pytest.mark.launch
+def test_two_processes_hold_one_processs_groups_whole_and_stay_in_sync(tiny_models, tmp_path, monkeypatch):
+    """Under `accelerate launch` with 2 processes of 4 samples, group: each iteration's groups are those of one
+    process with 8 samples, every group whole on one rank (the ranks' prompts together are the one process's, in
+    order), and the advantages each rank computes on its own rows are those of all the rows at once. The sampled
+    responses differ (each process draws its own random numbers, as under gae); mc runs too. Both end in sync."""
+    import json
+    import subprocess
+    import data
+    import ppo
+    from stages import LAUNCH
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    flags = ["--sft_path", str(tiny_models / "sft"), "--rm_path", str(tiny_models / "rm"), "--mini_batch_size", "2",
+             "--max_prompt_len", "16", "--max_response_len", "8", "--n_eval_prompts", "4", "--eval_every", "1000",
+             "--plot", "false", "--steps", "2", "--group_size", "2", "--mc_rollouts", "2", "--mc_points", "2"]
+    lines = [["ppo.py", *flags, "--advantage", kind, "--rollout_batch_size", "4", "--output_dir", str(tmp_path / kind)]
+             for kind in ("group", "mc")]
+    proc = subprocess.run([*LAUNCH, "tests/launch/critic_free_ranks.py", str(tmp_path), json.dumps(lines)], cwd=root,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    ranks = [torch.load(tmp_path / f"0.{r}.pt", weights_only=False) for r in (0, 1)]
+    asked, sample = [], data.sample           # one process, 8 samples: the same seed, the same prompt order
+    monkeypatch.setattr(data, "sample", lambda model, tokenizer, prompts, *a, **k: asked.append(list(prompts)) or
+                        sample(model, tokenizer, prompts, *a, **k))
+    ppo.main(ppo_args(tiny_models, tmp_path / "one", steps=2, advantage="group", group_size=2, rollout_batch_size=8,
+                      eval_every=1000))
+    for step in range(2):
+        assert ranks[0]["prompts"][step] + ranks[1]["prompts"][step] == asked[step]
+        (s0, a0), (s1, a1) = ranks[0]["groups"][step], ranks[1]["groups"][step]
+        assert torch.equal(ma.group_advantages(torch.cat([s0, s1]), 2), torch.cat([a0, a1]))
+    for i in (0, 1):
+        assert "2 process(es)" in (tmp_path / f"{i}.0.txt").read_text()
+        assert "ranks in sync: True" in (tmp_path / f"{i}.0.txt").read_text()
+
+
+@pytest.mark.launch
+@pytest.mark.parametrize("kind", ["group", "mc"])
+def test_one_minibatch_reuses_the_policys_scoring_forward_without_a_critic(tiny_models, tmp_path, monkeypatch, kind):
+    """One epoch over one minibatch: the update takes its rows of step 2's policy forward (there is no critic's);
+    the numbers of two iterations are those of separate forwards."""
+    import ppo
+    from stages import comparable
+
+    def run(out):
+        ppo.main(ppo_args(tiny_models, out, steps=2, mini_batch_size=4, advantage=kind, group_size=2, mc_rollouts=2))
+        return [comparable(r) for r in metrics_of(out)]
+
+    fused_update, taken = ppo.fused_update, []
+    monkeypatch.setattr(ppo, "fused_update", lambda *a: taken.append(fused_update(*a)) or taken[-1])
+    fused = run(tmp_path / "fused")
+    monkeypatch.setattr(ppo, "fused_update", lambda *a: False)
+    assert taken == [True, True] and fused == run(tmp_path / "separate")

@@ -1,0 +1,33 @@
+"""The launch tests of test_harness.py (tests/spec): they start processes of their own."""
+import os
+
+import pytest
+
+import harness
+
+
+@pytest.mark.launch
+def test_a_non_finite_loss_on_one_process_is_seen_by_every_process(tmp_path):
+    """harness.all_finite reduces over the processes: under a 2-process launch, a NaN on rank 1 alone makes
+    both ranks stop (a rank that raised alone would leave the other waiting in its next collective)."""
+    import subprocess
+    import textwrap
+    from stages import LAUNCH
+    script = tmp_path / "nan_on_rank1.py"
+    script.write_text(textwrap.dedent(f"""
+        import sys
+        sys.path.insert(0, {os.path.dirname(os.path.abspath(harness.__file__))!r})
+        import torch
+        import harness
+        acc = harness.make_accelerator()
+        loss = torch.tensor(float("nan") if acc.process_index == 1 else 1.0)
+        ok = torch.tensor(2.0)
+        print(f"rank {{acc.process_index}}: nan seen {{not harness.all_finite(acc, ok, loss)}}, "
+              f"finite seen {{harness.all_finite(acc, ok)}}", flush=True)
+        acc.wait_for_everyone()                      # neither rank leaves while the other still talks to it
+        torch.distributed.destroy_process_group()
+    """))
+    out = subprocess.run([*LAUNCH, str(script)], capture_output=True, text=True, timeout=300)
+    for rank in (0, 1):
+        assert f"rank {rank}: nan seen True, finite seen True" in out.stdout, out.stdout + out.stderr[-3000:]
+    assert out.returncode == 0, out.stderr[-3000:]
