@@ -73,7 +73,7 @@ def zero_launch(tmp_path_factory):
     out = tmp_path_factory.mktemp("zero_audit")
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", "configs/zero2.yaml",
            "--num_processes", "2", "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port",
-           str(free_port()), "tests/launch/deepspeed_cpu.py", "tests/launch/test_audit5_runs.py", "zero", str(out)]
+           str(free_port()), "tests/launch/deepspeed_cpu.py", "tests/spec/test_audit5.py", "zero", str(out)]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=1200)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-4000:]
     return out
@@ -122,7 +122,7 @@ def test_fsdp2_gets_the_launchs_reshard_setting_back_after_generation_and_clips_
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", "configs/fsdp.yaml",
            "--fsdp_reshard_after_forward", "false", "--num_processes", "2", "--mixed_precision", "no",
            "--dynamo_backend", "no", "--main_process_port", str(free_port()), "tests/launch/fsdp_cpu.py",
-           "tests/launch/test_audit5_runs.py", "fsdp", str(tmp_path)]
+           "tests/spec/test_audit5.py", "fsdp", str(tmp_path)]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-4000:]
     result = json.load(open(tmp_path / "fsdp.json"))
