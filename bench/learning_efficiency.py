@@ -385,15 +385,14 @@ def critic_free(task):
             arm(f"mc_n{n}", f"MC macro values (mc, n={n})", ("--n", n, "--advantage", "mc")))
 
 
-# Prepared, not yet a hypothesis of the study: the report's matched-KL tables read each hypothesis against a
-# fixed-beta pair (FIXED_BETA_PAIR) and the study page must hold every hypothesis's generated tables. Once the
-# report reads a hypothesis without one, `HYPOTHESES.update(CRITIC_FREE)` makes them runnable:
+# The critic-free study (no fixed-beta pair: each arm held at one KL target, read off its score-against-KL curve):
 #     python bench/learning_efficiency.py critic_free critic_free_code --jobs 2
 CRITIC_FREE = {
     f"critic_free{'' if task == 'chitchat' else '_' + task}": Hypothesis(
         f"Credit without a critic on {task}: do a group baseline or Monte Carlo macro values beat PPO's critic at "
         "matched KL?", critic_free(task), matched_kl=CRITIC_FREE_KL[task][1], kl_points=CRITIC_FREE_KL[task][2])
     for task in ("chitchat", "code")}
+HYPOTHESES.update(CRITIC_FREE)
 # `all` runs every hypothesis but the real model's (they need requirements-slow.txt and 30-40 minutes a run).
 OPTIONAL = ("real", "real_kl", "real_kl10")
 MATCHED_KL = {c.name for h in HYPOTHESES.values() if h.matched_kl for c in h.configs}
@@ -1262,15 +1261,20 @@ def load_records(args, names):
             for name in names}
 
 
+def frontier_configs(hypothesis):
+    """The configurations of the fixed-beta hypothesis read beside `hypothesis` (FRONTIER_WITH), or none."""
+    return HYPOTHESES[FRONTIER_WITH[hypothesis]].configs if hypothesis in FRONTIER_WITH else ()
+
+
 def kl_points_table(args, hypothesis, records, result):
     """Every PPO / MA-PPO pair of runs (the controlled pairs of `hypothesis`, and the fixed-beta pair of
     FIXED_BETA_PAIR) read at the same KLs `kl_points` off their gold-against-KL curves, paired by seed: the
     comparison at equal distance from the SFT model, whatever KL each run ended at."""
     h = HYPOTHESES[hypothesis]
-    ppo_name, ma_name = FIXED_BETA_PAIR[hypothesis]
-    fixed = load_records(args, (ppo_name, ma_name))
-    labels = {c.name: c.label for c in (*HYPOTHESES[FRONTIER_WITH[hypothesis]].configs, *h.configs)}
-    traced = all(map(has_trace, fixed[ppo_name] + fixed[ma_name]))
+    ppo_name, ma_name = FIXED_BETA_PAIR.get(hypothesis, (None, None))     # a hypothesis may have no fixed-beta pair
+    fixed = load_records(args, (ppo_name, ma_name)) if ppo_name else {}
+    labels = {c.name: c.label for c in (*frontier_configs(hypothesis), *h.configs)}
+    traced = bool(fixed) and all(map(has_trace, fixed[ppo_name] + fixed[ma_name]))
     sources = [(f"{labels[ma_name]} vs {labels[ppo_name]}, fixed beta", fixed[ppo_name], fixed[ma_name])] if traced else []
     sources += [(f"{c.label} vs {labels[c.partner]}", [r for r in records.get(c.partner, []) if r],
                  [r for r in records.get(c.name, []) if r]) for c in h.configs if c.partner]
@@ -1280,7 +1284,7 @@ def kl_points_table(args, hypothesis, records, result):
              "runs passed through that KL (95% t-interval over the pairs; `all` averages the pairs of each seed over "
              "every row and gives one gap per seed: the runs of one seed share their sampling seeds, and a run whose KL "
              "stayed below both targets repeats its run at the other target)."
-             + ("" if traced else f" The fixed-beta pair ({ma_name} against {ppo_name}) is left out: its records keep no "
+             + ("" if traced or not fixed else f" The fixed-beta pair ({ma_name} against {ppo_name}) is left out: its records keep no "
                 "trace, so their KL would be one batch's."), "",
              "| pair | " + " | ".join(f"KL {k}: pairs, PPO / MA-PPO, MA-PPO minus PPO" for k in h.kl_points) + " |",
              "|---" * (len(h.kl_points) + 1) + "|"]
@@ -1323,7 +1327,7 @@ def kl_frontier(args, hypothesis, records):
     <results_dir>/<hypothesis>.png (docs/study/real_kl.png)."""
     h = HYPOTHESES[hypothesis]
     metric = h.configs[0].metrics[0]
-    other = HYPOTHESES[FRONTIER_WITH[hypothesis]].configs
+    other = frontier_configs(hypothesis)
     runs = [(c, r) for c in (*other, *h.configs) for seed in committed_seeds(args, c.name)
             for r in [json.load(open(record_path(args, c.name, seed)))]]
     if not any(c in h.configs for c, _ in runs):
