@@ -894,10 +894,12 @@ def train_all(args, todo):
     for config in no_sft:
         sft_record(args, config)
     if args.jobs == 1:
+        if args.threads:
+            _one_job_threads(args.threads)
         for config, seed in todo:
             train(args, config, seed)
         return
-    threads = max(1, (os.cpu_count() or 1) // args.jobs)
+    threads = args.threads or max(1, (os.cpu_count() or 1) // args.jobs)
     with concurrent.futures.ProcessPoolExecutor(args.jobs, initializer=_one_job_threads, initargs=(threads,)) as pool:
         for future in concurrent.futures.as_completed([pool.submit(train, args, *t) for t in todo]):
             future.result()                      # a failed run stops the study (its checkpoint is kept)
@@ -1498,6 +1500,8 @@ def main(argv=None):
     parser.add_argument("--rm_path", default=data.run_dir("chitchat", "rm"), help="reward model (built by ppo.py if missing)")
     parser.add_argument("--seed_eval", type=int, default=4321, help="sampling seed of the final per-prompt scores")
     parser.add_argument("--jobs", type=int, default=1, help="runs at a time (each gets cores / jobs threads)")
+    parser.add_argument("--threads", type=int, default=0, help="threads per run (default cores / jobs); with "
+                        "`taskset -c 0` a study shares the machine with other work without slowing it")
     parser.add_argument("--quick", action="store_true", help="2 seeds x 12 iterations, small evaluations")
     parser.add_argument("--results_dir", default="", help="committed records and tables (default docs/study)")
     parser.add_argument("--runs_dir", default="", help="run folders (default runs/study)")
