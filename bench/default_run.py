@@ -1,0 +1,159 @@
+"""A newcomer's first run, measured: the README's command on a fresh clone, models not yet built.
+
+    python bench/default_run.py [--record bench/records/default_run.json] [--command "accelerate launch ppo.py --n 5"]
+    python bench/default_run.py --show bench/records/default_run.json    # the committed record's table
+
+Clones this repository's HEAD (committed files only, as a user would get them) into a temporary folder and runs the
+command there with this interpreter's environment (its `accelerate`, already installed: the install is timed apart,
+`pip install -r requirements.txt`). While it runs, the process tree is read from /proc every 0.1 s: each process's
+command, when it appeared and ended, and its peak resident memory (VmHWM). The table gives the whole run's wall time,
+each stage's (sft.py, reward_model.py, and ppo.py less the two it started), the peak RSS of the largest process
+(the figure `/usr/bin/time -v` reports for the tree) and of each stage, and the run's final table.
+
+--record writes all that with what it depends on (commit, command, CPUs, threads, load average, versions);
+docs/training.md's "measured default run" is the `--show` output of bench/records/default_run.json.
+"""
+import argparse
+import json
+import os
+import platform
+import re
+import subprocess
+import sys
+import tempfile
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+STAGES = ("sft.py", "reward_model.py", "ppo.py")
+FINAL_ROWS = ("mean RM score", "mean gold score", "gold win rate vs SFT (ties half)")
+
+
+def descendants(pid):
+    """The pids below `pid` (children, grandchildren, ...) that are still there."""
+    found, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        try:
+            with open(f"/proc/{p}/task/{p}/children") as f:
+                kids = [int(k) for k in f.read().split()]
+        except OSError:
+            continue
+        found += kids
+        todo += kids
+    return found
+
+
+def peek(pid):
+    """(command line, VmHWM kB) of a live process, or None once it is gone."""
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            cmd = f.read().replace(b"\0", b" ").decode(errors="replace").strip()
+        with open(f"/proc/{pid}/status") as f:
+            hwm = next(int(line.split()[1]) for line in f if line.startswith("VmHWM:"))
+        return cmd, hwm
+    except (OSError, StopIteration):
+        return None
+
+
+def stage_of(cmd):
+    """Which stage a process runs (the script named in its command line), or None (the launcher, helpers)."""
+    words = cmd.split()
+    return next((s for s in STAGES for w in words[1:3] if os.path.basename(w) == s), None)
+
+
+def run(command, cwd):
+    """Run `command` in `cwd`, watching its process tree: (wall s, stdout text, {pid: facts})."""
+    seen, t0 = {}, time.time()
+    out = open(os.path.join(cwd, "default_run.log"), "w+")
+    proc = subprocess.Popen(command, shell=True, cwd=cwd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        while proc.poll() is None:
+            now = time.time() - t0
+            for pid in [proc.pid] + descendants(proc.pid):
+                facts = peek(pid)
+                if facts:
+                    entry = seen.setdefault(pid, {"cmd": facts[0], "start": now, "peak_kb": 0})
+                    entry.update(end=now, peak_kb=max(entry["peak_kb"], facts[1]))
+            time.sleep(0.1)
+    except KeyboardInterrupt:
+        os.killpg(proc.pid, 2)
+        raise
+    wall = time.time() - t0
+    out.seek(0)
+    text = out.read()
+    if proc.returncode:
+        sys.exit(f"error: {command!r} exited with {proc.returncode}; its log: {out.name}\n{text[-3000:]}")
+    return wall, text, seen
+
+
+def summary(wall, text, seen):
+    """The record's figures from a run's output and its watched processes."""
+    stages = {}
+    for facts in seen.values():
+        stage = stage_of(facts["cmd"])
+        if stage:
+            s = stages.setdefault(stage, {"s": 0.0, "peak_mb": 0})
+            s["s"] += facts["end"] - facts["start"]
+            s["peak_mb"] = max(s["peak_mb"], round(facts["peak_kb"] / 1024))
+    if "ppo.py" in stages:       # ppo.py waits while sft.py and reward_model.py (its children) run
+        stages["ppo.py"]["s"] -= sum(stages[s]["s"] for s in ("sft.py", "reward_model.py") if s in stages)
+    final = {}
+    for row in FINAL_ROWS:
+        match = re.search(rf"^\| {re.escape(row)} \|([^|]*)\|([^|]*)\|", text, re.M)
+        if match:
+            final[row] = [cell.strip() for cell in match.groups()]
+    return {"wall_s": round(wall, 1), "peak_rss_mb": round(max(f["peak_kb"] for f in seen.values()) / 1024),
+            "stages": {k: {"s": round(v["s"], 1), "peak_mb": v["peak_mb"]} for k, v in stages.items()},
+            "final_table": final}
+
+
+def table(record):
+    """The markdown the docs quote: the run's time and memory by stage, then its final table."""
+    s = record["stages"]
+    lines = [f"`{record['command']}` on a fresh clone of {record['commit'][:7]}, {record['cpus']} CPUs, "
+             f"{record['threads']} threads, load average {record['load_average'][0]} at the start:", "",
+             "| | whole run | sft.py | reward_model.py | ppo.py (120 iterations, evaluations, report) |", "|---|---|---|---|---|",
+             f"| wall time | **{record['wall_s']:.0f} s** | " + " | ".join(f"{s[k]['s']:.0f} s" for k in STAGES) + " |",
+             f"| peak RSS | **{record['peak_rss_mb']} MB** | " + " | ".join(f"{s[k]['peak_mb']} MB" for k in STAGES) + " |",
+             "", "| held-out (256 prompts) | SFT | policy |", "|---|---|---|"]
+    lines += [f"| {row} | {sft} | {policy} |" for row, (sft, policy) in record["final_table"].items()]
+    return "\n".join(lines)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--command", default="accelerate launch ppo.py --n 5", help="what a newcomer runs (README)")
+    parser.add_argument("--record", default="", help="write the record (JSON) here")
+    parser.add_argument("--show", default="", help="print the table of a record written by --record, and exit")
+    parser.add_argument("--keep", action="store_true", help="keep the clone (its runs/ and default_run.log)")
+    cli = parser.parse_args()
+    if cli.show:
+        print(table(json.load(open(cli.show))))
+        return
+    import torch
+    import transformers
+    git = (lambda *a: subprocess.run(["git", "-C", ROOT, *a], capture_output=True, text=True, check=True).stdout.strip())
+    clone = os.path.join(tempfile.mkdtemp(prefix="default_run_"), "ma-rlhf")
+    subprocess.run(["git", "clone", "-q", ROOT, clone], check=True)
+    env_bin = os.path.dirname(sys.executable)            # this environment's accelerate and python come first
+    command = f"PATH={env_bin}:$PATH {cli.command}"
+    record = {"command": cli.command, "bench": " ".join(["python", os.path.relpath(__file__, ROOT), *sys.argv[1:]]),
+              "commit": git("rev-parse", "HEAD"), "dirty": bool(git("status", "--porcelain", "--untracked-files=no")),
+              "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "cpus": os.cpu_count(),
+              "threads": torch.get_num_threads(), "load_average": [round(x, 2) for x in os.getloadavg()],
+              "versions": {"python": platform.python_version(), "torch": torch.__version__,
+                           "transformers": transformers.__version__}}
+    print(f"[default_run] {cli.command!r} in {clone} ...", flush=True)
+    record.update(summary(*run(command, clone)))
+    record["load_average_end"] = [round(x, 2) for x in os.getloadavg()]
+    print(table(record))
+    if cli.record:
+        with open(cli.record, "w") as f:
+            json.dump(record, f, indent=1)
+        print(f"record: {cli.record}")
+    if not cli.keep:
+        subprocess.run(["rm", "-rf", os.path.dirname(clone)])
+
+
+if __name__ == "__main__":
+    main()
