@@ -46,7 +46,7 @@ class RMArgs:
     warmup_ratio: float = field(default=0.05, metadata={"help": "fraction of the steps spent warming up, then cosine decay", "metavar": "[0, 1]"})
     max_steps: int = field(default=200, metadata={"help": "optimizer steps; 0 = `epochs` passes over the RM split", "metavar": "[0, inf)"})
     epochs: float = field(default=1.0, metadata={"help": "passes over the RM split when max_steps is 0", "metavar": "(0, inf)"})
-    eval_every: int = field(default=100, metadata={"help": "held-out accuracy every k steps", "metavar": "[1, inf)"})
+    eval_every: int = field(default=200, metadata={"help": "held-out accuracy every k steps (and at the end)", "metavar": "[1, inf)"})
     save_every: int = field(default=100, metadata={"help": "resumable checkpoint every k steps", "metavar": "[1, inf)"})
     n_eval: int = field(default=1024, metadata={"help": "held-out pairs for the pairwise accuracy", "metavar": "[1, inf)"})
     n_gold_prompts: int = field(default=256, metadata={"help": "held-out prompts whose two SFT samples test RM-gold agreement (chitchat, count); 0 = skip", "metavar": "[0, inf)"})

@@ -39,7 +39,7 @@ class SFTArgs:
     weight_decay: float = field(default=0.0, metadata={"help": "AdamW weight decay", "metavar": "[0, inf)"})
     max_steps: int = field(default=400, metadata={"help": "optimizer steps; 0 = `epochs` passes over the SFT split", "metavar": "[0, inf)"})
     epochs: float = field(default=1.0, metadata={"help": "passes over the SFT split when max_steps is 0", "metavar": "(0, inf)"})
-    eval_every: int = field(default=100, metadata={"help": "held-out loss / perplexity every k steps", "metavar": "[1, inf)"})
+    eval_every: int = field(default=200, metadata={"help": "held-out loss / perplexity every k steps", "metavar": "[1, inf)"})
     save_every: int = field(default=200, metadata={"help": "resumable checkpoint every k steps", "metavar": "[1, inf)"})
     n_eval: int = field(default=512, metadata={"help": "held-out examples for loss / perplexity", "metavar": "[1, inf)"})
     # --- the tiny default model (--model tiny) ------------------------------------------------------
