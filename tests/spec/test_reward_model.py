@@ -86,3 +86,28 @@ def test_reward_model_learns_a_separable_preference(tokenizer):
     with torch.no_grad():
         held_loss, held_acc = rm.bradley_terry(model.eval(), batch(held, 1))
     assert held_acc.item() == 1.0 and held_loss < first_loss
+
+
+def test_two_micro_steps_of_16_pairs_are_one_step_of_32_at_half_the_activations(tokenizer):
+    """The RM's default 16 pairs x 2 micro-steps: the same rows as 32 x 1 in the first epoch (consecutive slices of one
+    permutation) and, the loss of each half divided by the accumulation, the same gradient up to float rounding."""
+    import harness
+    for step in (0, 1, 7, 199):
+        whole = harness.batch_indices(21810, 32, step, 1234, 0, 1)
+        halves = [i for micro in range(2) for i in harness.batch_indices(21810, 16, 2 * step + micro, 1234, 0, 1)]
+        assert halves == whole
+    prompts = [f"\n\nHuman: question number {i}\n\nAssistant:" for i in range(8)]
+    chosen, rejected = [f" kind reply {i}" for i in range(8)], [f" rude reply {i} !" for i in range(8)]
+    model = tiny_rm(tokenizer, seed=2)
+
+    def grads(rows):
+        model.zero_grad()
+        for part in rows:
+            loss, _ = rm.bradley_terry(model, data.collate(tokenizer, [prompts[i] for i in part] * 2,
+                                                           [chosen[i] for i in part] + [rejected[i] for i in part], 48, 32))
+            (loss / len(rows)).backward()
+        return torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None])
+
+    one, two = grads([range(8)]), grads([range(4), range(4, 8)])
+    assert one.abs().max() > 0 and torch.allclose(one, two, atol=1e-6, rtol=1e-4)
+    assert not torch.allclose(one, grads([range(4)]), atol=1e-6, rtol=1e-4)     # half the rows is another gradient
