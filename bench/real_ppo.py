@@ -388,7 +388,7 @@ def main():
     parser.add_argument("--trl_python", default=".venv-trl/bin/python", help="python of the TRL venv")
     parser.add_argument("--sides", default="ours,trl", help="which sides to run, in this order")
     parser.add_argument("--results_dir", default="", help="keep each side's timings here (<side>.json) and print the "
-                        "table of every side found there: one side per call, e.g. with a pause in between")
+                        "table of every side found there: one side per call, e.g. with a pause in between (--tiny: keeps its files)")
     parser.add_argument("--record", default="", help="also write the record (JSON) here: the table's figures, every "
                         "iteration, commit, command, versions, threads, load, the folders' weights hashes")
     parser.add_argument("--show", default="", help="print the table of a record written by --record, and exit")
@@ -396,7 +396,8 @@ def main():
                         "1x1 and 2x2 updates, TRL without its venv skipped")
     parser.add_argument("--arms", default="gae,group", help="--tiny: ours' advantage kinds, of " + ", ".join(TINY_ARMS)
                         + " (TRL runs beside gae)")
-    parser.add_argument("--configs", default="1x1,2x2", help="--tiny: update configurations, <epochs>x<minibatches>")
+    parser.add_argument("--configs", default="1x1,2x2", help="--tiny: update configurations, <epochs>x<minibatches>, "
+                        "separated by commas")
     parser.add_argument("--rounds", type=int, default=1, help="--tiny: run every configuration and arm this many "
                         "times, interleaved")
     parser.add_argument("--side", default="", help=argparse.SUPPRESS)           # internal: one side, in a child
