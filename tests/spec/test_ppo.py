@@ -169,6 +169,35 @@ def test_several_minibatches_epochs_or_accumulation_run_their_own_forwards(tiny_
         assert not fused(ppo.PPOArgs(**{**vars(args), **changed}))
 
 
+def test_the_update_backpropagates_the_policy_before_the_critics_forward(tiny_models):
+    """One model's graph alive at a time in the update (its peak memory holds one, not both): in every minibatch the
+    policy's forward, its backward, then the critic's forward. The numbers are those of both forwards first
+    (bench/same_numbers.py): the two graphs share nothing."""
+    from transformers import AutoModelForCausalLM
+    import reward_model as rm
+    acc = harness.make_accelerator()
+    policy = AutoModelForCausalLM.from_pretrained(tiny_models / "sft")
+    critic = rm.Critic(rm.load_reward_model(str(tiny_models / "rm"))[0])
+    events = []
+    policy.register_forward_pre_hook(lambda *a: events.append("policy forward"))
+    policy.model.norm.weight.register_hook(lambda g: events.append("policy backward"))
+    critic.register_forward_pre_hook(lambda *a: events.append("critic forward"))
+    opts, scheds = harness.adamw_with_warmup([(policy, 1e-3), (critic, 1e-3)], 1)
+    trained = []
+    for model, opt, sched in zip((policy, critic), opts, scheds):
+        model, opt = acc.prepare(model, opt)
+        trained.append(harness.Trained(model, acc, opt, sched))
+    torch.manual_seed(0)
+    B, P, R = 4, 5, 6
+    mask = torch.ones(B, R)
+    batch = {"ids": torch.randint(5, 300, (B, P + R)), "attention_mask": torch.ones(B, P + R, dtype=torch.long),
+             "old_logp": torch.full((B, R), -5.0), "advantages": torch.randn(B, R), "response_mask": mask,
+             "starts": mask.bool(), "old_values": torch.zeros(B, R), "returns": torch.randn(B, R)}
+    ppo.ppo_update(*trained, batch, ppo.UpdateSettings(epochs=2, mini_batch_size=2), train_policy=True, reused=None,
+                   generator=torch.Generator().manual_seed(0), prompt_width=P, step=0, output_dir="unused")
+    assert events == ["policy forward", "policy backward", "critic forward"] * 4
+
+
 def test_grad_accum_never_steps_across_iterations(tiny_models, tmp_path):
     """Two minibatches an iteration and --grad_accum 3: each iteration steps once on its own two (their
     mean), so 3 iterations make 3 AdamW steps per model, never one on two iterations' gradients."""
