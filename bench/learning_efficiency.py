@@ -36,8 +36,9 @@ A configuration whose record exists is never run again, and the report reads onl
   then each drawn seed's prompts): t with seeds - 1 degrees of freedom on the draws' standard error;
 - one KL everywhere (run_kl: the mean per-sequence KL of the last KL_WINDOW iterations' batches);
 - matched KL per pair (kl_matched: within MATCH); at equal KL a fit of gold on log KL with one
-  intercept per seed, and the matched pairs alone; verdicts (verdict) from the 95% interval and the
-  two one-sided tests against +-MARGIN, with the minimum detectable effect beside each;
+  intercept per seed, and the matched pairs alone, per arm where the arms are several methods (arms_of);
+  verdicts (verdict) from the 95% interval and the two one-sided tests against +-MARGIN, with the minimum
+  detectable effect beside each;
 - where a change applies to both methods (critic, lr), each MA-PPO configuration paired by seed with
   PPO under the same change (its `partner`): the gap in first-half mean score and the win rate;
 - the first evaluation (score and KL), the final mean macro and response lengths and, on count, the share
