@@ -1189,9 +1189,10 @@ def equal_kl_intro(key, several):
             "the time):", ""]
 
 
-def arms_table(h, done, arms, by_arm, key):
-    """One row per arm of a hypothesis with several methods: its seeds, final KL, pairs at matched KL and the fit at
-    equal KL against PPO with its verdict and detectable effect (the figures its prose quotes)."""
+def arms_table(h, done, by_arm, key):
+    """One row per arm (by_arm {its label: its figures}) of a hypothesis with several methods: its seeds, final KL,
+    pairs at matched KL and the fit at equal KL against PPO with its verdict and detectable effect (the figures its
+    prose quotes)."""
     base = h.configs[0]
     lines = ["", f"Each arm against {base.label} at equal KL (the fit of final mean {key} on log final KL below; "
              f"margin ±{MARGIN:g} {key}):", "",
@@ -1201,8 +1202,7 @@ def arms_table(h, done, arms, by_arm, key):
     if base_runs:
         lines.append(f"| {base.label} | {len(base_runs)} | {fmt(*t_interval([run_kl(r) for r in base_runs]))} "
                      "| - | - | - | - |")
-    for arm in arms:
-        label, e = frontier_method(arm[0])[0], by_arm[frontier_method(arm[0])[0]]
+    for label, e in by_arm.items():
         fit = e["fit"]
         if not e["seeds"]:
             lines.append(f"| {label} | 0 | not run yet | | | | |")
@@ -1311,7 +1311,7 @@ def matched_kl_table(args, h, records, result):
         result["equal_kl_by_arm"] = by_arm
     else:
         result["equal_kl"] = {k: by_arm[label][k] for k in ("fit", "matched_pairs")}
-    return (lines + (arms_table(h, done, arms, by_arm, key) if several else []) + ([""] + verdicts if verdicts else [])
+    return (lines + (arms_table(h, done, by_arm, key) if several else []) + ([""] + verdicts if verdicts else [])
             + by_seed + (equal_kl_intro(key, several) + blocks if blocks else []))
 
 
