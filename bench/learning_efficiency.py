@@ -1207,7 +1207,7 @@ def arms_table(h, done, by_arm, key):
         if not e["seeds"]:
             lines.append(f"| {label} | 0 | not run yet | | | | |")
             continue
-        word = fit["verdict"] if fit else "one seed: no verdict" if e["seeds"] == 1 else "no seed beside PPO's"
+        word = fit["verdict"] if fit else "one seed: no verdict" if e["paired_seeds"] == 1 else "no seed beside PPO's"
         lines.append(f"| {label} | {e['seeds']} | {fmt(*e['final_kl'])} | {e['pairs_matched']} of {e['pairs']} | "
                      + (fmt_cmp(fit) if fit and "ci95" in fit else "-") + f" | {word} | "
                      + (f"{fit['mde']:.3f}" if fit and "mde" in fit else "-") + " |")
@@ -1303,6 +1303,7 @@ def matched_kl_table(args, h, records, result):
         kl_pairs = [(r, p) for c in configs_of_arm for r in done[c.name] for p in done.get(c.partner, [])
                     if p["seed"] == r["seed"]]
         by_arm[label] = {**fits, "seeds": len({r["seed"] for r in runs}), "pairs": len(kl_pairs),
+                         "paired_seeds": len({r["seed"] for r, _ in kl_pairs}),
                          "final_kl": t_interval([run_kl(r) for r in runs]) if runs else None,
                          "pairs_matched": sum(kl_matched(run_kl(r), run_kl(p)) for r, p in kl_pairs)}
         blocks += equal_kl_lines(fits, key, arm_name(first), arm_name(configs[first.partner]),

@@ -790,7 +790,8 @@ def reference_fit(runs):
 
 def test_several_methods_get_a_verdict_and_a_fit_per_arm_naming_each_arm(tmp_path):
     """critic_free with hand-made records: MA-PPO truly +0.04 above PPO at equal KL, GRPO -0.08, over 3 seeds, every
-    run at its own KL (gold rises 0.1 per unit of log KL), noisy prompts; MC one seed; MA-group and GSPO-style not run.
+    run at its own KL (gold rises 0.1 per unit of log KL), noisy prompts; MC one seed; GSPO-style only a seed PPO
+    lacks; MA-group not run.
     Each arm's fit uses its runs and PPO's only (checked against reference_fit), and every line names its arm."""
     h = study.HYPOTHESES["critic_free"]
     ppo, ma, grpo, ma_group, gspo, mc = h.configs
@@ -803,6 +804,7 @@ def test_several_methods_get_a_verdict_and_a_fit_per_arm_naming_each_arm(tmp_pat
             golds = 0.5 + 0.02 * seed + 0.1 * math.log(kl) + effect[name] + rng.normal(0, 0.05, 16)
             records[name].append(kl_record(seed, kl, golds.tolist()))
             runs.setdefault(name, []).append((seed, kl, golds.tolist()))
+    records[gspo.name] = [kl_record(9, 6.0, [0.7] * 16)]
     args = argparse.Namespace(smooth=1, results_dir=str(tmp_path), report_only=True)
     lines, result = study.report(args, "critic_free", records)
     by_arm = result["equal_kl_by_arm"]
@@ -815,7 +817,7 @@ def test_several_methods_get_a_verdict_and_a_fit_per_arm_naming_each_arm(tmp_pat
         assert abs(fit["mean"] - effect[config.name]) < 0.03                  # the noise is small: near the truth
     everything = [(s, name != ppo.name, kl, g) for name in (ppo.name, ma.name, grpo.name) for s, kl, g in runs[name]]
     assert abs(reference_fit(everything)[0] - by_arm[grpo.label]["fit"]["mean"]) > 0.03   # pooling would mix the arms
-    assert by_arm[mc.label]["fit"] is None and by_arm[mc.label]["seeds"] == 1 and by_arm[gspo.label]["seeds"] == 0
+    assert by_arm[mc.label]["fit"] is None and by_arm[mc.label]["seeds"] == 1 and by_arm[ma_group.label]["seeds"] == 0
     text = "\n".join(lines)
     # the verdict bullets, the by-seed rows and the fits name their arm; nothing calls GRPO "MA-PPO"
     bullet = next(line for line in lines if line.startswith(f"- {grpo.label}, KL 6: final KL"))
@@ -831,7 +833,8 @@ def test_several_methods_get_a_verdict_and_a_fit_per_arm_naming_each_arm(tmp_pat
     assert (f"| {grpo.label} | 3 | {study.fmt(*study.t_interval([6.9, 5.1, 6.2]))} | 3 of 3 | {study.fmt_cmp(g)} | "
             f"{g['verdict']} | {g['mde']:.3f} |") in lines
     assert f"| {mc.label} | 1 | 6.100 | 1 of 1 | - | one seed: no verdict | - |" in lines
-    assert f"| {gspo.label} | 0 | not run yet | | | | |" in lines
+    assert f"| {gspo.label} | 1 | 6.000 | 0 of 0 | - | no seed beside PPO's | - |" in lines
+    assert f"| {ma_group.label} | 0 | not run yet | | | | |" in lines
 
 
 def test_one_method_at_several_kls_keeps_its_pooled_fit(tmp_path):
