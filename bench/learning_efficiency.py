@@ -1183,6 +1183,7 @@ def equal_kl_lines(fits, key, arm="MA-PPO", ppo="PPO", prefix=""):
 
 
 def equal_kl_intro(key, several):
+    """The paragraph before the equal-KL bullets: over every run (one method), or each arm on its own (several)."""
     return ["", ("At equal KL, each arm against its PPO on its own, over the arm's runs and PPO's" if several else
                  "At equal KL, over every run of this hypothesis") + f" (a repeated run counted once; margin ±{MARGIN:g} "
             f"{key}, decided by the 90% interval; detectable effect: the true difference these seeds find 80% of "
@@ -1191,26 +1192,29 @@ def equal_kl_intro(key, several):
 
 def arms_table(h, done, by_arm, key):
     """One row per arm (by_arm {its label: its figures}) of a hypothesis with several methods: its seeds, final KL,
-    pairs at matched KL and the fit at equal KL against PPO with its verdict and detectable effect (the figures its
-    prose quotes)."""
+    pairs at matched KL, and its difference from PPO both ways (the fit at equal KL, the matched pairs alone), each
+    with its verdict and detectable effect: the figures its prose quotes."""
     base = h.configs[0]
-    lines = ["", f"Each arm against {base.label} at equal KL (the fit of final mean {key} on log final KL below; "
-             f"margin ±{MARGIN:g} {key}):", "",
-             f"| arm | seeds | final KL | pairs at matched KL | minus PPO at equal KL (fit) [95% CI] | verdict | "
-             "detectable effect |", "|---" * 7 + "|"]
+    lines = ["", f"Each arm against {base.label}, final mean {key} at equal KL two ways (the bullets below: the fit "
+             f"on log final KL, and the pairs at matched KL alone), margin ±{MARGIN:g} {key}:", "",
+             "| arm | seeds | final KL | pairs at matched KL | minus PPO at equal KL (fit) [95% CI] | verdict | "
+             "detectable effect | minus PPO, matched pairs alone [95% CI] | verdict | detectable effect |", "|---" * 10 + "|"]
     base_runs = done[base.name]
     if base_runs:
         lines.append(f"| {base.label} | {len(base_runs)} | {fmt(*t_interval([run_kl(r) for r in base_runs]))} "
-                     "| - | - | - | - |")
+                     "| - | - | - | - | - | - | - |")
+
+    def cells(c, seeds):               # a verdict() result, or None below two seeds with both arms
+        if not c or "ci95" not in c:
+            return ["-", "one seed: no verdict" if seeds == 1 else "no seed beside PPO's", "-"]
+        return [fmt_cmp(c), c["verdict"], f"{c['mde']:.3f}"]
     for label, e in by_arm.items():
-        fit = e["fit"]
         if not e["seeds"]:
-            lines.append(f"| {label} | 0 | not run yet | | | | |")
+            lines.append(f"| {label} | 0 | not run yet |" + " |" * 7)
             continue
-        word = fit["verdict"] if fit else "one seed: no verdict" if e["paired_seeds"] == 1 else "no seed beside PPO's"
+        matched_seeds = e["matched_pairs"]["seeds"] if e["matched_pairs"] else 0
         lines.append(f"| {label} | {e['seeds']} | {fmt(*e['final_kl'])} | {e['pairs_matched']} of {e['pairs']} | "
-                     + (fmt_cmp(fit) if fit and "ci95" in fit else "-") + f" | {word} | "
-                     + (f"{fit['mde']:.3f}" if fit and "mde" in fit else "-") + " |")
+                     + " | ".join(cells(e["fit"], e["paired_seeds"]) + cells(e["matched_pairs"], matched_seeds)) + " |")
     return lines
 
 

@@ -828,13 +828,14 @@ def test_several_methods_get_a_verdict_and_a_fit_per_arm_naming_each_arm(tmp_pat
     assert any(line.startswith(f"- {ma.label}: the pairs at matched KL alone") and "MA-PPO minus PPO" in line
                for line in lines)
     assert "all, one gap per seed" not in text and "MA-PPO minus PPO paired by seed" not in text
-    # the table of arms: one row each, the fit's figures and verdict
-    g = by_arm[grpo.label]["fit"]
+    # the table of arms: one row each, the fit's and the matched pairs' figures and verdicts
+    g, m = by_arm[grpo.label]["fit"], by_arm[grpo.label]["matched_pairs"]
     assert (f"| {grpo.label} | 3 | {study.fmt(*study.t_interval([6.9, 5.1, 6.2]))} | 3 of 3 | {study.fmt_cmp(g)} | "
-            f"{g['verdict']} | {g['mde']:.3f} |") in lines
-    assert f"| {mc.label} | 1 | 6.100 | 1 of 1 | - | one seed: no verdict | - |" in lines
-    assert f"| {gspo.label} | 1 | 6.000 | 0 of 0 | - | no seed beside PPO's | - |" in lines
-    assert f"| {ma_group.label} | 0 | not run yet | | | | |" in lines
+            f"{g['verdict']} | {g['mde']:.3f} | {study.fmt_cmp(m)} | {m['verdict']} | {m['mde']:.3f} |") in lines
+    assert m["seeds"] == 3 and m["pairs"] == 3                              # GRPO's KLs within 1.2x of PPO's
+    assert f"| {mc.label} | 1 | 6.100 | 1 of 1 | - | one seed: no verdict | - | - | one seed: no verdict | - |" in lines
+    assert f"| {gspo.label} | 1 | 6.000 | 0 of 0 | - | no seed beside PPO's | - | - | no seed beside PPO's | - |" in lines
+    assert f"| {ma_group.label} | 0 | not run yet | | | | | | | |" in lines
 
 
 def test_one_method_at_several_kls_keeps_its_pooled_fit(tmp_path):
