@@ -36,8 +36,9 @@ A configuration whose record exists is never run again, and the report reads onl
   then each drawn seed's prompts): t with seeds - 1 degrees of freedom on the draws' standard error;
 - one KL everywhere (run_kl: the mean per-sequence KL of the last KL_WINDOW iterations' batches);
 - matched KL per pair (kl_matched: within MATCH); at equal KL a fit of gold on log KL with one
-  intercept per seed, and the matched pairs alone; verdicts (verdict) from the 95% interval and the
-  two one-sided tests against +-MARGIN, with the minimum detectable effect beside each;
+  intercept per seed, and the matched pairs alone, per arm where the arms are several methods (arms_of);
+  verdicts (verdict) from the 95% interval and the two one-sided tests against +-MARGIN, with the minimum
+  detectable effect beside each;
 - where a change applies to both methods (critic, lr), each MA-PPO configuration paired by seed with
   PPO under the same change (its `partner`): the gap in first-half mean score and the win rate;
 - the first evaluation (score and KL), the final mean macro and response lengths and, on count, the share
@@ -1120,65 +1121,137 @@ def distinct_runs(runs):
     return out
 
 
-def pair_row(config, partner, run, ppo_run, key):
-    """One line of the by-seed table: MA-PPO `run` against its PPO `ppo_run` of the same seed."""
+def pair_row(arm, partner, run, ppo_run, key):
+    """One line of the by-seed table: `run` of the arm against its PPO `ppo_run` of the same seed (`arm`, `partner`:
+    the cells that name them)."""
     a, b = run_kl(ppo_run), run_kl(run)
     gap = numpy.mean(run["final"][key]) - numpy.mean(ppo_run["final"][key])
-    return (f"| {held_at(config)} | {held_at(partner)} | {run['seed']} | {a:.2f} / {b:.2f} | "
+    return (f"| {arm} | {partner} | {run['seed']} | {a:.2f} / {b:.2f} | "
             + (f"{max(a, b) / min(a, b):.2f}" if min(a, b) > 0 else "-") + f" | {'yes' if kl_matched(a, b) else 'no'} | "
             f"{numpy.mean(ppo_run['final'][key]):.3f} / {numpy.mean(run['final'][key]):.3f} | {gap:+.3f} |")
 
 
-def equal_kl_lines(fit_runs, matched_gaps, key, result):
-    """The comparison at equal KL over every run of a hypothesis: the fit of score on log KL (fit_runs, as
-    equal_kl_fit takes them) and the matched pairs alone (matched_gaps {seed: {pair: per-prompt gaps}})."""
-    fit = equal_kl_fit(distinct_runs(fit_runs))
+# The flags that say where on the KL axis a run is held, not what it does: the rest of its flags is its method.
+KL_FLAGS = ("--kl_target", "--beta", "--kl_horizon")
+
+
+def method_of(config):
+    """A configuration's method: its flags less KL_FLAGS and their values. real_kl's MA-PPO at KL 0.7 and 1.5 and at
+    betas 0.07-0.12 is one method (one pooled comparison); critic_free's five arms are five (a comparison each)."""
+    f = config.flags
+    return tuple(x for i, x in enumerate(f) if x not in KL_FLAGS and not (i and f[i - 1] in KL_FLAGS))
+
+
+def arms_of(h):
+    """A matched-KL hypothesis' arms: its non-PPO configurations grouped by method_of, in order."""
+    arms = {}
+    for config in h.configs:
+        if not config.is_ppo:
+            arms.setdefault(method_of(config), []).append(config)
+    return list(arms.values())
+
+
+def arm_name(config):
+    """The short name of a configuration's method, its label before the parenthesis: "MA-PPO" of "MA-PPO (n=5), KL
+    0.7", "GRPO" of "GRPO (group, token ratio)"; unique among a hypothesis' arms (tested)."""
+    return config.label.split(" (")[0]
+
+
+def equal_kl_fits(fit_runs, matched_gaps):
+    """The comparison at equal KL two ways: the fit of score on log KL (fit_runs, as equal_kl_fit takes them) and
+    the matched pairs alone (matched_gaps {seed: {pair: per-prompt gaps}}), each seed's pairs averaged."""
     units = [numpy.array(list(v.values())) for _, v in sorted(matched_gaps.items())]
     pooled = compare(units)
-    result["equal_kl"] = {"fit": fit, "matched_pairs": pooled and {**pooled, "pairs": sum(len(u) for u in units)}}
-    lines = ["", f"At equal KL, over every run of this hypothesis (a repeated run counted once; margin ±{MARGIN:g} "
-             f"{key}, decided by the 90% interval; detectable effect: the true difference these seeds find 80% of "
-             "the time):", ""]
+    return {"fit": equal_kl_fit(distinct_runs(fit_runs)),
+            "matched_pairs": pooled and {**pooled, "pairs": sum(len(u) for u in units)}}
+
+
+def equal_kl_lines(fits, key, arm="MA-PPO", ppo="PPO", prefix=""):
+    """The bullets of equal_kl_fits' two comparisons, `arm` minus `ppo`, each line after `prefix`."""
+    fit, pooled = fits["fit"], fits["matched_pairs"]
+    lines = []
     if fit:
         more = (f"; with {RERUN_SEEDS} seeds of the same spread the detectable effect would be "
                 f"{detectable_at(fit, RERUN_SEEDS):.3f}" if fit["seeds"] < RERUN_SEEDS and "se" in fit else "")
-        lines.append(f"- fit of each run's final mean {key} on log final KL, a MA-PPO term and one intercept per seed "
-                     f"({fit['runs']} runs of {fit['seeds']} seeds; slope {fit['slope']:+.3f} {key} per unit of log "
-                     f"KL): MA-PPO minus PPO " + fmt_verdict(fit) + more + ".")
+        lines.append(f"- {prefix}fit of each run's final mean {key} on log final KL, a {arm} term and one intercept per "
+                     f"seed ({fit['runs']} runs of {fit['seeds']} seeds; slope {fit['slope']:+.3f} {key} per unit of log "
+                     f"KL): {arm} minus {ppo} " + fmt_verdict(fit) + more + ".")
     if pooled:
-        lines.append(f"- the pairs at matched KL alone ({sum(len(u) for u in units)} pair(s) of {len(units)} seed(s), "
-                     f"each seed's pairs averaged): MA-PPO minus PPO " + fmt_verdict(pooled) + ".")
-    return lines if fit or pooled else []
+        lines.append(f"- {prefix}the pairs at matched KL alone ({pooled['pairs']} pair(s) of {pooled['seeds']} seed(s), "
+                     f"each seed's pairs averaged): {arm} minus {ppo} " + fmt_verdict(pooled) + ".")
+    return lines
+
+
+def equal_kl_intro(key, several):
+    """The paragraph before the equal-KL bullets: over every run (one method), or each arm on its own (several)."""
+    return ["", ("At equal KL, each arm against its PPO on its own, over the arm's runs and PPO's" if several else
+                 "At equal KL, over every run of this hypothesis") + f" (a repeated run counted once; margin ±{MARGIN:g} "
+            f"{key}, decided by the 90% interval; detectable effect: the true difference these seeds find 80% of "
+            "the time):", ""]
+
+
+def arms_table(h, done, by_arm, key):
+    """One row per arm (by_arm {its label: its figures}) of a hypothesis with several methods: its seeds, final KL,
+    pairs at matched KL, and its difference from PPO both ways (the fit at equal KL, the matched pairs alone), each
+    with its verdict and detectable effect: the figures its prose quotes."""
+    base = h.configs[0]
+    lines = ["", f"Each arm against {base.label}, final mean {key} at equal KL two ways (the bullets below: the fit "
+             f"on log final KL, and the pairs at matched KL alone), margin ±{MARGIN:g} {key}:", "",
+             "| arm | seeds | final KL | pairs at matched KL | minus PPO at equal KL (fit) [95% CI] | verdict | "
+             "detectable effect | minus PPO, matched pairs alone [95% CI] | verdict | detectable effect |", "|---" * 10 + "|"]
+    base_runs = done[base.name]
+    if base_runs:
+        lines.append(f"| {base.label} | {len(base_runs)} | {fmt(*t_interval([run_kl(r) for r in base_runs]))} "
+                     "| - | - | - | - | - | - | - |")
+
+    def cells(c, seeds):               # a verdict() result, or None below two seeds with both arms
+        if not c or "ci95" not in c:
+            return ["-", "one seed: no verdict" if seeds == 1 else "no seed beside PPO's", "-"]
+        return [fmt_cmp(c), c["verdict"], f"{c['mde']:.3f}"]
+    for label, e in by_arm.items():
+        if not e["seeds"]:
+            lines.append(f"| {label} | 0 | not run yet |" + " |" * 7)
+            continue
+        matched_seeds = e["matched_pairs"]["seeds"] if e["matched_pairs"] else 0
+        lines.append(f"| {label} | {e['seeds']} | {fmt(*e['final_kl'])} | {e['pairs_matched']} of {e['pairs']} | "
+                     + " | ".join(cells(e["fit"], e["paired_seeds"]) + cells(e["matched_pairs"], matched_seeds)) + " |")
+    return lines
 
 
 def matched_kl_table(args, h, records, result):
-    """Each MA-PPO configuration against its partner PPO, paired by seed: final KLs (run_kl) and how many pairs are
-    within MATCH of each other, the final policies' mean score, MA-PPO minus PPO and the win rate (seed-then-prompt
-    bootstrap), the iterations to the thresholds `h.matched_kl`; every pair by seed; then the comparison at equal
-    KL two ways over every run of the hypothesis (equal_kl_lines)."""
+    """Each arm against its partner PPO, paired by seed: final KLs (run_kl) and how many pairs are within MATCH of each
+    other, the final policies' mean score, the arm minus PPO and the win rate (seed-then-prompt bootstrap), the
+    iterations to the thresholds `h.matched_kl`; every pair by seed; then the comparison at equal KL two ways
+    (equal_kl_fits): over every run of the hypothesis when its arms are one method at several KLs or betas, or per
+    method (arms_of) against PPO when they are several methods, with a table of those (arms_table)."""
     base = h.configs[0]
     key, metric = base.win_key, base.metrics[0]
     configs = {c.name: c for c in h.configs}
     done = {c.name: [r for r in records.get(c.name, []) if r] for c in h.configs}
+    arms = arms_of(h)
+    several = len(arms) > 1
+    # one method: "MA-PPO" in the headers, each row its level; several: "the arm", each row its method and level
+    arm, ppo_name = ("the arm" if several else arm_name(arms[0][0])), arm_name(base)
+    who = (lambda c: f"{frontier_method(c)[0]}, {held_at(c)}") if several else held_at
     n_prompts = next((len(r["final"][key]) for runs in done.values() for r in runs), 0)
     by_beta = any(c.flag("--kl_target") is None for c in h.configs)
     thresholds = " / ".join(map(str, h.matched_kl))
     lines = ["", "Each method held by the adaptive controller at a KL target" + (" (KL) or at a fixed beta chosen per "
              "method (beta)" if by_beta else "") + f". KL: each run's mean per-sequence KL over the training batches "
-             f"of its last {KL_WINDOW} iterations. A pair (one seed, MA-PPO and its PPO) is at matched KL when the "
+             f"of its last {KL_WINDOW} iterations. A pair (one seed, {arm} and its {ppo_name}) is at matched KL when the "
              f"larger final KL is at most {MATCH:g} times the smaller. Final {key}: the final policies' mean on "
-             f"{n_prompts} held-out prompts (one sampling seed); MA-PPO minus PPO and the win rate paired by seed, "
+             f"{n_prompts} held-out prompts (one sampling seed); {arm} minus {ppo_name} and the win rate paired by seed, "
              "95% intervals from a seed-then-prompt bootstrap (t with seeds - 1 degrees of freedom on its standard "
              f"error); iterations to reach {metric} {thresholds} (median over seeds, the seeds that reach it).", "",
              f"| held at | configuration | seeds | final KL | pairs at matched KL | final mean {key} | minus PPO's, "
              f"same seed [95% CI] | win rate vs PPO [95% CI] | iterations to {metric} {thresholds} |", "|---" * 9 + "|"]
-    by_seed = ["", f"Every pair by seed: final KL and final mean {key}, PPO / MA-PPO.", "",
-               f"| MA-PPO | PPO | seed | final KL | larger / smaller | matched | final mean {key} | MA-PPO minus PPO |",
-               "|---" * 8 + "|"]
-    verdicts, fit_runs, matched_gaps = [], [], {}
+    by_seed = ["", f"Every pair by seed: final KL and final mean {key}, {ppo_name} / {arm}.", "",
+               f"| {'arm' if several else arm} | {ppo_name} | seed | final KL | larger / smaller | matched | final mean "
+               f"{key} | {arm} minus {ppo_name} |", "|---" * 8 + "|"]
+    verdicts, fit_runs, matched_gaps = [], {}, {}
     for config in h.configs:
         runs = done[config.name]
-        fit_runs += [(r["seed"], not config.is_ppo, run_kl(r), r["final"][key]) for r in runs if has_trace(r)]
+        fit_runs[config.name] = [(r["seed"], not config.is_ppo, run_kl(r), r["final"][key]) for r in runs if has_trace(r)]
         if not runs:
             lines.append(f"| {held_at(config)} | {config.label} | 0 | not run yet | | | | | |")
             continue
@@ -1202,22 +1275,49 @@ def matched_kl_table(args, h, records, result):
                      + (fmt_cmp(gap) if gap else "-") + " | " + (fmt_win(win) if win else "-")
                      + " | " + " / ".join(reach) + " |")
         for r, p in pairs:
-            by_seed.append(pair_row(config, configs[config.partner], r, p, key))
+            by_seed.append(pair_row(who(config), who(configs[config.partner]), r, p, key))
             if kl_matched(run_kl(r), run_kl(p)):       # a pair that repeats another of its seed counts once
                 g = numpy.array(r["final"][key], float) - numpy.array(p["final"][key], float)
-                matched_gaps.setdefault(r["seed"], {})[tuple(g)] = g
+                matched_gaps.setdefault(config.name, {}).setdefault(r["seed"], {})[tuple(g)] = g
         if gap:
             entry["matched_kl"].update(pairs_matched=n_matched, pairs=len(pairs))
             ppo_at = held_at(configs[config.partner])
             level = held_at(config) + ("" if ppo_at == held_at(config) else f" (PPO at {ppo_at})")
             every = n_matched == len(pairs)
-            verdicts.append(f"- {level}: final KL {kls[0]:.2f} against PPO's "
+            verdicts.append(f"- {(config.label + ', ') if several else ''}{level}: final KL {kls[0]:.2f} against PPO's "
                             f"{t_interval([run_kl(p) for p in partner])[0]:.2f}, "
                             + ("at matched KL on every pair" if every else
                                f"NOT at matched KL ({n_matched} of {len(pairs)} pairs within {MATCH:g}x)")
-                            + f"; MA-PPO minus PPO {key} " + fmt_verdict(gap)
+                            + f"; {arm_name(config)} minus {arm_name(configs[config.partner])} {key} " + fmt_verdict(gap)
                             + ("" if every else ", at the KLs these runs ended at, not at equal KL") + ".")
-    return lines + ([""] + verdicts if verdicts else []) + by_seed + equal_kl_lines(fit_runs, matched_gaps, key, result)
+    # Each arm's comparison at equal KL: its runs (and its partners') in the order of h.configs, its matched pairs.
+    # With one method that is every run of the hypothesis: the pooled comparison of one method at several KLs.
+    by_arm, blocks = {}, []
+    for configs_of_arm in arms:
+        partners = {c.partner for c in configs_of_arm}
+        members = [c for c in h.configs if not several or c in configs_of_arm or c.name in partners]
+        gaps = {}
+        for c in configs_of_arm:
+            for seed, g in matched_gaps.get(c.name, {}).items():
+                gaps.setdefault(seed, {}).update(g)
+        fits = equal_kl_fits([run for c in members for run in fit_runs[c.name]], gaps)
+        first = configs_of_arm[0]
+        label = frontier_method(first)[0]
+        runs = [r for c in configs_of_arm for r in done[c.name]]
+        kl_pairs = [(r, p) for c in configs_of_arm for r in done[c.name] for p in done.get(c.partner, [])
+                    if p["seed"] == r["seed"]]
+        by_arm[label] = {**fits, "seeds": len({r["seed"] for r in runs}), "pairs": len(kl_pairs),
+                         "paired_seeds": len({r["seed"] for r, _ in kl_pairs}),
+                         "final_kl": t_interval([run_kl(r) for r in runs]) if runs else None,
+                         "pairs_matched": sum(kl_matched(run_kl(r), run_kl(p)) for r, p in kl_pairs)}
+        blocks += equal_kl_lines(fits, key, arm_name(first), arm_name(configs[first.partner]),
+                                 f"{label}: " if several else "")
+    if several:
+        result["equal_kl_by_arm"] = by_arm
+    else:
+        result["equal_kl"] = {k: by_arm[label][k] for k in ("fit", "matched_pairs")}
+    return (lines + (arms_table(h, done, by_arm, key) if several else []) + ([""] + verdicts if verdicts else [])
+            + by_seed + (equal_kl_intro(key, several) + blocks if blocks else []))
 
 
 # the fixed-beta runs shown beside each matched-KL hypothesis in its reward-against-KL picture
@@ -1239,11 +1339,11 @@ def score_at_kl(rows, kl, metric=GOLD_CURVE):
     return v1 if k1 == k0 else v0 + (v1 - v0) * (kl - k0) / (k1 - k0)
 
 
-def gaps_at_kl(base_runs, runs, kl):
-    """MA-PPO minus PPO at the KL `kl` (score_at_kl on kl_rows), paired by seed: [(seed, PPO's, MA-PPO's)] for the
+def gaps_at_kl(base_runs, runs, kl, metric=GOLD_CURVE):
+    """MA-PPO minus PPO at the KL `kl` (score_at_kl of `metric` on kl_rows), paired by seed: [(seed, PPO's, MA-PPO's)] for the
     seeds whose two runs both passed through `kl`."""
     by_seed = {r["seed"]: r for r in base_runs}
-    pairs = [(r["seed"], score_at_kl(kl_rows(by_seed[r["seed"]]), kl), score_at_kl(kl_rows(r), kl))
+    pairs = [(r["seed"], score_at_kl(kl_rows(by_seed[r["seed"]]), kl, metric), score_at_kl(kl_rows(r), kl, metric))
              for r in runs if r["seed"] in by_seed]
     return [(seed, b, o) for seed, b, o in pairs if b is not None and o is not None]
 
@@ -1270,9 +1370,14 @@ def frontier_configs(hypothesis):
 
 def kl_points_table(args, hypothesis, records, result):
     """Every PPO / MA-PPO pair of runs (the controlled pairs of `hypothesis`, and the fixed-beta pair of
-    FIXED_BETA_PAIR) read at the same KLs `kl_points` off their gold-against-KL curves, paired by seed: the
-    comparison at equal distance from the SFT model, whatever KL each run ended at."""
+    FIXED_BETA_PAIR) read at the same KLs `kl_points` off their gold-against-KL curves (pass@1 on code), paired by
+    seed: the comparison at equal distance from the SFT model, whatever KL each run ended at. Where the arms are
+    several methods (arms_of), each is its own row and no row pools them."""
     h = HYPOTHESES[hypothesis]
+    arms = arms_of(h)
+    several = len(arms) > 1
+    arm = "the arm" if several else arm_name(arms[0][0])
+    curve = h.configs[0].metrics[0] if h.configs[0].task == "code" else GOLD_CURVE      # the code task logs no gold
     ppo_name, ma_name = FIXED_BETA_PAIR.get(hypothesis, (None, None))     # a hypothesis may have no fixed-beta pair
     fixed = load_records(args, (ppo_name, ma_name)) if ppo_name else {}
     labels = {c.name: c.label for c in (*frontier_configs(hypothesis), *h.configs)}
@@ -1280,15 +1385,15 @@ def kl_points_table(args, hypothesis, records, result):
     sources = [(f"{labels[ma_name]} vs {labels[ppo_name]}, fixed beta", fixed[ppo_name], fixed[ma_name])] if traced else []
     sources += [(f"{c.label} vs {labels[c.partner]}", [r for r in records.get(c.partner, []) if r],
                  [r for r in records.get(c.name, []) if r]) for c in h.configs if c.partner]
-    lines = ["", f"Read at the same KL: each run's {GOLD_CURVE} against its KL (run_kl: the last {KL_WINDOW} iterations' "
+    lines = ["", f"Read at the same KL: each run's {curve} against its KL (run_kl: the last {KL_WINDOW} iterations' "
              "batches) at every evaluation, "
-             "sorted by KL and interpolated linearly, read at each KL below; MA-PPO minus PPO paired by seed where both "
-             "runs passed through that KL (95% t-interval over the pairs; `all` averages the pairs of each seed over "
-             "every row and gives one gap per seed: the runs of one seed share their sampling seeds, and a run whose KL "
-             "stayed below both targets repeats its run at the other target)."
+             f"sorted by KL and interpolated linearly, read at each KL below; {arm} minus PPO paired by seed where both "
+             "runs passed through that KL (95% t-interval over the pairs" + (")." if several else "; `all` averages the "
+             "pairs of each seed over every row and gives one gap per seed: the runs of one seed share their sampling "
+             "seeds, and a run whose KL stayed below both targets repeats its run at the other target).")
              + ("" if traced or not fixed else f" The fixed-beta pair ({ma_name} against {ppo_name}) is left out: its records keep no "
                 "trace, so their KL would be one batch's."), "",
-             "| pair | " + " | ".join(f"KL {k}: pairs, PPO / MA-PPO, MA-PPO minus PPO" for k in h.kl_points) + " |",
+             "| pair | " + " | ".join(f"KL {k}: pairs, PPO / {arm}, {arm} minus PPO" for k in h.kl_points) + " |",
              "|---" * (len(h.kl_points) + 1) + "|"]
     pooled = {k: [] for k in h.kl_points}
     entry = result.setdefault("at_kl", {})
@@ -1307,12 +1412,13 @@ def kl_points_table(args, hypothesis, records, result):
             out.append(f"{len(pairs)}, {e['ppo']:.3f} / {e['ma']:.3f}, {fmt(*gap)}")
         return out
     for name, base_runs, runs in sources:
-        per_kl = {k: gaps_at_kl(base_runs, runs, k) for k in h.kl_points}
+        per_kl = {k: gaps_at_kl(base_runs, runs, k, curve) for k in h.kl_points}
         for k in h.kl_points:
             pooled[k] += per_kl[k]
         lines.append(f"| {name} | " + " | ".join(cells(name, per_kl)) + " |")
-    per_seed = {k: one_pair_per_seed(pooled[k]) for k in h.kl_points}
-    lines.append("| all, one gap per seed | " + " | ".join(cells("all", per_seed)) + " |")
+    if not several:                      # one method at several KLs or betas: every pair, one gap per seed
+        per_seed = {k: one_pair_per_seed(pooled[k]) for k in h.kl_points}
+        lines.append("| all, one gap per seed | " + " | ".join(cells("all", per_seed)) + " |")
     return lines
 
 

@@ -594,7 +594,7 @@ def test_a_task_whose_runs_are_all_committed_still_gets_its_sft_record(tmp_path,
     monkeypatch.setattr(study, "ROOT", str(tmp_path))
     monkeypatch.setattr(study, "sft_record", lambda args, config: made.append(study.sft_record_name(config)))
     monkeypatch.setattr(study, "train", lambda *a: pytest.fail("a committed run was trained again"))
-    args = argparse.Namespace(results_dir=str(tmp_path), report_only=False, jobs=1, ppo_args="", code_args="",
+    args = argparse.Namespace(results_dir=str(tmp_path), report_only=False, jobs=1, threads=0, ppo_args="", code_args="",
                               models={"code": ("runs/code/sft", "runs/code/rm")})
     todo = [(c, 1) for c in study.HYPOTHESES["code"].configs]
     for config, seed in todo:
@@ -747,3 +747,117 @@ def test_the_ten_seed_rerun_trains_the_headline_pair_on_one_build_of_its_own(tmp
     monkeypatch.setattr(study, "ROOT", str(tmp_path))                     # a fresh clone: no build yet
     study.build_real_models(args, [(c, 1) for c in h.configs])
     assert [s[s.index("--output_dir") + 1] for s in stages] == list(study.REAL_KL10_MODELS)
+
+
+# ---------------------------------------------------------------- several methods against PPO: one comparison per arm
+
+def test_an_arm_is_a_method_whatever_kl_target_or_beta_holds_it():
+    """real_kl's MA-PPO at two KL targets and four betas is one arm; critic_free's five non-PPO arms are five, each
+    named by its own label; within every matched-KL hypothesis the arms' short names differ."""
+    real_kl = study.arms_of(study.HYPOTHESES["real_kl"])
+    assert len(real_kl) == 1 and len(real_kl[0]) == sum(not c.is_ppo for c in study.HYPOTHESES["real_kl"].configs) == 6
+    for name in ("critic_free", "critic_free_code"):
+        arms = study.arms_of(study.HYPOTHESES[name])
+        assert [len(a) for a in arms] == [1] * 5
+        assert [study.arm_name(a[0]) for a in arms] == ["MA-PPO", "GRPO", "MA-group", "GSPO-style", "MC macro values"]
+    assert study.method_of(study.Config("x", "x", ("--n", "5", "--beta", "0.1", "--kl_target", "6", "--lora_r", "8"))) \
+        == ("--n", "5", "--lora_r", "8")
+    for name, h in study.HYPOTHESES.items():
+        if h.matched_kl:
+            names = [study.arm_name(a[0]) for a in study.arms_of(h)]
+            assert len(set(names)) == len(names), name
+
+
+def kl_record(seed, kl, golds):
+    """A controlled run that stayed at `kl` (every iteration's batch), evaluated at 10, 20, 30; final scores `golds`."""
+    mean = float(numpy.mean(golds))
+    return {"seed": seed, "trace": [{"step": s, "kl": kl, "beta": 0.05} for s in range(1, 31)],
+            "rows": [{"step": s, "eval/gold": mean, "eval/rm": 0.0, "kl": kl, "macro/mean_len": 1.0, "response/len": 20.0}
+                     for s in (10, 20, 30)], "final": {"gold": list(golds), "rm": list(golds)}}
+
+
+def reference_fit(runs):
+    """Arm minus PPO at equal KL, by a plain loop: least squares of each run's mean score on [is the arm, log KL, one
+    indicator per seed] over the seeds that have both. `runs`: [(seed, is the arm, KL, scores)]."""
+    seeds = sorted({s for s, arm, _, _ in runs if arm} & {s for s, arm, _, _ in runs if not arm})
+    x, y = [], []
+    for seed, arm, kl, scores in runs:
+        if seed in seeds:
+            x.append([float(arm), math.log(kl)] + [float(seed == s) for s in seeds])
+            y.append(sum(scores) / len(scores))
+    return numpy.linalg.lstsq(numpy.array(x), numpy.array(y), rcond=None)[0][:2]
+
+
+def test_several_methods_get_a_verdict_and_a_fit_per_arm_naming_each_arm(tmp_path):
+    """critic_free with hand-made records: MA-PPO truly +0.04 above PPO at equal KL, GRPO -0.08, over 3 seeds, every
+    run at its own KL (gold rises 0.1 per unit of log KL), noisy prompts; MC one seed; GSPO-style only a seed PPO
+    lacks; MA-group not run.
+    Each arm's fit uses its runs and PPO's only (checked against reference_fit), and every line names its arm."""
+    h = study.HYPOTHESES["critic_free"]
+    ppo, ma, grpo, ma_group, gspo, mc = h.configs
+    rng = numpy.random.default_rng(3)
+    kls = {ppo.name: (6.0, 5.5, 6.6), ma.name: (5.2, 6.4, 5.8), grpo.name: (6.9, 5.1, 6.2), mc.name: (6.1,)}
+    effect = {ppo.name: 0.0, ma.name: 0.04, grpo.name: -0.08, mc.name: 0.0}
+    records, runs = {c.name: [] for c in h.configs}, {}
+    for name, per_seed in kls.items():
+        for seed, kl in enumerate(per_seed, 1):
+            golds = 0.5 + 0.02 * seed + 0.1 * math.log(kl) + effect[name] + rng.normal(0, 0.05, 16)
+            records[name].append(kl_record(seed, kl, golds.tolist()))
+            runs.setdefault(name, []).append((seed, kl, golds.tolist()))
+    records[gspo.name] = [kl_record(9, 6.0, [0.7] * 16)]
+    args = argparse.Namespace(smooth=1, results_dir=str(tmp_path), report_only=True)
+    lines, result = study.report(args, "critic_free", records)
+    by_arm = result["equal_kl_by_arm"]
+    assert "equal_kl" not in result and set(by_arm) == {c.label for c in (ma, grpo, ma_group, gspo, mc)}
+    for config in (ma, grpo):
+        fit = by_arm[config.label]["fit"]
+        mine = [(s, True, kl, g) for s, kl, g in runs[config.name]] + [(s, False, kl, g) for s, kl, g in runs[ppo.name]]
+        d, slope = reference_fit(mine)
+        assert fit["mean"] == pytest.approx(d) and fit["slope"] == pytest.approx(slope) and fit["seeds"] == 3
+        assert abs(fit["mean"] - effect[config.name]) < 0.03                  # the noise is small: near the truth
+    everything = [(s, name != ppo.name, kl, g) for name in (ppo.name, ma.name, grpo.name) for s, kl, g in runs[name]]
+    assert abs(reference_fit(everything)[0] - by_arm[grpo.label]["fit"]["mean"]) > 0.03   # pooling would mix the arms
+    assert by_arm[mc.label]["fit"] is None and by_arm[mc.label]["seeds"] == 1 and by_arm[ma_group.label]["seeds"] == 0
+    text = "\n".join(lines)
+    # the verdict bullets, the by-seed rows and the fits name their arm; nothing calls GRPO "MA-PPO"
+    bullet = next(line for line in lines if line.startswith(f"- {grpo.label}, KL 6: final KL"))
+    assert "; GRPO minus PPO gold " in bullet and "MA-PPO" not in bullet
+    assert f"| {grpo.label}, KL 6 | {ppo.label}, KL 6 | 2 | 5.50 / 5.10 | 1.08 | yes |" in text
+    fit_line = next(line for line in lines if line.startswith(f"- {grpo.label}: fit of each run's final mean gold"))
+    assert "a GRPO term" in fit_line and "GRPO minus PPO " + study.fmt_verdict(by_arm[grpo.label]["fit"]) in fit_line
+    assert any(line.startswith(f"- {ma.label}: the pairs at matched KL alone") and "MA-PPO minus PPO" in line
+               for line in lines)
+    assert "all, one gap per seed" not in text and "MA-PPO minus PPO paired by seed" not in text
+    # the table of arms: one row each, the fit's and the matched pairs' figures and verdicts
+    g, m = by_arm[grpo.label]["fit"], by_arm[grpo.label]["matched_pairs"]
+    assert (f"| {grpo.label} | 3 | {study.fmt(*study.t_interval([6.9, 5.1, 6.2]))} | 3 of 3 | {study.fmt_cmp(g)} | "
+            f"{g['verdict']} | {g['mde']:.3f} | {study.fmt_cmp(m)} | {m['verdict']} | {m['mde']:.3f} |") in lines
+    assert m["seeds"] == 3 and m["pairs"] == 3                              # GRPO's KLs within 1.2x of PPO's
+    assert f"| {mc.label} | 1 | 6.100 | 1 of 1 | - | one seed: no verdict | - | - | one seed: no verdict | - |" in lines
+    assert f"| {gspo.label} | 1 | 6.000 | 0 of 0 | - | no seed beside PPO's | - | - | no seed beside PPO's | - |" in lines
+    assert f"| {ma_group.label} | 0 | not run yet | | | | | | | |" in lines
+
+
+def test_one_method_at_several_kls_keeps_its_pooled_fit(tmp_path):
+    """real_kl: MA-PPO at KL 0.7 and at 1.5 is one method, so its fit pools every run of the hypothesis (both targets
+    and both PPOs, reference_fit over all of them), not one fit per target; the lines still say MA-PPO minus PPO."""
+    h = study.HYPOTHESES["real_kl"]
+    n1, n5, n1_high, n5_high = h.configs[:4]
+    rng = numpy.random.default_rng(5)
+    kls = {n1.name: (0.7, 0.8, 0.6), n5.name: (0.75, 0.6, 0.7), n1_high.name: (1.4, 1.6, 1.5), n5_high.name: (1.2, 1.7, 1.6)}
+    records, everything = {c.name: [] for c in h.configs}, []
+    for name, per_seed in kls.items():
+        for seed, kl in enumerate(per_seed, 1):
+            golds = 0.3 + 0.05 * seed + 0.2 * math.log(kl) + (0.03 if "n5" in name else 0) + rng.normal(0, 0.05, 8)
+            records[name].append(kl_record(seed, kl, golds.tolist()))
+            everything.append((seed, "n5" in name, kl, golds.tolist()))
+    lines, result = study.report(argparse.Namespace(smooth=1, results_dir=str(tmp_path), report_only=True), "real_kl",
+                                 records)
+    assert "equal_kl_by_arm" not in result
+    fit = result["equal_kl"]["fit"]
+    assert fit["runs"] == 12 and fit["seeds"] == 3 and fit["mean"] == pytest.approx(reference_fit(everything)[0])
+    one_target = [r for r in everything if r[2] < 1.0]                      # what a per-target fit would use
+    assert abs(reference_fit(one_target)[0] - fit["mean"]) > 1e-3
+    assert any(line.startswith("- fit of each run's final mean gold on log final KL, a MA-PPO term") and
+               "MA-PPO minus PPO" in line for line in lines)
+    assert "| MA-PPO | PPO | seed | final KL |" in "\n".join(lines) and any("all, one gap per seed" in x for x in lines)
