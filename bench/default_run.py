@@ -126,6 +126,8 @@ def main():
     parser.add_argument("--record", default="", help="write the record (JSON) here")
     parser.add_argument("--show", default="", help="print the table of a record written by --record, and exit")
     parser.add_argument("--keep", action="store_true", help="keep the clone (its runs/ and default_run.log)")
+    parser.add_argument("--rev", default="HEAD", help="the commit to clone and run (e.g. an older one, for a before / after "
+                        "pair in one sitting)")
     cli = parser.parse_args()
     if cli.show:
         print(table(json.load(open(cli.show))))
@@ -135,10 +137,12 @@ def main():
     git = (lambda *a: subprocess.run(["git", "-C", ROOT, *a], capture_output=True, text=True, check=True).stdout.strip())
     clone = os.path.join(tempfile.mkdtemp(prefix="default_run_"), "ma-rlhf")
     subprocess.run(["git", "clone", "-q", ROOT, clone], check=True)
+    subprocess.run(["git", "-C", clone, "checkout", "-q", cli.rev], check=True)
     env_bin = os.path.dirname(sys.executable)            # this environment's accelerate and python come first
     command = f"PATH={env_bin}:$PATH {cli.command}"
     record = {"command": cli.command, "bench": " ".join(["python", os.path.relpath(__file__, ROOT), *sys.argv[1:]]),
-              "commit": git("rev-parse", "HEAD"), "dirty": bool(git("status", "--porcelain", "--untracked-files=no")),
+              "commit": git("rev-parse", cli.rev),
+              "dirty": cli.rev == "HEAD" and bool(git("status", "--porcelain", "--untracked-files=no")),
               "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "cpus": os.cpu_count(),
               "threads": torch.get_num_threads(), "load_average": [round(x, 2) for x in os.getloadavg()],
               "versions": {"python": platform.python_version(), "torch": torch.__version__,
