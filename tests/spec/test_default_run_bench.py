@@ -1,0 +1,54 @@
+"""bench/default_run.py: the newcomer's run, timed and weighed per stage from the process tree, and the table that
+docs/training.md quotes, printed from the committed record, never re-typed."""
+import importlib.util
+import json
+import pathlib
+import sys
+import textwrap
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent.parent
+RECORD = ROOT / "bench" / "records" / "default_run.json"
+
+
+def bench():
+    spec = importlib.util.spec_from_file_location("default_run", ROOT / "bench" / "default_run.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_a_process_belongs_to_the_stage_whose_script_it_runs():
+    stage_of = bench().stage_of
+    assert stage_of("/venv/bin/python3 ppo.py --n 5") == "ppo.py"
+    assert stage_of("/venv/bin/python3 sft.py --output_dir runs/chitchat/sft --task chitchat") == "sft.py"
+    assert stage_of("/venv/bin/python3 /venv/bin/accelerate launch ppo.py --n 5") is None      # the launcher
+    assert stage_of("/bin/sh -c accelerate launch ppo.py --n 5") is None
+
+
+def test_the_watched_tree_gives_each_stage_its_own_time_and_peak_memory(tmp_path):
+    """A real process tree: 'ppo.py' holds 20 MB and starts 'sft.py', which holds 150 MB for a second; ppo.py's
+    time leaves out its child's, and the run's peak is the child's."""
+    (tmp_path / "sft.py").write_text("import time\nx = bytearray(150 * 2**20)\ntime.sleep(1.0)\n")
+    (tmp_path / "ppo.py").write_text(textwrap.dedent(f"""\
+        import subprocess, time
+        x = bytearray(20 * 2**20)
+        subprocess.run([{sys.executable!r}, "sft.py"], check=True)
+        time.sleep(0.5)
+        print("| mean gold score | 0.235 | 0.814 |")
+        """))
+    module = bench()
+    result = module.summary(*module.run(f"{sys.executable} ppo.py", str(tmp_path)))
+    sft, ppo = result["stages"]["sft.py"], result["stages"]["ppo.py"]
+    assert 150 <= sft["peak_mb"] < 200 and 20 <= ppo["peak_mb"] < 150
+    assert result["peak_rss_mb"] == sft["peak_mb"]
+    assert 0.8 <= sft["s"] < 5 and 0.3 <= ppo["s"] < sft["s"]
+    assert result["final_table"] == {"mean gold score": ["0.235", "0.814"]}
+    assert result["wall_s"] >= sft["s"] + ppo["s"]
+
+
+def test_the_committed_record_says_what_produced_it_and_the_docs_quote_its_table():
+    record = json.loads(RECORD.read_text())
+    assert len(record["commit"]) == 40 and record["command"] == "accelerate launch ppo.py --n 5"
+    assert set(record["stages"]) == {"sft.py", "reward_model.py", "ppo.py"} and record["cpus"] >= 1
+    assert set(record["final_table"]) == set(bench().FINAL_ROWS)
+    assert bench().table(record) in (ROOT / "docs" / "training.md").read_text()
