@@ -39,8 +39,8 @@ class RMArgs:
     # --- Bradley-Terry training ---------------------------------------------------------------------
     max_prompt_len: int = field(default=48, metadata={"help": "prompt tokens kept (truncated from the left)", "metavar": "[1, inf)"})
     max_response_len: int = field(default=0, metadata={"help": "response tokens kept, EOS included; 0 = the task's default (64 for count, else 32)", "metavar": "[0, inf)"})
-    batch_size: int = field(default=16, metadata={"help": "preference pairs per process per micro-step", "metavar": "[1, inf)"})
-    grad_accum: int = field(default=2, metadata={"help": "micro-steps per optimizer step (2 x 16: the rows of 32, half the memory)", "metavar": "[1, inf)"})
+    batch_size: int = field(default=32, metadata={"help": "preference pairs per process per micro-step", "metavar": "[1, inf)"})
+    grad_accum: int = field(default=1, metadata={"help": "micro-steps per optimizer step", "metavar": "[1, inf)"})
     max_grad_norm: float = field(default=0.0, metadata={"help": "clip the gradients' global L2 norm to this (every engine alike); 0 = never", "metavar": "[0, inf)"})
     lr: float = field(default=1e-3, metadata={"help": "peak learning rate (~5e-6 for Gemma-2B)", "metavar": "[0, inf)"})
     warmup_ratio: float = field(default=0.05, metadata={"help": "fraction of the steps spent warming up, then cosine decay", "metavar": "[0, 1]"})

@@ -73,6 +73,8 @@ def run(command, cwd):
                 facts = peek(pid)
                 if facts:
                     entry = seen.setdefault(pid, {"cmd": facts[0], "start": now, "peak_kb": 0})
+                    if facts[0] != entry["cmd"]:    # seen between fork and exec: the parent's command and memory
+                        entry.update(cmd=facts[0], peak_kb=0)
                     entry.update(end=now, peak_kb=max(entry["peak_kb"], facts[1]))
             time.sleep(0.1)
     except KeyboardInterrupt:

@@ -89,8 +89,8 @@ def test_reward_model_learns_a_separable_preference(tokenizer):
 
 
 def test_two_micro_steps_of_16_pairs_are_one_step_of_32_at_half_the_activations(tokenizer):
-    """The RM's default 16 pairs x 2 micro-steps: the same rows as 32 x 1 in the first epoch (consecutive slices of one
-    permutation) and, the loss of each half divided by the accumulation, the same gradient up to float rounding."""
+    """--batch_size 16 --grad_accum 2 (docs/training.md): the same rows as 32 x 1 in the first epoch (consecutive slices
+    of one permutation) and, the loss of each half divided by the accumulation, the same gradient up to float rounding."""
     import harness
     for step in (0, 1, 7, 199):
         whole = harness.batch_indices(21810, 32, step, 1234, 0, 1)
