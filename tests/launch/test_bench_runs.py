@@ -1,5 +1,6 @@
 """bench/real_ppo.py --tiny runs end to end: the random models built, each side in a process of its own, a table per
-update configuration. It checks that the bench works and says what it measured, never how fast anything is."""
+update configuration. It checks that the bench works and says what it measured, never how fast anything is. TRL's
+side needs a venv of its own that CI does not have: it is exercised by the bench's sittings (bench/records/tiny_trl)."""
 import pathlib
 import re
 import subprocess
@@ -9,7 +10,6 @@ import pytest
 
 pytestmark = pytest.mark.launch
 ROOT = pathlib.Path(__file__).resolve().parent.parent.parent
-TRL_PYTHON = ROOT / ".venv-trl" / "bin" / "python"
 
 
 def tiny_bench(*flags):
@@ -33,13 +33,6 @@ def test_tiny_bench_without_trl_skips_its_side_and_measures_ours_arms():
     assert set(measured) == {"ours gae", "ours group"}
     assert all(s > 0 and mb > 100 for s, mb in measured.values())
     assert re.search(r"^group / gae: [\d.]+x the s/iteration", out, re.M) and "ours / TRL" not in out
-
-
-@pytest.mark.skipif(not TRL_PYTHON.exists(), reason="no TRL venv at .venv-trl (see bench/real_ppo.py's docstring)")
-def test_tiny_bench_prints_ours_and_trl_side_by_side():
-    out = tiny_bench("--configs", "1x1", "--arms", "gae", "--trl_python", str(TRL_PYTHON))
-    assert set(rows(out)) == {"ours gae", "trl"}
-    assert re.search(r"^ours / TRL: [\d.]+x the s/iteration \([\d.]+x its CPU s\), [\d.]+x the peak RSS$", out, re.M)
 
 
 def test_tiny_bench_refuses_a_configuration_that_does_not_divide_the_batch():

@@ -3,7 +3,9 @@
 process itself (signals, exit codes, accelerate launch, the zero-argument pipeline) still start one."""
 import contextlib
 import importlib
+import importlib.util
 import io
+import pathlib
 import sys
 
 ARGS = {"sft": "SFTArgs", "reward_model": "RMArgs", "ppo": "PPOArgs"}
@@ -29,3 +31,11 @@ def run_stage(script, *argv, printed=None):
 def comparable(row):
     """A metrics row without what depends on time or on when the run evaluated."""
     return {k: v for k, v in row.items() if not k.startswith(("time/", "tokens_per_s", "eval/"))}
+
+
+def bench_module(name):
+    """bench/<name>.py imported as a module (bench/ is not a package): its functions, not its command line."""
+    spec = importlib.util.spec_from_file_location(name, pathlib.Path(__file__).resolve().parents[2] / "bench" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module

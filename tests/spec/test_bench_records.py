@@ -1,19 +1,17 @@
 """The real-model cost guard: bench/real_ppo.py's record (medians, peak RSS, commit, command) and the table of
 docs/real_models.md, which is printed from the committed record, never re-typed."""
-import importlib.util
 import json
 import pathlib
 import re
+
+from stages import bench_module
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent.parent
 RECORD = ROOT / "bench" / "records" / "real_ppo.json"
 
 
 def real_ppo():
-    spec = importlib.util.spec_from_file_location("real_ppo", ROOT / "bench" / "real_ppo.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return bench_module("real_ppo")
 
 
 def iteration(total, forwards, length):

@@ -1,20 +1,18 @@
 """bench/default_run.py: the newcomer's run, timed and weighed per stage from the process tree, and the table that
 docs/training.md quotes, printed from the committed record, never re-typed."""
-import importlib.util
 import json
 import pathlib
 import sys
 import textwrap
+
+from stages import bench_module
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent.parent
 RECORD = ROOT / "bench" / "records" / "default_run.json"
 
 
 def bench():
-    spec = importlib.util.spec_from_file_location("default_run", ROOT / "bench" / "default_run.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return bench_module("default_run")
 
 
 def test_a_process_belongs_to_the_stage_whose_script_it_runs():
