@@ -311,9 +311,12 @@ STRICT_JUDGES = {"chitchat": lambda prompts, texts: strict_sentiment(texts)}
 EMBEDDED_TASKS = ("chitchat", "count", "code")         # built offline: ppo.py trains their SFT / RM if missing
 MAX_RESPONSE_LEN = {"count": 64}                       # response tokens when --max_response_len is 0; else 32
 # sft.py / reward_model.py flags ppo.py uses when it builds a task's missing models and --sft_args /
-# --rm_args are empty: the tiny model needs ~1600 steps to count, its RM ~1000 to see slips.
+# --rm_args are empty: the tiny model needs ~1600 steps to count, its RM ~1000 to see slips; chitchat's first
+# run builds with half of sft.py's and reward_model.py's steps (a newcomer's run in about 3.5 minutes; its final
+# table is docs/training.md's measured default run), the study with their full defaults (STUDY_BUILD_ARGS).
 BUILD_ARGS = {"count": ("--max_steps 1600 --eval_every 400 --save_every 400",
-                        "--max_steps 1000 --eval_every 250 --save_every 250")}
+                        "--max_steps 1000 --eval_every 250 --save_every 250"),
+              "chitchat": ("--max_steps 200", "--max_steps 100")}
 
 
 def gold(task, prompts, texts):

@@ -787,20 +787,26 @@ def train(args, config, seed):
     return record
 
 
+# The study's chitchat models are sft.py's and reward_model.py's own defaults (400 and 200 steps: the build its
+# records name), not the shorter build of a newcomer's first `ppo.py` run (data.BUILD_ARGS).
+STUDY_BUILD_ARGS = {"chitchat": ("", "")}
+
+
 def build_flags(args, task):
-    """The sft.py / reward_model.py flags that ppo.py would build the task's default models with."""
+    """The sft.py / reward_model.py flags the study builds the task's default models with: ppo.py's
+    (data.BUILD_ARGS) but for STUDY_BUILD_ARGS."""
     parser = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
     parser.add_argument("--sft_args")
     parser.add_argument("--rm_args")
     task_args = getattr(args, f"{task}_args", "")
     known = parser.parse_known_args(shlex.split(args.ppo_args) + shlex.split(task_args))[0]
-    sft_args, rm_args = data.BUILD_ARGS.get(task, ("", ""))
+    sft_args, rm_args = STUDY_BUILD_ARGS.get(task, data.BUILD_ARGS.get(task, ("", "")))
     return shlex.split(known.sft_args or sft_args), shlex.split(known.rm_args or rm_args)
 
 
 def build_task_models(args, todo):
     """The SFT model and sequence RM of every embedded task in `todo` that has none yet (the code task: no
-    RM), with the flags ppo.py would build them with, before the SFT record that needs them."""
+    RM), with the flags of build_flags, before the SFT record that needs them."""
     for task in dict.fromkeys(c.task for c, _ in todo if not is_real(c)):
         sft_path, rm_path = args.models[task]
         sft_args, rm_args = build_flags(args, task)

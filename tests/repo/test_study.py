@@ -541,7 +541,8 @@ def test_the_segment_beta_sweep_runs_the_readmes_segment_quick_start_at_each_bet
 
 def test_the_study_builds_each_tasks_models_before_its_sft_record(tmp_path, monkeypatch):
     """A fresh clone has no runs/: train_all builds every task's SFT model and sequence RM (none for code) with
-    the flags ppo.py would use, before the SFT record reads them; models already there are not rebuilt."""
+    the study's flags (for chitchat sft.py's and reward_model.py's own defaults, not ppo.py's shorter first-run
+    build), before the SFT record reads them; models already there are not rebuilt."""
     stages = []
     monkeypatch.setattr(study, "run_stages", lambda s: stages.extend(s))
     monkeypatch.setattr(study, "ROOT", str(tmp_path))
