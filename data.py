@@ -311,12 +311,13 @@ STRICT_JUDGES = {"chitchat": lambda prompts, texts: strict_sentiment(texts)}
 EMBEDDED_TASKS = ("chitchat", "count", "code")         # built offline: ppo.py trains their SFT / RM if missing
 MAX_RESPONSE_LEN = {"count": 64}                       # response tokens when --max_response_len is 0; else 32
 # sft.py / reward_model.py flags ppo.py uses when it builds a task's missing models and --sft_args /
-# --rm_args are empty: the tiny model needs ~1600 steps to count, its RM ~1000 to see slips; chitchat's first
-# run builds with half of sft.py's and reward_model.py's steps (a newcomer's run in about 3.5 minutes; its final
-# table is docs/training.md's measured default run), the study with their full defaults (STUDY_BUILD_ARGS).
+# --rm_args are empty: the tiny model needs ~1600 steps to count, its RM ~1000 to see slips. Chitchat's first run
+# builds with half of sft.py's and reward_model.py's steps, the RM's 32 pairs a step as 16 x 2 micro-steps (the same
+# mean gradient up to float rounding at about half the activation memory): a newcomer's first run in less time
+# and 0.9 GB (docs/training.md's measured default run); the study builds with their full defaults.
 BUILD_ARGS = {"count": ("--max_steps 1600 --eval_every 400 --save_every 400",
                         "--max_steps 1000 --eval_every 250 --save_every 250"),
-              "chitchat": ("--max_steps 200", "--max_steps 100")}
+              "chitchat": ("--max_steps 200", "--max_steps 100 --batch_size 16 --grad_accum 2")}
 
 
 def gold(task, prompts, texts):

@@ -155,15 +155,23 @@ def load_reward_model(path, bf16=False):
     return model, tokenizer
 
 
+# Prompts per generate call in gold_agreement: the default 512 replies at once took the RM stage's peak ~300 MB
+# higher (the KV cache of all 512, and the freed copies of it that every decoding step leaves in the heap).
+GOLD_SAMPLE_CHUNK = 128
+
+
 @torch.no_grad()
 def gold_agreement(rm, policy, tokenizer, rows, args, segmenter=None):
-    """Two SFT samples per held-out prompt (one row per prompt); how often the RM prefers the one the
-    gold judge prefers (pairs the gold judge scores equal are left out); with `segmenter`, the RM's
-    e(x, y). Returns (agreement, n_pairs)."""
+    """Two SFT samples per held-out prompt (one row per prompt, GOLD_SAMPLE_CHUNK prompts per generate call); how
+    often the RM prefers the one the gold judge prefers (pairs the gold judge scores equal are left out); with
+    `segmenter`, the RM's e(x, y). Returns (agreement, n_pairs)."""
     twice = [r for r in rows for _ in range(2)]
     prompts = [r["prompt"] for r in twice]
-    r_ids = data.sample(policy, tokenizer, prompts, args.max_prompt_len, args.max_response_len)[2]
-    texts = tokenizer.batch_decode(r_ids, skip_special_tokens=True)
+    texts = []
+    for i in range(0, len(prompts), GOLD_SAMPLE_CHUNK):
+        r_ids = data.sample(policy, tokenizer, prompts[i:i + GOLD_SAMPLE_CHUNK], args.max_prompt_len,
+                            args.max_response_len)[2]
+        texts += tokenizer.batch_decode(r_ids, skip_special_tokens=True)
     gold = torch.tensor(data.gold(args.task, data.judged_prompts(twice), texts)).view(-1, 2)
     rm_scores = score(rm, tokenizer, prompts, texts, args.max_prompt_len, args.max_response_len,
                       segmenter=segmenter).view(-1, 2)

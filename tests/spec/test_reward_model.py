@@ -111,3 +111,22 @@ def test_two_micro_steps_of_16_pairs_are_one_step_of_32_at_half_the_activations(
     one, two = grads([range(8)]), grads([range(4), range(4, 8)])
     assert one.abs().max() > 0 and torch.allclose(one, two, atol=1e-6, rtol=1e-4)
     assert not torch.allclose(one, grads([range(4)]), atol=1e-6, rtol=1e-4)     # half the rows is another gradient
+
+
+def test_gold_agreement_samples_a_chunk_of_prompts_per_generate_call(tokenizer, monkeypatch):
+    """The RM stage's RM-gold agreement samples its SFT replies GOLD_SAMPLE_CHUNK prompts per generate call (all
+    512 at once took the stage's peak ~300 MB higher), every prompt twice and in order, and scores each pair."""
+    import argparse
+    import sft
+    torch.manual_seed(0)
+    policy = sft.tiny_gemma(tokenizer, hidden_size=32, num_layers=2).eval()
+    rows = [{"prompt": f"\n\nHuman: tell me about day {i}\n\nAssistant:"} for i in range(5)]
+    calls, real_sample = [], data.sample
+    monkeypatch.setattr(rm, "GOLD_SAMPLE_CHUNK", 4)
+    monkeypatch.setattr(data, "sample", lambda model, tok, prompts, *a, **k: calls.append(list(prompts))
+                        or real_sample(model, tok, prompts, *a, **k))
+    args = argparse.Namespace(task="chitchat", max_prompt_len=48, max_response_len=8)
+    agreement, n = rm.gold_agreement(tiny_rm(tokenizer), policy, tokenizer, rows, args)
+    assert [len(c) for c in calls] == [4, 4, 2]
+    assert sum(calls, []) == [r["prompt"] for r in rows for _ in range(2)]
+    assert 0 <= n <= len(rows) and (n == 0 or 0.0 <= agreement <= 1.0)
