@@ -50,3 +50,9 @@ def test_the_committed_record_says_what_produced_it_and_the_docs_quote_its_table
     assert set(record["stages"]) == {"sft.py", "reward_model.py", "ppo.py"} and record["cpus"] >= 1
     assert set(record["final_table"]) == set(bench().FINAL_ROWS)
     assert bench().table(record) in (ROOT / "docs" / "training.md").read_text()
+
+
+def test_the_readme_quotes_the_records_whole_run_time():
+    """README's "about N minutes" cites the measured run's seconds, which must be the committed record's."""
+    record = json.loads(RECORD.read_text())
+    assert f"({record['wall_s']:.0f} s in the [measured run" in (ROOT / "README.md").read_text()
