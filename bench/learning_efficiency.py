@@ -607,6 +607,40 @@ def equal_kl_fit(runs, seed=0):
     return {**verdict(float(d), se, len(units)), "slope": float(slope), "runs": sum(len(u) for u in units)}
 
 
+def joint_equal_kl_fit(runs, seed=0):
+    """Every arm minus PPO at equal KL in one fit: each run's mean final score on log(final KL) with one slope shared
+    by all the arms, an indicator per arm and one intercept per seed, over `runs` [(seed, arm, final KL, per-prompt
+    scores)], arm None for PPO, of the seeds that have PPO and another arm. An arm whose KL ended on one side of PPO's
+    on most seeds cannot tell its effect from the KL's in a fit of its own; here it reads the slope off every arm's
+    runs. Returns {"arms": {arm: verdict() of its coefficient, its SE from the seed-then-prompt bootstrap (a draw
+    whose seeds cannot tell the arms and the slope apart does not count)}, "slope", "runs", "seeds"}, or None under
+    two seeds."""
+    by_seed = {}
+    for s, arm, kl, scores in runs:
+        by_seed.setdefault(s, {})[(arm, tuple(scores))] = (arm, math.log(kl), scores)     # a repeated run once
+    by_seed = {s: list(v.values()) for s, v in sorted(by_seed.items())
+               if any(a is None for a, _, _ in v.values()) and any(a is not None for a, _, _ in v.values())}
+    if len(by_seed) < 2:
+        return None
+    arms = list(dict.fromkeys(a for v in by_seed.values() for a, _, _ in v if a is not None))
+    xs = [numpy.array([[float(a == b) for b in arms] + [lkl] for a, lkl, _ in v]) for v in by_seed.values()]
+    units = [numpy.array([scores for _, _, scores in v], float) for v in by_seed.values()]
+
+    def fit(picked, drawn):
+        rows = [(*xs[i][r], *(numpy.arange(len(drawn)) == j)) for j, i in enumerate(picked) for r in range(len(xs[i]))]
+        y = [u[r].mean() for u in drawn for r in range(len(u))]
+        coef, _, rank, _ = numpy.linalg.lstsq(numpy.array(rows, float), numpy.array(y), rcond=None)
+        if rank < len(rows[0]):                  # a draw of too few distinct seeds: the arms and the slope unknown
+            return numpy.full(len(arms) + 1, numpy.nan)
+        return coef[:len(arms) + 1]
+    coef = fit(range(len(units)), units)
+    draws = seed_prompt_draws(units, fit, seed=seed)
+    seeds_of = {a: sum(any(b == a for b, _, _ in v) for v in by_seed.values()) for a in arms}
+    return {"arms": {a: verdict(float(coef[k]), float(numpy.nanstd(draws[:, k], ddof=1)), seeds_of[a])
+                     for k, a in enumerate(arms)},
+            "slope": float(coef[-1]), "runs": sum(len(u) for u in units), "seeds": len(units)}
+
+
 # ---------------------------------------------------------------- runs
 
 def record_path(args, name, seed):
@@ -1188,6 +1222,13 @@ def equal_kl_lines(fits, key, arm="MA-PPO", ppo="PPO", prefix=""):
     return lines
 
 
+def joint_fit_lines(joint, key, ppo="PPO"):
+    """The bullets of joint_equal_kl_fit: one fit over every arm, each arm's coefficient against `ppo`."""
+    lines = [f"- one fit over every arm ({joint['runs']} runs of {joint['seeds']} seeds; one slope shared by the arms, "
+             f"{joint['slope']:+.3f} {key} per unit of log KL, an indicator per arm, one intercept per seed):"]
+    return lines + [f"  - {arm} minus {ppo} " + fmt_verdict(v) + "." for arm, v in joint["arms"].items()]
+
+
 def equal_kl_intro(key, several):
     """The paragraph before the equal-KL bullets: over every run (one method), or each arm on its own (several)."""
     return ["", ("At equal KL, each arm against its PPO on its own, over the arm's runs and PPO's" if several else
@@ -1320,6 +1361,11 @@ def matched_kl_table(args, h, records, result):
                                  f"{label}: " if several else "")
     if several:
         result["equal_kl_by_arm"] = by_arm
+        joint = joint_equal_kl_fit([(seed, frontier_method(c)[0] if any(c in a for a in arms) else None, kl, scores)
+                                    for c in h.configs for seed, _, kl, scores in fit_runs[c.name]])
+        if joint:
+            result["equal_kl_joint"] = joint
+            blocks += joint_fit_lines(joint, key, arm_name(base))
     else:
         result["equal_kl"] = {k: by_arm[label][k] for k in ("fit", "matched_pairs")}
     return (lines + (arms_table(h, done, by_arm, key) if several else []) + ([""] + verdicts if verdicts else [])

@@ -839,6 +839,68 @@ def test_several_methods_get_a_verdict_and_a_fit_per_arm_naming_each_arm(tmp_pat
     assert f"| {ma_group.label} | 0 | not run yet | | | | | | | |" in lines
 
 
+def reference_joint_fit(runs):
+    """Every arm minus PPO and the slope, by a plain loop: least squares of each run's mean score on [one indicator
+    per arm, log KL, one indicator per seed] over the seeds that have PPO and an arm. `runs`: [(seed, arm or None,
+    KL, scores)]."""
+    seeds = sorted({s for s, a, _, _ in runs if a is None} & {s for s, a, _, _ in runs if a is not None})
+    arms = list(dict.fromkeys(a for s, a, _, _ in runs if a is not None and s in seeds))
+    x, y = [], []
+    for seed, arm, kl, scores in runs:
+        if seed in seeds:
+            x.append([float(arm == a) for a in arms] + [math.log(kl)] + [float(seed == s) for s in seeds])
+            y.append(sum(scores) / len(scores))
+    coef = numpy.linalg.lstsq(numpy.array(x), numpy.array(y), rcond=None)[0]
+    return dict(zip(arms, coef[:len(arms)])), coef[len(arms)]
+
+
+def test_the_joint_fit_shares_one_slope_and_recovers_each_arms_difference():
+    """Gold = seed level + 0.1 log KL + each arm's effect, no noise: one fit over every arm returns each effect and
+    the slope exactly, also for an arm whose every run ended above PPO's KL (in a fit of its own such an arm and the
+    KL cannot be told apart when they move together); a seed without PPO is left out; noisy prompts match the loop."""
+    effect, runs = {None: 0.0, "A": 0.04, "B": -0.06, "C": 0.01}, []
+    for seed, level in ((1, 0.4), (2, 0.5), (3, 0.45)):
+        for arm, kl in ((None, 5.0), ("A", 4.0 + seed), ("B", 9.0 + seed), ("C", 6.0 / seed)):
+            runs.append((seed, arm, kl, [level + 0.1 * math.log(kl) + effect[arm]] * 8))
+    runs.append((4, "A", 3.0, [0.9] * 8))
+    joint = study.joint_equal_kl_fit(runs)
+    assert joint["slope"] == pytest.approx(0.1) and joint["seeds"] == 3 and joint["runs"] == 12
+    for arm in "ABC":
+        assert joint["arms"][arm]["mean"] == pytest.approx(effect[arm]) and joint["arms"][arm]["seeds"] == 3
+        assert joint["arms"][arm]["se"] == pytest.approx(0, abs=1e-9)
+    rng = numpy.random.default_rng(5)
+    noisy = [(s, a, kl, (numpy.array(g) + rng.normal(0, 0.05, 8)).tolist()) for s, a, kl, g in runs]
+    want, slope = reference_joint_fit(noisy)
+    got = study.joint_equal_kl_fit(noisy)
+    assert got["slope"] == pytest.approx(slope) and {a: v["mean"] for a, v in got["arms"].items()} == pytest.approx(want)
+    assert all(v["se"] > 0 for v in got["arms"].values())
+    assert study.joint_equal_kl_fit([r for r in runs if r[0] == 1]) is None          # one seed: no fit
+
+
+def test_the_report_of_several_arms_prints_the_joint_fit(tmp_path):
+    """critic_free with hand-made records (3 seeds of PPO, MA-PPO and GRPO): the joint fit is in the result and in one
+    bullet per arm, against the plain loop."""
+    h = study.HYPOTHESES["critic_free"]
+    ppo, ma, grpo = h.configs[:3]
+    rng = numpy.random.default_rng(7)
+    records, runs = {c.name: [] for c in h.configs}, []
+    for config, arm, effect, kls in ((ppo, None, 0.0, (6.0, 5.5, 6.6)), (ma, study.frontier_method(ma)[0], 0.04,
+                                     (5.2, 6.4, 5.8)), (grpo, study.frontier_method(grpo)[0], -0.08, (6.9, 5.1, 6.2))):
+        for seed, kl in enumerate(kls, 1):
+            golds = (0.5 + 0.02 * seed + 0.1 * math.log(kl) + effect + rng.normal(0, 0.05, 16)).tolist()
+            records[config.name].append(kl_record(seed, kl, golds))
+            runs.append((seed, arm, kl, golds))
+    args = argparse.Namespace(smooth=1, results_dir=str(tmp_path), report_only=True)
+    lines, result = study.report(args, "critic_free", records)
+    joint = result["equal_kl_joint"]
+    want, slope = reference_joint_fit(runs)
+    assert joint["slope"] == pytest.approx(slope)
+    assert {a: v["mean"] for a, v in joint["arms"].items()} == pytest.approx(want) and len(want) == 2
+    assert any(line.startswith("- one fit over every arm (9 runs of 3 seeds; one slope shared") for line in lines)
+    for arm, v in joint["arms"].items():
+        assert f"  - {arm} minus PPO " + study.fmt_verdict(v) + "." in lines
+
+
 def test_one_method_at_several_kls_keeps_its_pooled_fit(tmp_path):
     """real_kl: MA-PPO at KL 0.7 and at 1.5 is one method, so its fit pools every run of the hypothesis (both targets
     and both PPOs, reference_fit over all of them), not one fit per target; the lines still say MA-PPO minus PPO."""
