@@ -612,9 +612,9 @@ def joint_equal_kl_fit(runs, seed=0):
     by all the arms, an indicator per arm and one intercept per seed, over `runs` [(seed, arm, final KL, per-prompt
     scores)], arm None for PPO, of the seeds that have PPO and another arm. An arm whose KL ended on one side of PPO's
     on most seeds cannot tell its effect from the KL's in a fit of its own; here it reads the slope off every arm's
-    runs. Returns {"arms": {arm: verdict() of its coefficient, its SE from the seed-then-prompt bootstrap (a draw
-    whose seeds cannot tell the arms and the slope apart does not count)}, "slope", "runs", "seeds"}, or None under
-    two seeds."""
+    runs. Returns {"arms": {arm: verdict() of its coefficient, its SE from the seed-then-prompt bootstrap over the
+    draws that determine it ("draws" of "of_draws": a draw of too few distinct seeds, or without the arm, leaves it
+    undetermined and counts for the others only)}, "slope", "runs", "seeds"}, or None under two seeds."""
     by_seed = {}
     for s, arm, kl, scores in runs:
         by_seed.setdefault(s, {})[(arm, tuple(scores))] = (arm, math.log(kl), scores)     # a repeated run once
@@ -629,16 +629,18 @@ def joint_equal_kl_fit(runs, seed=0):
     def fit(picked, drawn):
         rows = [(*xs[i][r], *(numpy.arange(len(drawn)) == j)) for j, i in enumerate(picked) for r in range(len(xs[i]))]
         y = [u[r].mean() for u in drawn for r in range(len(u))]
-        coef, _, rank, _ = numpy.linalg.lstsq(numpy.array(rows, float), numpy.array(y), rcond=None)
-        if rank < len(rows[0]):                  # a draw of too few distinct seeds: the arms and the slope unknown
-            return numpy.full(len(arms) + 1, numpy.nan)
+        x = numpy.array(rows, float)
+        coef, _, rank, _ = numpy.linalg.lstsq(x, numpy.array(y), rcond=None)
+        if rank < x.shape[1]:    # too few distinct seeds for some terms: keep those the draw determines (estimable)
+            return numpy.array([coef[k] if numpy.linalg.matrix_rank(numpy.delete(x, k, axis=1)) < rank else numpy.nan
+                                for k in range(len(arms) + 1)])
         return coef[:len(arms) + 1]
     coef = fit(range(len(units)), units)
     draws = seed_prompt_draws(units, fit, seed=seed)
     seeds_of = {a: sum(any(b == a for b, _, _ in v) for v in by_seed.values()) for a in arms}
-    return {"arms": {a: verdict(float(coef[k]), float(numpy.nanstd(draws[:, k], ddof=1)), seeds_of[a])
-                     for k, a in enumerate(arms)},
-            "slope": float(coef[-1]), "runs": sum(len(u) for u in units), "seeds": len(units)}
+    return {"arms": {a: {**verdict(float(coef[k]), float(numpy.nanstd(draws[:, k], ddof=1)), seeds_of[a]),
+                         "draws": int(numpy.isfinite(draws[:, k]).sum())} for k, a in enumerate(arms)},
+            "slope": float(coef[-1]), "runs": sum(len(u) for u in units), "seeds": len(units), "of_draws": len(draws)}
 
 
 # ---------------------------------------------------------------- runs
@@ -838,13 +840,43 @@ def build_flags(args, task):
     return shlex.split(known.sft_args or sft_args), shlex.split(known.rm_args or rm_args)
 
 
+# The training arguments that decide a built model's weights, compared when the study finds a model folder already
+# there (ppo.py's first run builds chitchat's into the same runs/chitchat/ with fewer steps: data.BUILD_ARGS).
+BUILD_CHECKED = ("max_steps", "epochs", "batch_size", "grad_accum", "lr", "seed")
+
+
+def check_build(path, script, flags):
+    """Stop when the finished sft.py / reward_model.py folder `path` was trained with other BUILD_CHECKED values
+    than `script` takes from the study's `flags` (its checkpoint's trainer state keeps the arguments); a folder
+    that keeps none is taken as it is."""
+    state = os.path.join(ROOT, path, harness.CHECKPOINT, "trainer_state.pt")
+    if not os.path.exists(state):
+        return
+    import torch
+    from transformers import HfArgumentParser
+    import sft
+    built = torch.load(state, map_location="cpu", weights_only=False)["args"]
+    wanted = dataclasses.asdict(HfArgumentParser(sft.SFTArgs if script == "sft.py" else reward_model.RMArgs)
+                                .parse_args_into_dataclasses(args=flags)[0])
+    differ = [f"--{k} {built[k]} (the study's: {wanted[k]})" for k in BUILD_CHECKED if built.get(k) != wanted[k]]
+    if differ:
+        sys.exit(f"error: {path} was built by {script} with {', '.join(differ)}: not the build the study's records "
+                 "name (ppo.py's first run builds chitchat's models shorter). Move it away and the study builds its "
+                 "own, or pass --sft_path / --rm_path of a study build.")
+
+
 def build_task_models(args, todo):
     """The SFT model and sequence RM of every embedded task in `todo` that has none yet (the code task: no
-    RM), with the flags of build_flags, before the SFT record that needs them."""
+    RM), with the flags of build_flags, before the SFT record that needs them; one already there must have been
+    trained with those flags (check_build)."""
     for task in dict.fromkeys(c.task for c, _ in todo if not is_real(c)):
         sft_path, rm_path = args.models[task]
         sft_args, rm_args = build_flags(args, task)
         missing = lambda path: not os.path.exists(os.path.join(ROOT, path, "config.json"))
+        if not missing(sft_path):
+            check_build(sft_path, "sft.py", ["--task", task, *sft_args])
+        if task != "code" and not missing(rm_path):
+            check_build(rm_path, "reward_model.py", ["--task", task, "--sft_path", sft_path, *rm_args])
         run_stages([*([["sft.py", "--task", task, "--output_dir", sft_path, *sft_args]] if missing(sft_path) else []),
                     *([["reward_model.py", "--task", task, "--sft_path", sft_path, "--output_dir", rm_path, *rm_args]]
                       if task != "code" and missing(rm_path) else [])])

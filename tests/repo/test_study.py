@@ -560,6 +560,35 @@ def test_the_study_builds_each_tasks_models_before_its_sft_record(tmp_path, monk
         ["sft.py", "--task", "code", "--output_dir", "runs/code/sft"]]
 
 
+def test_the_study_will_not_train_on_a_model_folder_built_with_other_flags(tmp_path, monkeypatch):
+    """ppo.py's first run builds chitchat's models into runs/chitchat/ with fewer steps than the study's build: a
+    folder there whose checkpoint says it was trained with other steps stops the study, naming both values; one
+    trained with the study's flags is reused, not rebuilt."""
+    import dataclasses
+    import sft
+    import torch
+    stages = []
+    monkeypatch.setattr(study, "run_stages", lambda s: stages.extend(s))
+    monkeypatch.setattr(study, "ROOT", str(tmp_path))
+    folder = tmp_path / "runs/chitchat/sft"
+    (folder / "checkpoint").mkdir(parents=True)
+    (folder / "config.json").write_text("{}")
+    args = argparse.Namespace(ppo_args="", chitchat_args="", models={"chitchat": ("runs/chitchat/sft", "runs/chitchat/rm")})
+    todo = [(study.PPO, 1)]
+    for max_steps, stops in ((200, True), (400, False)):
+        first_run = dataclasses.asdict(sft.SFTArgs(task="chitchat", max_steps=max_steps))
+        torch.save({"step": max_steps, "args": first_run}, folder / "checkpoint/trainer_state.pt")
+        if stops:
+            with pytest.raises(SystemExit, match=r"runs/chitchat/sft was built by sft.py with --max_steps 200 "
+                                                 r"\(the study's: 400\)"):
+                study.build_task_models(args, todo)
+            assert stages == []
+        else:
+            study.build_task_models(args, todo)
+            assert stages == [["reward_model.py", "--task", "chitchat", "--sft_path", "runs/chitchat/sft",
+                               "--output_dir", "runs/chitchat/rm"]]
+
+
 def test_the_sft_line_cites_its_rm_figures_from_the_record(tmp_path):
     """The SFT record carries its RM's rm_eval.json; the report prints those figures, never typed ones."""
     h = study.HYPOTHESES["count"]
@@ -875,6 +904,11 @@ def test_the_joint_fit_shares_one_slope_and_recovers_each_arms_difference():
     assert got["slope"] == pytest.approx(slope) and {a: v["mean"] for a, v in got["arms"].items()} == pytest.approx(want)
     assert all(v["se"] > 0 for v in got["arms"].values())
     assert study.joint_equal_kl_fit([r for r in runs if r[0] == 1]) is None          # one seed: no fit
+    # an arm beside PPO on 2 seeds of 3: a draw without those seeds leaves it undetermined, not the other arms
+    sparse = study.joint_equal_kl_fit([r for r in noisy if not (r[1] == "C" and r[0] == 3)])
+    c, a = sparse["arms"]["C"], sparse["arms"]["A"]
+    assert c["seeds"] == 2 and c["draws"] < a["draws"] and a["draws"] > 0.8 * sparse["of_draws"]
+    assert numpy.isfinite(c["se"]) and numpy.isfinite(a["se"])
 
 
 def test_the_report_of_several_arms_prints_the_joint_fit(tmp_path):
