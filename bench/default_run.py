@@ -8,7 +8,8 @@ command there with this interpreter's environment (its `accelerate`, already ins
 `pip install -r requirements.txt`). While it runs, the process tree is read from /proc every 0.1 s: each process's
 command, when it appeared and ended, and its peak resident memory (VmHWM). The table gives the whole run's wall time,
 each stage's (sft.py, reward_model.py, and ppo.py less the two it started), the peak RSS of the largest process
-(the figure `/usr/bin/time -v` reports for the tree) and of each stage, and the run's final table.
+(the figure `/usr/bin/time -v` reports for the tree) and of each stage, and the run's final table; the record also
+keeps what the run built (the SFT model's held-out loss, the RM's rm_eval.json, the PPO run's held-out curve).
 
 --record writes all that with what it depends on (commit, command, CPUs, threads, load average, versions);
 docs/training.md's "measured default run" is the `--show` output of bench/records/default_run.json.
@@ -109,6 +110,23 @@ def summary(wall, text, seen):
             "final_table": final}
 
 
+def built_models(clone, text):
+    """The figures of what the run built and trained, from the clone: the SFT model's last held-out loss (its log
+    line), the RM's rm_eval.json, and the PPO run's held-out curve [(iteration, eval/gold, KL)] (its metrics.jsonl)."""
+    out = {}
+    losses = re.findall(r"\[sft\] step (\d+)/\d+ .*?held-out loss ([0-9.]+)", text)
+    if losses:
+        out["sft_held_out_loss"] = {"step": int(losses[-1][0]), "loss": float(losses[-1][1])}
+    rm_eval = os.path.join(clone, "runs", "chitchat", "rm", "rm_eval.json")
+    if os.path.exists(rm_eval):
+        out["rm_eval"] = json.load(open(rm_eval))
+    metrics = re.findall(r"^metrics: (\S+)$", text, re.M)
+    if metrics and os.path.exists(os.path.join(clone, metrics[-1])):
+        rows = [json.loads(line) for line in open(os.path.join(clone, metrics[-1]))]
+        out["curve"] = [[r["step"], round(r["eval/gold"], 4), round(r["kl"], 3)] for r in rows if "eval/gold" in r]
+    return out
+
+
 def table(record):
     """The markdown the docs quote: the run's time and memory by stage, then its final table."""
     s = record["stages"]
@@ -150,7 +168,8 @@ def main():
               "versions": {"python": platform.python_version(), "torch": torch.__version__,
                            "transformers": transformers.__version__}}
     print(f"[default_run] {cli.command!r} in {clone} ...", flush=True)
-    record.update(summary(*run(command, clone)))
+    wall, text, seen = run(command, clone)
+    record.update(summary(wall, text, seen), models=built_models(clone, text))
     record["load_average_end"] = [round(x, 2) for x in os.getloadavg()]
     print(table(record))
     if cli.record:

@@ -1686,8 +1686,8 @@ def main(argv=None):
                         help="extra ppo.py flags for the code task's runs (after --steps, so they win)")
     parser.add_argument("--count_args", default="--reward gold --policy_lr 1e-4 --critic_lr 3e-4",
                         help="extra ppo.py flags for the count task's runs (the gold judge is the reward: its RM is weak)")
-    parser.add_argument("--sft_path", default=data.run_dir("chitchat", "sft"), help="SFT model (built by ppo.py if missing)")
-    parser.add_argument("--rm_path", default=data.run_dir("chitchat", "rm"), help="reward model (built by ppo.py if missing)")
+    parser.add_argument("--sft_path", default=data.run_dir("chitchat", "sft"), help="SFT model (built with sft.py's defaults if missing)")
+    parser.add_argument("--rm_path", default=data.run_dir("chitchat", "rm"), help="reward model (built with reward_model.py's defaults if missing)")
     parser.add_argument("--seed_eval", type=int, default=4321, help="sampling seed of the final per-prompt scores")
     parser.add_argument("--jobs", type=int, default=1, help="runs at a time (each gets cores / jobs threads)")
     parser.add_argument("--threads", type=int, default=0, help="threads per run (default cores / jobs); with "

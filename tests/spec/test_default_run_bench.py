@@ -56,3 +56,20 @@ def test_the_readme_quotes_the_records_whole_run_time():
     """README's "about N minutes" cites the measured run's seconds, which must be the committed record's."""
     record = json.loads(RECORD.read_text())
     assert f"({record['wall_s']:.0f} s in the [measured run" in (ROOT / "README.md").read_text()
+
+
+def test_the_record_keeps_what_the_run_built(tmp_path):
+    """The SFT model's last held-out loss from its log line, the RM's rm_eval.json and the PPO run's held-out curve
+    from the metrics file its report names, read from the run's folder."""
+    (tmp_path / "runs/chitchat/rm").mkdir(parents=True)
+    (tmp_path / "runs/chitchat/rm/rm_eval.json").write_text(json.dumps({"accuracy": 0.8, "gold_pairs": 198}))
+    (tmp_path / "runs/chitchat/ppo").mkdir()
+    (tmp_path / "runs/chitchat/ppo/metrics.jsonl").write_text("\n".join(json.dumps(r) for r in (
+        {"step": 1, "kl": 0.0}, {"step": 20, "eval/gold": 0.58214, "kl": 7.6851}, {"step": 40, "eval/gold": 0.7, "kl": 9.0})))
+    text = ("sft:  50%|##| 100/200\r[sft] step 100/200  train loss 5.5  held-out loss 5.600  ppl 270.4  (20s)\n"
+            "[sft] step 200/200  train loss 5.2  grad norm 0.7  held-out loss 5.329  ppl 206.1  (43s)\n"
+            "metrics: runs/chitchat/ppo/metrics.jsonl\n")
+    built = bench().built_models(str(tmp_path), text)
+    assert built == {"sft_held_out_loss": {"step": 200, "loss": 5.329}, "rm_eval": {"accuracy": 0.8, "gold_pairs": 198},
+                     "curve": [[20, 0.5821, 7.685], [40, 0.7, 9.0]]}
+    assert bench().built_models(str(tmp_path / "nothing"), "") == {}
