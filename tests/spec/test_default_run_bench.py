@@ -73,3 +73,15 @@ def test_the_record_keeps_what_the_run_built(tmp_path):
     assert built == {"sft_held_out_loss": {"step": 200, "loss": 5.329}, "rm_eval": {"accuracy": 0.8, "gold_pairs": 198},
                      "curve": [[20, 0.5821, 7.685], [40, 0.7, 9.0]]}
     assert bench().built_models(str(tmp_path / "nothing"), "") == {}
+
+
+def test_the_docs_quote_the_records_built_models():
+    """docs/training.md's figures about the default run's models are the record's (line breaks aside)."""
+    m = json.loads(RECORD.read_text())["models"]
+    docs = " ".join((ROOT / "docs" / "training.md").read_text().split())
+    sft, rm, curve = m["sft_held_out_loss"], m["rm_eval"], m["curve"]
+    best, last = max(curve, key=lambda row: row[1]), curve[-1]
+    for quoted in (f"held-out loss is {sft['loss']:.3f} at step {sft['step']}", f"held-out accuracy {rm['accuracy']:.3f}",
+                   f"RM-gold agreement {rm['gold_agreement']:.3f} on {rm['gold_pairs']} pairs",
+                   f"rises to {best[1]:.3f} at iteration {best[0]} and is {last[1]:.3f} at {last[0]}"):
+        assert quoted in docs
