@@ -176,17 +176,23 @@ def reference_logprobs(ref, accelerator, policy, ids, attention_mask, prompt_wid
 def monte_carlo_values(s, args, prompt_ids, prompt_mask, response_ids, starts, response_mask, rows):
     """5. --advantage mc: (V(s) at each estimation point [B, R], 0 elsewhere; the points, bool [B, R]): at most
     --mc_points of the macro `starts`, V the mean score of --mc_rollouts continuations of the policy from there
-    (SPO, Guo et al. 2025, §4): every point's in one generate call, scored by the run's own scorer, a missing EOS
-    penalized as in step 3. `s`: the Setup; `rows`: the rollout's rows."""
+    (SPO, Guo et al. 2025, §4): every point's in one generate call, scored by the run's own scorer (a segment /
+    token RM's e(x, y) on the continuation's segments, as step 2 scores a rollout), a missing EOS penalized as in
+    step 3. `s`: the Setup; `rows`: the rollout's rows."""
     acc, points = s.policy.accelerator, ma.mc_points(starts, response_mask, args.mc_points)
     with harness.generation_model(acc, s.policy.model, args.gather_for_generation) as (model, synced):
         p_ids, p_mask, c_ids, c_mask = data.sample_continuations(
             model, s.tokenizer, prompt_ids, prompt_mask, response_ids, points, args.mc_rollouts, args.temperature,
             args.top_k, args.top_p, synced_gpus=synced)
     which = points.nonzero()[:, 0].repeat_interleave(args.mc_rollouts).tolist()     # the row of each continuation
+    ids, mask, P = torch.cat([p_ids, c_ids], 1), torch.cat([p_mask, c_mask], 1), p_ids.shape[1]
     with torch.no_grad():
-        score = s.scorer(torch.cat([p_ids, c_ids], 1), torch.cat([p_mask, c_mask], 1), p_ids.shape[1],
-                         [rows[i] for i in which])[0]
+        seg_starts = inside = None
+        if s.scorer.reads_segments:     # a segment / token RM's e(x, y): each continuation on its own SFT segments
+            _, sft_entropy = reference_logprobs(s.ref, acc, s.policy.model, ids, mask, P, args.temperature,
+                                                t1_entropy=True)
+            seg_starts, inside = s.scorer.segments(c_ids, c_mask, sft_entropy)
+        score = s.scorer(ids, mask, P, [rows[i] for i in which], seg_starts, inside)[0]
     has_eos = ((c_ids == s.tokenizer.eos_token_id) & c_mask.bool()).any(-1)
     return ma.mc_values(score + args.missing_eos_penalty * (~has_eos).float(), points, args.mc_rollouts), points
 

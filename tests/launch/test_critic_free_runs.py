@@ -35,6 +35,10 @@ def test_group_rollout_samples_each_prompt_k_times_in_adjacent_rows(tiny_models,
     {"advantage": "mc", "mc_rollouts": 2, "termination": "parsing", "ratio": "macro", "lora_r": 4},
     {"advantage": "group", "group_size": 2, "lora_r": 4, "termination": "randomized"},
     {"advantage": "group", "kl_penalty": "loss"}, {"advantage": "mc", "mc_rollouts": 2, "kl_penalty": "loss"},
+    {"advantage": "group", "group_size": 2, "termination": "entropy"},
+    {"advantage": "mc", "mc_rollouts": 2, "termination": "segment", "c_ent": 2.0, "ratio": "macro"},
+    {"advantage": "group", "group_size": 2, "task": "count", "reward": "gold", "ratio": "sequence"},
+    {"advantage": "mc", "mc_rollouts": 2, "mc_points": 2, "task": "count", "reward": "gold"},
 ])
 def test_every_advantage_kind_runs_without_a_critic(tiny_models, tmp_path, flags):
     import ppo
@@ -143,3 +147,13 @@ def test_one_minibatch_reuses_the_policys_scoring_forward_without_a_critic(tiny_
     fused = run(tmp_path / "fused")
     monkeypatch.setattr(ppo, "fused_update", lambda *a: False)
     assert taken == [True, True] and fused == run(tmp_path / "separate")
+
+
+@pytest.mark.launch
+def test_a_critics_advantages_under_the_sequence_ratio(tiny_models, tmp_path):
+    """--ratio sequence is one more ratio for every advantage kind, gae with its critic too: both models train."""
+    import ppo
+    ppo.main(ppo_args(tiny_models, tmp_path, steps=2, ratio="sequence", policy_lr=0.05))
+    rows = metrics_of(tmp_path)
+    assert all(v == v for row in rows for v in row.values())
+    assert rows[1]["value/grad_norm"] > 0 and rows[1]["policy/grad_norm"] > 0

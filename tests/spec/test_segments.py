@@ -599,3 +599,12 @@ def test_rm_stage_writes_no_score_norm_and_the_fit_is_the_mean_and_std_of_the_rm
         assert fitted["mean"] == pytest.approx(scores.mean().item(), abs=1e-5)
         assert fitted["std"] == pytest.approx(scores.std(correction=0).item(), abs=1e-5) and fitted["std"] > 0
         assert (segmenter is None) == (unit == "sequence")
+
+
+def test_mc_values_score_each_continuation_with_the_segment_rms_e(tiny_models, segment_rm, tmp_path):
+    """--advantage mc under --reward rm with a segment RM: a continuation is scored as step 2 scores a rollout, e(x, y)
+    on its own segments (the SFT model's entropy of the continuation), not on the sampled response's."""
+    import ppo
+    ppo.main(ppo_args(tiny_models, segment_rm, tmp_path, steps=1, advantage="mc", mc_rollouts=2, mc_points=2))
+    [row] = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert row["mc/points"] >= 1 and all(v == v for v in row.values())
