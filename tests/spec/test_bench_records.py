@@ -1,5 +1,6 @@
 """The real-model cost guard: bench/real_ppo.py's record (medians, peak RSS, commit, command) and the table of
-docs/real_models.md, which is printed from the committed record, never re-typed."""
+docs/real_models.md, which is printed from the committed record, never re-typed; bench/decode_loop.py's plain
+loop draws generate()'s tokens."""
 import json
 import pathlib
 import re
@@ -42,3 +43,23 @@ def test_the_committed_record_says_what_produced_it():
 def test_real_models_table_is_printed_from_the_committed_record():
     table = real_ppo().table(json.loads(RECORD.read_text()))
     assert table in (ROOT / "docs" / "real_models.md").read_text()
+
+
+def test_decode_loop_bench_draws_the_tokens_generate_draws(tiny_lm, tokenizer):
+    """bench/decode_loop.py times generate() against a plain decoding loop: like for like only if, under one seed,
+    the loop samples the very tokens data.sample does (same distribution, same draws, the same EOS cut)."""
+    import torch
+    import data
+    decode = bench_module("decode_loop")
+    prompts = ["The quick brown fox", "I think we should", "def add(a, b):", "Hello"] * 3
+    torch.manual_seed(7)
+    _, _, g_ids, _, _ = data.sample(tiny_lm, tokenizer, prompts, 16, 12)
+    torch.manual_seed(7)
+    timings = {"multinomial": 0.0}
+    l_ids = decode.plain_loop(tiny_lm, tokenizer, prompts, 16, 12, timings)
+    l_ids, _ = data.cut_after_eos(l_ids, tokenizer.eos_token_id, tokenizer.pad_token_id)
+    assert l_ids.shape == g_ids.shape and torch.equal(l_ids, g_ids)
+    assert timings["multinomial"] > 0
+    torch.manual_seed(8)                                   # another seed, other tokens: the check can fail
+    other = decode.plain_loop(tiny_lm, tokenizer, prompts, 16, 12, {"multinomial": 0.0})
+    assert not torch.equal(data.cut_after_eos(other, tokenizer.eos_token_id, tokenizer.pad_token_id)[0], g_ids)
