@@ -2,7 +2,7 @@
 peak RSS, on the same SFT and RM folders, prompts, batch, lengths and LoRA setting, back to back.
 
     python bench/real_ppo.py --sft_path runs/chitchat/sft --rm_path runs/chitchat/rm \\
-        [--steps 4] [--trl_python /path/to/trl-venv/bin/python] [--sides ours,trl] [--record FILE]
+        [--steps 4] [--trl_python /path/to/trl-venv/bin/python] [--sides ours,trl] [--record FILE] [--lora_r 0]
     python bench/real_ppo.py --show bench/records/real_ppo.json      # the committed baseline's table
     python bench/real_ppo.py --tiny [--rounds 2] [--arms gae,group,mc] [--configs 1x1,2x2]   # no folders needed
 
@@ -12,7 +12,8 @@ and that changes to the real-model path are compared with.
 
 Sizes: 16 prompts (at most 48 tokens, the chat template's), at most 64 new tokens, temperature 0.8, one
 PPO epoch over one minibatch of 16, LoRA r=16 (alpha 16) on every linear layer of the policy and of the
-critic (the critic's score head trains too), token-level PPO (ours: --n 1). The first iteration is
+critic (the critic's score head trains too; --lora_r 0: full fine-tuning on both sides instead), token-level PPO
+(ours: --n 1). The first iteration is
 warm-up; the table gives the median of the others, wall-clock and CPU seconds (all threads of the
 process: the steadier number on a machine shared with other jobs). Each side runs in a subprocess of its own and reports
 its peak resident memory (VmHWM: loading and training), so the two do not share a process.
@@ -80,10 +81,11 @@ TINY_ARMS = {"gae": {}, "group": {"advantage": "group", "group_size": 4},
 
 
 def sizes(cli):
-    """The sizes both sides run at: the SmolLM2 recipe's (LoRA r=16, the chat template) or, --tiny, TINY's."""
+    """The sizes both sides run at: the SmolLM2 recipe's (LoRA r=16, or --lora_r's rank, 0 for full fine-tuning; the
+    chat template) or, --tiny, TINY's."""
     if cli.tiny:
         return TINY
-    return {"prompts": B, "prompt_len": PROMPT, "new_tokens": RESPONSE, "lora_r": R, "chat_template": True,
+    return {"prompts": B, "prompt_len": PROMPT, "new_tokens": RESPONSE, "lora_r": cli.lora_r, "chat_template": True,
             "threads": None}
 
 
@@ -180,7 +182,7 @@ def trl(cli):
     policy = AutoModelForCausalLM.from_pretrained(cli.sft_path, dtype=torch.float32)
     value = AutoModelForSequenceClassification.from_pretrained(cli.rm_path, num_labels=1, dtype=torch.float32)
     reward = AutoModelForSequenceClassification.from_pretrained(cli.rm_path, num_labels=1, dtype=torch.float32)
-    lora = dict(r=R, lora_alpha=R, lora_dropout=0.0, target_modules=TARGETS.split(","))
+    lora = dict(r=z["lora_r"], lora_alpha=R, lora_dropout=0.0, target_modules=TARGETS.split(","))
     ref = None          # under LoRA TRL's reference is the policy with its adapters off
     if z["lora_r"]:
         value = inject_adapter_in_model(LoraConfig(**lora), value)
@@ -315,7 +317,8 @@ def run_side(cli, side, batches, tmp, result, *flags, log=None):
     out = open(log, "w") if log else None
     done = subprocess.run([python, os.path.abspath(__file__), "--side", side, "--sft_path", cli.sft_path, "--rm_path",
                            cli.rm_path, "--task", cli.task, "--steps", str(cli.steps), "--batches", batches, "--tmp",
-                           tmp, "--result", result, *flags], stdout=out, stderr=out and subprocess.STDOUT)
+                           tmp, "--result", result, "--lora_r", str(cli.lora_r), *flags], stdout=out,
+                          stderr=out and subprocess.STDOUT)
     if done.returncode:
         sys.exit(f"error: the {side} side failed" + (f"; the end of {log}:\n{open(log).read()[-3000:]}" if log else ""))
     json.dump({**json.load(open(result)), "wall_s": time.time() - t0, "finished": time.strftime("%H:%M:%S"),
@@ -394,6 +397,9 @@ def main():
     parser.add_argument("--show", default="", help="print the table of a record written by --record, and exit")
     parser.add_argument("--tiny", action="store_true", help="the tiny sizes instead: random models built here, "
                         "1x1 and 2x2 updates, TRL without its venv skipped")
+    parser.add_argument("--lora_r", type=int, default=R, help=f"the SmolLM2 sizes: the LoRA rank of the policy and the "
+                        f"critic on both sides (default {R}, the recipe's); 0 = full fine-tuning on both sides (every "
+                        "weight trained, the reference a frozen copy of the SFT model)")
     parser.add_argument("--arms", default="gae,group", help="--tiny: ours' advantage kinds, of " + ", ".join(TINY_ARMS)
                         + " (TRL runs beside gae)")
     parser.add_argument("--configs", default="1x1,2x2", help="--tiny: update configurations, <epochs>x<minibatches>, "
@@ -420,6 +426,9 @@ def main():
             torch.set_num_threads(sizes(cli)["threads"])
         json.dump({"ours": ours, "trl": trl}[cli.side](cli), open(cli.result, "w"))
         return
+    if cli.lora_r < 0 or (cli.tiny and cli.lora_r != R):
+        parser.error(f"--lora_r {cli.lora_r}: a rank >= 0 (0 = full fine-tuning), for the SmolLM2 sizes only (--tiny "
+                     "trains every weight)")
     if cli.tiny:
         if set(cli.arms.split(",")) - set(TINY_ARMS):
             parser.error(f"--arms {cli.arms}: choose among {', '.join(TINY_ARMS)}")
@@ -438,7 +447,7 @@ def main():
               "commit": git("rev-parse", "HEAD"), "dirty": bool(git("status", "--porcelain", "--untracked-files=no")),
               "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "cpus": os.cpu_count(),
               "load_average": [round(x, 2) for x in os.getloadavg()],
-              "sizes": {"prompts": B, "max_prompt_len": PROMPT, "max_new_tokens": RESPONSE, "lora_r": R,
+              "sizes": {"prompts": B, "max_prompt_len": PROMPT, "max_new_tokens": RESPONSE, "lora_r": cli.lora_r,
                         "temperature": TEMPERATURE, "lr": LR, "seed": SEED, "steps": cli.steps},
               "weights_sha256": {"sft": weights_hash(cli.sft_path), "rm": weights_hash(cli.rm_path)}}
     tmp = tempfile.mkdtemp(prefix="real_ppo_bench_")
@@ -452,8 +461,9 @@ def main():
                for side in ("ours", "trl") if os.path.exists(os.path.join(keep, f"{side}.json"))}
     record["sides"] = {side: side_summary(r) for side, r in results.items()}
     record["load_average_end"] = [round(x, 2) for x in os.getloadavg()]
-    print(f"\n{B} prompts (<= {PROMPT} tokens, chat template), <= {RESPONSE} new tokens, LoRA r={R} on policy and "
-          f"critic, 1 epoch x 1 minibatch, median of the iterations after the first\n")
+    trained = f"LoRA r={cli.lora_r} on policy and critic" if cli.lora_r else "full fine-tuning of policy and critic"
+    print(f"\n{B} prompts (<= {PROMPT} tokens, chat template), <= {RESPONSE} new tokens, {trained}, 1 epoch x 1 "
+          f"minibatch, median of the iterations after the first\n")
     print("wall-clock seconds (CPU seconds of the process, all threads)\n")
     print(table(record))
     print("\nevery iteration (wall s, then CPU s: generate / forwards / update / total; response tokens):")

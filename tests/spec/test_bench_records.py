@@ -63,3 +63,13 @@ def test_decode_loop_bench_draws_the_tokens_generate_draws(tiny_lm, tokenizer):
     torch.manual_seed(8)                                   # another seed, other tokens: the check can fail
     other = decode.plain_loop(tiny_lm, tokenizer, prompts, 16, 12, {"multinomial": 0.0})
     assert not torch.equal(data.cut_after_eos(other, tokenizer.eos_token_id, tokenizer.pad_token_id)[0], g_ids)
+
+
+def test_real_ppo_refuses_a_lora_rank_it_cannot_run():
+    """--lora_r: a rank >= 0 (0 = full fine-tuning) at the SmolLM2 sizes; --tiny trains every weight already."""
+    import subprocess
+    import sys
+    for flags in (["--tiny", "--lora_r", "4"], ["--lora_r", "-1", "--sft_path", "x", "--rm_path", "y"]):
+        done = subprocess.run([sys.executable, str(ROOT / "bench" / "real_ppo.py"), *flags], capture_output=True,
+                              text=True)
+        assert done.returncode == 2 and f"--lora_r {flags[flags.index('--lora_r') + 1]}: a rank >= 0" in done.stderr
