@@ -310,3 +310,39 @@ def test_the_prepared_study_arms_parse_and_pair_each_with_its_tasks_ppo():
             assert args.kl_target == float(study.CRITIC_FREE_KL[c.task][0])
             kinds.add((args.advantage, args.ratio))
         assert kinds == {("gae", "token"), ("group", "token"), ("group", "macro"), ("group", "sequence"), ("mc", "token")}
+
+
+class RowScorer:
+    """A deterministic scorer for the Monte Carlo glue: a continuation scores its problem's `value`, whatever it says
+    (step 2's scorer interface: ids, mask, prompt width, rows -> (score, dense, passed, stats))."""
+    reads_segments, segment_settings = False, None
+
+    def __call__(self, ids, attention_mask, prompt_width, rows, seg_starts=None, inside=None):
+        return torch.tensor([float(r["value"]) for r in rows]), None, None, {}
+
+
+@pytest.mark.parametrize("penalty", [0.0, -1.0])
+def test_mc_values_score_each_continuation_against_its_own_rows_problem(tiny_models, tmp_path, penalty):
+    """ppo.monte_carlo_values: the continuations from row b's points are scored with row b's problem (the `rows` of
+    the rollout), V(point) is their mean, and a continuation that ends without EOS takes --missing_eos_penalty."""
+    import data
+    import harness
+    import ppo
+    args, code_task = ppo.resolve(ppo_args(tiny_models, tmp_path, advantage="mc", mc_rollouts=3, mc_points=2,
+                                           missing_eos_penalty=penalty))
+    s = ppo.setup(args, code_task, harness.make_accelerators(False, 1, args.mini_batch_size))
+    s.scorer = RowScorer()
+    rows = [{**s.rows[i], "value": 10.0 * (i + 1)} for i in range(3)]
+    torch.manual_seed(0)
+    p_ids, p_mask, r_ids, r_mask, _ = data.sample(s.policy.model, s.tokenizer, [r["prompt"] for r in rows],
+                                                  args.max_prompt_len, args.max_response_len)
+    starts = ma.fixed_ngram_starts(r_mask, 3)
+    values, points = ppo.monte_carlo_values(s, args, p_ids, p_mask, r_ids, starts, r_mask.float(), rows)
+    assert points.sum() >= 3 and (values[~points] == 0).all()
+    for b, row in enumerate(rows):
+        got = values[b][points[b]]
+        assert (got <= row["value"]).all() and (got >= row["value"] + penalty).all()   # row b's problem, no other's
+        if not penalty:
+            assert torch.equal(got, torch.full_like(got, row["value"]))
+    if penalty:     # random weights seldom sample EOS within 8 tokens: some continuations pay the penalty
+        assert (values[points] < torch.tensor([r["value"] for r in rows])[points.nonzero()[:, 0]]).any()
