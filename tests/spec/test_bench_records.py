@@ -5,6 +5,8 @@ import json
 import pathlib
 import re
 
+import pytest
+
 from stages import bench_module
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent.parent
@@ -30,8 +32,9 @@ def test_a_side_summary_is_the_median_of_the_iterations_after_the_warm_up():
     assert summary["iterations"] == its
 
 
-def test_the_committed_record_says_what_produced_it():
-    record = json.loads(RECORD.read_text())
+@pytest.mark.parametrize("name", ["real_ppo.json", "real_ppo_full.json"])
+def test_the_committed_record_says_what_produced_it(name):
+    record = json.loads(RECORD.with_name(name).read_text())
     assert re.fullmatch(r"[0-9a-f]{40}", record["commit"]) and record["command"].startswith("python bench/real_ppo.py")
     assert set(record["weights_sha256"]) == {"sft", "rm"} and record["cpus"] >= 1
     for side in record["sides"].values():
@@ -40,9 +43,16 @@ def test_the_committed_record_says_what_produced_it():
         assert all(side["median_s"][k]["wall"] > 0 for k in ("generate", "forwards", "update", "total"))
 
 
-def test_real_models_table_is_printed_from_the_committed_record():
-    table = real_ppo().table(json.loads(RECORD.read_text()))
-    assert table in (ROOT / "docs" / "real_models.md").read_text()
+def test_real_models_tables_are_printed_from_the_committed_records():
+    for record in (RECORD, RECORD.with_name("real_ppo_full.json")):       # LoRA r=16, and full fine-tuning
+        table = real_ppo().table(json.loads(record.read_text()))
+        assert table in (ROOT / "docs" / "real_models.md").read_text()
+
+
+def test_the_full_fine_tuning_record_trains_every_weight():
+    record = json.loads(RECORD.with_name("real_ppo_full.json").read_text())
+    assert record["sizes"]["lora_r"] == 0 and "--lora_r 0" in record["command"]
+    assert record["weights_sha256"] == json.loads(RECORD.read_text())["weights_sha256"]    # the same folders
 
 
 def test_decode_loop_bench_draws_the_tokens_generate_draws(tiny_lm, tokenizer):
