@@ -151,9 +151,14 @@ def test_one_minibatch_reuses_the_policys_scoring_forward_without_a_critic(tiny_
 
 @pytest.mark.launch
 def test_a_critics_advantages_under_the_sequence_ratio(tiny_models, tmp_path):
-    """--ratio sequence is one more ratio for every advantage kind, gae with its critic too: both models train."""
+    """--ratio sequence is one more ratio for every advantage kind, gae with its critic too: both models train, and
+    after the first minibatch's step (the second minibatch's ratios are no longer 1) the policy's loss is not the
+    token ratio's."""
     import ppo
-    ppo.main(ppo_args(tiny_models, tmp_path, steps=2, ratio="sequence", policy_lr=0.05))
-    rows = metrics_of(tmp_path)
-    assert all(v == v for row in rows for v in row.values())
-    assert rows[1]["value/grad_norm"] > 0 and rows[1]["policy/grad_norm"] > 0
+    rows = {}
+    for ratio in ("sequence", "token"):
+        ppo.main(ppo_args(tiny_models, tmp_path / ratio, steps=2, ratio=ratio, policy_lr=0.05))
+        rows[ratio] = metrics_of(tmp_path / ratio)
+    assert all(v == v for row in rows["sequence"] for v in row.values())
+    assert rows["sequence"][1]["value/grad_norm"] > 0 and rows["sequence"][1]["policy/grad_norm"] > 0
+    assert rows["sequence"][0]["loss/policy"] != pytest.approx(rows["token"][0]["loss/policy"], abs=1e-7)

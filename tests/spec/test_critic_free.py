@@ -321,10 +321,11 @@ class RowScorer:
         return torch.tensor([float(r["value"]) for r in rows]), None, None, {}
 
 
-@pytest.mark.parametrize("penalty", [0.0, -1.0])
-def test_mc_values_score_each_continuation_against_its_own_rows_problem(tiny_models, tmp_path, penalty):
+@pytest.mark.parametrize("penalty, always_eos", [(0.0, False), (-1.0, False), (-1.0, True)])
+def test_mc_values_score_each_continuation_against_its_own_rows_problem(tiny_models, tmp_path, penalty, always_eos):
     """ppo.monte_carlo_values: the continuations from row b's points are scored with row b's problem (the `rows` of
-    the rollout), V(point) is their mean, and a continuation that ends without EOS takes --missing_eos_penalty."""
+    the rollout), V(point) is their mean, and a continuation that ends without EOS takes --missing_eos_penalty; one
+    that ends with it (`always_eos`: the policy's head made to put all its weight on EOS) takes none."""
     import data
     import harness
     import ppo
@@ -337,12 +338,16 @@ def test_mc_values_score_each_continuation_against_its_own_rows_problem(tiny_mod
     p_ids, p_mask, r_ids, r_mask, _ = data.sample(s.policy.model, s.tokenizer, [r["prompt"] for r in rows],
                                                   args.max_prompt_len, args.max_response_len)
     starts = ma.fixed_ngram_starts(r_mask, 3)
+    if always_eos:      # every continuation ends at its first token, with EOS
+        eos = s.tokenizer.eos_token_id
+        s.policy.model.get_output_embeddings().register_forward_hook(
+            lambda module, inputs, logits: logits.index_fill(-1, torch.tensor([eos]), 1e4))
     values, points = ppo.monte_carlo_values(s, args, p_ids, p_mask, r_ids, starts, r_mask.float(), rows)
     assert points.sum() >= 3 and (values[~points] == 0).all()
     for b, row in enumerate(rows):
         got = values[b][points[b]]
         assert (got <= row["value"]).all() and (got >= row["value"] + penalty).all()   # row b's problem, no other's
-        if not penalty:
+        if not penalty or always_eos:
             assert torch.equal(got, torch.full_like(got, row["value"]))
-    if penalty:     # random weights seldom sample EOS within 8 tokens: some continuations pay the penalty
+    if penalty and not always_eos:     # random weights seldom sample EOS within 8 tokens: some continuations pay
         assert (values[points] < torch.tensor([r["value"] for r in rows])[points.nonzero()[:, 0]]).any()

@@ -603,8 +603,40 @@ def test_rm_stage_writes_no_score_norm_and_the_fit_is_the_mean_and_std_of_the_rm
 
 def test_mc_values_score_each_continuation_with_the_segment_rms_e(tiny_models, segment_rm, tmp_path):
     """--advantage mc under --reward rm with a segment RM: a continuation is scored as step 2 scores a rollout, e(x, y)
-    on its own segments (the SFT model's entropy of the continuation), not on the sampled response's."""
+    on its own segments (the SFT model's entropy of the continuation), not on the sampled response's. The same
+    continuations (the same seed) scored through step 2's calls give the same values."""
+    import data
+    import harness
     import ppo
-    ppo.main(ppo_args(tiny_models, segment_rm, tmp_path, steps=1, advantage="mc", mc_rollouts=2, mc_points=2))
-    [row] = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    ppo.main(ppo_args(tiny_models, segment_rm, tmp_path / "run", steps=1, advantage="mc", mc_rollouts=2, mc_points=2))
+    [row] = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert row["mc/points"] >= 1 and all(v == v for v in row.values())
+    args, code_task = ppo.resolve(ppo_args(tiny_models, segment_rm, tmp_path / "one", advantage="mc", mc_rollouts=2,
+                                           mc_points=3))
+    s = ppo.setup(args, code_task, harness.make_accelerators(False, 1, args.mini_batch_size))
+    assert s.scorer.reads_segments
+    rows = s.rows[:3]
+    torch.manual_seed(0)
+    p_ids, p_mask, r_ids, r_mask, _ = data.sample(s.policy.model, s.tokenizer, [r["prompt"] for r in rows],
+                                                  args.max_prompt_len, args.max_response_len)
+    starts = ma.fixed_ngram_starts(r_mask, 2)
+    torch.manual_seed(1)
+    values, points = ppo.monte_carlo_values(s, args, p_ids, p_mask, r_ids, starts, r_mask.float(), rows)
+    # step 2 on the very continuations: its reference entropy, its segments, its scorer
+    torch.manual_seed(1)
+    c_p_ids, c_p_mask, c_ids, c_mask = data.sample_continuations(s.policy.model, s.tokenizer, p_ids, p_mask, r_ids,
+                                                                 points, 2, args.temperature)
+    ids, mask, P = torch.cat([c_p_ids, c_ids], 1), torch.cat([c_p_mask, c_mask], 1), c_p_ids.shape[1]
+    with torch.no_grad():
+        _, entropy = ppo.reference_logprobs(s.ref, s.policy.accelerator, s.policy.model, ids, mask, P,
+                                            args.temperature, t1_entropy=True)
+        seg_starts, inside = s.scorer.segments(c_ids, c_mask, entropy)
+        score = s.scorer(ids, mask, P, [rows[i] for i in points.nonzero()[:, 0].repeat_interleave(2)], seg_starts,
+                         inside)[0]
+    assert torch.allclose(values, ma.mc_values(score, points, 2), atol=1e-6)
+    # the sampled responses' own segments would give other values: the check can tell them apart
+    with torch.no_grad():
+        _, r_entropy = ppo.reference_logprobs(s.ref, s.policy.accelerator, s.policy.model,
+                                              torch.cat([p_ids, r_ids], 1), torch.cat([p_mask, r_mask], 1),
+                                              p_ids.shape[1], args.temperature, t1_entropy=True)
+    assert not torch.equal(entropy, r_entropy[points.nonzero()[:, 0].repeat_interleave(2)])
