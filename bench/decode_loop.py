@@ -3,8 +3,9 @@
 Times data.sample (generate() with the rollout's explicit config) against a plain decoding loop of the same
 distribution: the model's forward on the KV cache, a softmax and torch.multinomial per step, finished rows padded,
 stopping when every row has its EOS. Under one seed both draw the same tokens (checked and printed), so the
-difference is generate()'s own overhead. Also prints the share of the loop's time spent in torch.multinomial
-(on CPU, a draw of an exponential per vocabulary entry and row: the sampling itself, not overhead).
+difference is generate()'s own overhead. Also prints the share of the loop's time spent in the softmax and
+torch.multinomial's draw (on CPU, an exponential per vocabulary entry and row: the sampling itself, not overhead).
+Both sample at temperature 1 (the rollouts use 0.8: one division of the logits apart).
 
     python bench/decode_loop.py [--model runs/chitchat/sft] [--batch 32,256] [--new_tokens 32] [--repeats 5]
 
@@ -27,7 +28,7 @@ import data  # noqa: E402
 @torch.no_grad()
 def plain_loop(model, tokenizer, prompts, max_prompt_len, new_tokens, timings):
     """Sampled responses [B, <= new_tokens] at temperature 1 with no top-k / top-p, as data.sample draws them;
-    `timings["multinomial"]` gathers the seconds spent drawing."""
+    `timings["multinomial"]` gathers the seconds of the softmax and the draw."""
     ids, mask, _ = data.encode_prompts(tokenizer, prompts, max_prompt_len)
     from transformers import DynamicCache
     cache, pos, x = DynamicCache(config=model.config), data.position_ids(mask), ids
@@ -70,7 +71,7 @@ def main():
     prompts = data.prompts_of(data.load_task("chitchat", only=("test",))["test"])     # held-out prompts
     print(f"{a.model}: {sum(t.numel() for t in model.parameters()) / 1e6:.1f}M parameters, {a.new_tokens} new tokens, "
           f"{torch.get_num_threads()} threads; median of {a.repeats} calls")
-    print("| prompts | generate() s | plain loop s | loop / generate | multinomial share of the loop | same tokens |")
+    print("| prompts | generate() s | plain loop s | loop / generate | softmax + multinomial, share of the loop | same tokens |")
     print("|---|---|---|---|---|---|")
     for batch in [int(b) for b in a.batch.split(",")]:
         chunk = (prompts * (batch // len(prompts) + 1))[:batch]

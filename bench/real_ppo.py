@@ -398,8 +398,8 @@ def main():
     parser.add_argument("--tiny", action="store_true", help="the tiny sizes instead: random models built here, "
                         "1x1 and 2x2 updates, TRL without its venv skipped")
     parser.add_argument("--lora_r", type=int, default=R, help=f"the SmolLM2 sizes: the LoRA rank of the policy and the "
-                        f"critic on both sides (default {R}, the recipe's); 0 = full fine-tuning on both sides (every "
-                        "weight trained, the reference a frozen copy of the SFT model)")
+                        f"critic on both sides (default {R}, the recipe's; alpha stays {R} at every rank); 0 = full "
+                        "fine-tuning on both sides (every weight trained, the reference a frozen copy of the SFT model)")
     parser.add_argument("--arms", default="gae,group", help="--tiny: ours' advantage kinds, of " + ", ".join(TINY_ARMS)
                         + " (TRL runs beside gae)")
     parser.add_argument("--configs", default="1x1,2x2", help="--tiny: update configurations, <epochs>x<minibatches>, "
