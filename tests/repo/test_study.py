@@ -687,7 +687,7 @@ UNRECORDED = {
     "per-prompt scores of the same runs are in their records",
     ("docs/real_models.md", "| side | generate | forwards"): "bench/records/real_ppo.json (bench/real_ppo.py --show, tested)",
     ("docs/real_models.md", "ours / TRL: "): "bench/records/real_ppo.json, printed by bench/real_ppo.py --show (tested)",
-    ("docs/real_models.md", "Measured on the 2-core CPU with nothing else"): "bench/records/real_ppo.json's sitting "
+    ("docs/real_models.md", "Measured on the 2-core CPU with the study's"): "bench/records/real_ppo.json's sitting "
     "and the one before it, bench/records/real_ppo_d3f2e1d.json",
     ("docs/real_models.md", "**Where the memory went.**"): "memory measurements: no record",
     ("docs/real_models.md", "Here ours is the slower side"): "bench/records/real_ppo_full.json and real_ppo.json "
