@@ -652,12 +652,15 @@ def test_configs_runs_only_those_configurations(tmp_path, monkeypatch):
 
 
 # ---------------------------------------------------------------- no figure in the prose without a record
-# A figure is a decimal or a percentage (counts of seeds, iterations and tokens are not checked). Each one in the
-# prose of these pages must be a figure of the generated tables (docs/study/study.md, written from the records by
-# `learning_efficiency.py report`) of a hypothesis its paragraph is about: named in backticks or linked as #name, or,
-# on the study page, the hypothesis of its section. The prose may round a table's figure, never change it.
+# A figure is a decimal or a percentage, with its sign where it has one, and each end of a range (counts of seeds,
+# iterations and tokens are not checked). Each one in the prose of these pages must be a figure of the generated
+# tables (docs/study/study.md, written from the records by `learning_efficiency.py report`) of a hypothesis its
+# paragraph is about: named in backticks or linked as #name, or, on the study page, the hypothesis of its section.
+# The prose may round a table's figure, never change it; a signed figure keeps its sign (an unsigned one is read as
+# a size: "PPO ahead by 0.04" for a table's -0.040).
 PROSE = ("README.md", "docs/study/README.md", "docs/real_models.md")
-FIGURE = re.compile(r"(?<![\w.#/§-])\d+\.\d+%?(?![\w.]*\d)|(?<![\w.#/§-])\d+%")   # not §3.3, v1.2.3
+# a sign only after a space or a bracket: the "-" of "0.988-0.998" joins a range, its second end unsigned
+FIGURE = re.compile(r"(?<![\w.#/§])([+\-−]?)(\d+\.\d+%?(?![\w.]*\d)|\d+%)")   # not §3.3, v1.2.3
 # Figures allowed in any paragraph, each with the reason it needs no record.
 ANYWHERE = {
     "50%": "even odds: the line every win rate is read against",
@@ -699,15 +702,22 @@ UNRECORDED = {
 def generated_figures():
     """{hypothesis: its generated section's figures} from docs/study/study.md."""
     text = open(os.path.join(ROOT, "docs", "study", "study.md")).read()
-    return {part.split(":", 1)[0]: re.findall(r"\d+(?:\.\d+)?%?", part) for part in text.split("### ")[1:]}
+    return {part.split(":", 1)[0]: re.findall(r"(?<![\w.])[+\-−]?\d+(?:\.\d+)?%?", part)
+            for part in text.split("### ")[1:]}
 
 
 def rounds_to(figure, generated):
-    """`figure` ("0.91", "46.7%") is one of `generated` as printed or rounded to the figure's decimals."""
-    percent = figure.endswith("%")
-    value = figure.rstrip("%")
+    """`figure` ("0.91", "46.7%", "-0.05") is one of `generated` as printed or rounded to the figure's decimals; a
+    signed figure only with its sign ("+" or none: positive), an unsigned one with either."""
+    percent, signed = figure.endswith("%"), figure[0] in "+-−"
+    value = figure.rstrip("%").replace("−", "-")
     decimals = len(value.split(".")[1]) if "." in value else 0
-    return any(g.endswith("%") == percent and f"{float(g.rstrip('%')):.{decimals}f}" == value for g in generated)
+    number = float(value)
+
+    def same(g):
+        g = float(g.rstrip("%").replace("−", "-"))
+        return f"{(g if signed else abs(g)):.{decimals}f}" == f"{number:.{decimals}f}"
+    return any(g.endswith("%") == percent and same(g) for g in generated)
 
 
 def unsourced_figures(path):
@@ -725,8 +735,8 @@ def unsourced_figures(path):
         anchors = [w for a in re.findall(r"#([\w-]+)\)", paragraph) for w in (a, *a.split("-"))]
         named = named_by_heading | set(re.findall(r"`(\w+)`", paragraph)) | set(anchors)
         allowed = [g for name in named for g in generated.get(name, [])]
-        out += [(heading, f, paragraph[:60]) for f in FIGURE.findall(paragraph)
-                if f not in ANYWHERE and not rounds_to(f, allowed)]
+        out += [(heading, sign + f, paragraph[:60]) for sign, f in FIGURE.findall(paragraph)
+                if f not in ANYWHERE and not rounds_to(sign + f, allowed)]
     return out
 
 
@@ -744,6 +754,17 @@ def test_a_figure_outside_its_hypothesis_tables_is_caught(tmp_path, monkeypatch)
     (tmp_path / "page.md").write_text("# t\n\n`real_kl` ends at 0.91 against 6.2.\n\nIn `kl`, 0.91.\n\n"
                                       "[it](x.md#kl) ends at 6.16; 0.87 in none.\n")
     assert [f for _, f, _ in unsourced_figures("page.md")] == ["6.2", "0.91", "0.87"]
+
+
+def test_a_figures_sign_and_a_ranges_second_end_are_checked(tmp_path, monkeypatch):
+    """A signed figure must keep its table's sign (an unsigned one is read as a size); the end of a range and a
+    negative figure are figures like any other."""
+    monkeypatch.setattr(sys.modules[__name__], "ROOT", str(tmp_path))
+    (tmp_path / "docs" / "study").mkdir(parents=True)
+    (tmp_path / "docs" / "study" / "study.md").write_text("### real_kl: q\n| -0.054 [-0.089, +0.001] | 0.988 |\n")
+    (tmp_path / "page.md").write_text("# t\n\n`real_kl`: -0.054 [-0.09, +0.00], PPO ahead by 0.054, +0.054 flipped; "
+                                      "0.988-0.998 over seeds, -0.33 in none.\n")
+    assert [f for _, f, _ in unsourced_figures("page.md")] == ["+0.054", "0.998", "-0.33"]
 
 
 @pytest.mark.parametrize("path", PROSE)
