@@ -248,8 +248,8 @@ def tiny_kl(task):
 # (0.46 of PPO's): MA-PPO's final KL is flat near 0.5 from 0.09 to 0.15 and about 2.5 at 0.05. 0.07 is where PPO's
 # 0.87 falls between 0.05 and 0.09 (about 0.074), interpolating log KL against log beta. Over 6 seeds 0.07 ended
 # at 1.21 against PPO's 0.89 (ratio 1.36, not matched); the same reading between 0.07 and 0.09 (0.51) puts 0.89
-# at about 0.077, which matched on the mean (0.91 against 0.89 over 6 seeds) but in 1 pair of 6 only
-# (kl_matched). Chosen from KLs only.
+# at about 0.077, whose mean KL over 6 seeds came near PPO's (0.91 against 0.89) though 1 pair of 6 only was
+# matched (kl_matched). Chosen from KLs only.
 REAL_KL_PPO_BETA = "0.05"
 REAL_KL_MA_BETAS = ("0.07", "0.077")   # the headline tries
 # The second level, lower: MA-PPO's final KL sits near 0.5 at 0.09 and 0.12, where the first tries left it, so
@@ -270,7 +270,7 @@ def beta_pairs(ppo_beta, ma_betas):
 
 
 # The headline pair again on 10 seeds (the detectable effect near 0.07 gold at this spread), every arm on one SFT /
-# RM build of its own (REAL_KL10_MODELS) and its own SFT record; prepared with the margin stated, not run yet.
+# RM build of its own (REAL_KL10_MODELS) and its own SFT record; the margin stated before its first run.
 REAL_KL10 = (real("kl10_n1_beta0.05", "PPO (n=1), beta 0.05", ("--n", "1", "--beta", REAL_KL_PPO_BETA), model="smollm2_kl10"),
              real("kl10_n5_beta0.077", "MA-PPO (n=5), beta 0.077", ("--n", "5", "--beta", "0.077"), "real_kl10_n1_beta0.05",
                   model="smollm2_kl10"))
@@ -391,7 +391,7 @@ def critic_free(task):
 CRITIC_FREE = {
     f"critic_free{'' if task == 'chitchat' else '_' + task}": Hypothesis(
         f"Credit without a critic on {task}: do a group baseline or Monte Carlo macro values beat PPO's critic at "
-        "matched KL?", critic_free(task), matched_kl=CRITIC_FREE_KL[task][1], kl_points=CRITIC_FREE_KL[task][2])
+        "equal KL?", critic_free(task), matched_kl=CRITIC_FREE_KL[task][1], kl_points=CRITIC_FREE_KL[task][2])
     for task in ("chitchat", "code")}
 HYPOTHESES.update(CRITIC_FREE)
 # `all` runs every hypothesis but the real model's (they need requirements-slow.txt and 30-40 minutes a run).
@@ -482,6 +482,7 @@ KL_WINDOW = 5
 MATCH = 1.2       # two runs are at matched KL when the larger final KL is at most 1.2 times the smaller
 MARGIN = 0.05     # gold: a difference whose 90% interval lies inside +-MARGIN is "level" (two one-sided tests)
 DRAWS = 4000      # seed-then-prompt bootstrap draws (seeded: the same tables every time)
+UNEQUAL = "no verdict: not at equal KL"   # a comparison whose pairs did not all end at matched KL (the fits decide)
 RERUN_SEEDS = 10  # the seeds of real_kl10: each fit says what it could detect with them
 T_95 = {1: 6.314, 2: 2.920, 3: 2.353, 4: 2.132, 5: 2.015, 6: 1.943, 7: 1.895, 8: 1.860, 9: 1.833, 10: 1.812}
 T_80 = {1: 1.376, 2: 1.061, 3: 0.978, 4: 0.941, 5: 0.920, 6: 0.906, 7: 0.896, 8: 0.889, 9: 0.883, 10: 0.879}
@@ -1367,8 +1368,10 @@ def matched_kl_table(args, h, records, result):
                             f"{t_interval([run_kl(p) for p in partner])[0]:.2f}, "
                             + ("at matched KL on every pair" if every else
                                f"NOT at matched KL ({n_matched} of {len(pairs)} pairs within {MATCH:g}x)")
-                            + f"; {arm_name(config)} minus {arm_name(configs[config.partner])} {key} " + fmt_verdict(gap)
-                            + ("" if every else ", at the KLs these runs ended at, not at equal KL") + ".")
+                            + f"; {arm_name(config)} minus {arm_name(configs[config.partner])} {key} "
+                            # the rules' words are for comparisons at equal KL: runs that ended apart get none
+                            + fmt_verdict(gap if every or "ci95" not in gap else {**gap, "verdict": UNEQUAL})
+                            + ("" if every else ", at the KLs these runs ended at") + ".")
     # Each arm's comparison at equal KL: its runs (and its partners') in the order of h.configs, its matched pairs.
     # With one method that is every run of the hypothesis: the pooled comparison of one method at several KLs.
     by_arm, blocks = {}, []
@@ -1472,9 +1475,12 @@ def kl_points_table(args, hypothesis, records, result):
     lines = ["", f"Read at the same KL: each run's {curve} against its KL (run_kl: the last {KL_WINDOW} iterations' "
              "batches) at every evaluation, "
              f"sorted by KL and interpolated linearly, read at each KL below; {arm} minus PPO paired by seed where both "
-             "runs passed through that KL (95% t-interval over the pairs" + (")." if several else "; `all` averages the "
+             "runs passed through that KL (95% t-interval over the pairs" + (")" if several else "; `all` averages the "
              "pairs of each seed over every row and gives one gap per seed: the runs of one seed share their sampling "
-             "seeds, and a run whose KL stayed below both targets repeats its run at the other target).")
+             "seeds, and a run whose KL stayed below both targets repeats its run at the other target)")
+             + ". A description, not a test: the evaluations keep means, not per-prompt scores, so these intervals "
+             "count the seeds alone (every seed answers the same prompts) and no verdict is read from them; the "
+             "fits and matched pairs above give the verdicts."
              + ("" if traced or not fixed else f" The fixed-beta pair ({ma_name} against {ppo_name}) is left out: its records keep no "
                 "trace, so their KL would be one batch's."), "",
              "| pair | " + " | ".join(f"KL {k}: pairs, PPO / {arm}, {arm} minus PPO" for k in h.kl_points) + " |",
@@ -1588,7 +1594,8 @@ def paired_table(h, records, result):
     win_key = h.configs[0].win_key
     labels = {c.name: c.label for c in h.configs}
     lines = ["", f"Paired by seed with PPO under the same change: first-half mean {score}, this minus that "
-             f"PPO (95% t-interval over seeds), and the {win_key} win rate of the final policies against it (95% "
+             f"PPO (95% t-interval over seeds alone: the evaluations keep means, so the prompts, which every seed shares, "
+             f"are not counted; a description, no verdict), and the {win_key} win rate of the final policies against it (95% "
              "interval from a seed-then-prompt bootstrap).", "",
              "| configuration | against | seeds | first-half mean gap | win rate [95% CI] |", "|---" * 5 + "|"]
     for config in h.configs[1:]:
@@ -1619,7 +1626,9 @@ def early_table(h, records, result):
     lines = ["", f"The first evaluation (iteration {first}), the final mean macro length and response length (tokens)"
              + (" and the share of exact counts among the final policies' answers" if exact else "")
              + (", the final distinct-2 of the held-out replies (the SFT model's: degenerate below half of it)" if diverse else "")
-             + ":", "",
+             + (f". KL: run_kl, the {KL_WINDOW} iterations up to it; * runs recorded without a trace, whose KL is that "
+                "iteration's batch alone (not comparable with the others)" if not all(map(has_trace, (r for v in done.values() for r in v)))
+                else "") + ":", "",
              f"| configuration | {score} at iteration {first} | KL at iteration {first} | final mean macro length | "
              "final response length" + (" | final exact counts" if exact else "")
              + (" | final distinct-2 (SFT's)" if diverse else "") + " |", "|---" * (5 + exact + diverse) + "|"]
@@ -1632,7 +1641,8 @@ def early_table(h, records, result):
                  "kl_at_first": t_interval([run_kl(r, first) for r in runs]),
                  "macro_len": t_interval([r["rows"][-1]["macro/mean_len"] for r in runs]),
                  "response_len": t_interval([r["rows"][-1]["response/len"] for r in runs])}
-        cells = [fmt(*entry["score_at_first"]), fmt(*entry["kl_at_first"]), f"{entry['macro_len'][0]:.1f}",
+        one_batch = "" if all(map(has_trace, runs)) else " *"        # as the final table marks it
+        cells = [fmt(*entry["score_at_first"]), fmt(*entry["kl_at_first"]) + one_batch, f"{entry['macro_len'][0]:.1f}",
                  f"{entry['response_len'][0]:.1f}"]
         if exact:
             golds = [g for r in runs for g in r["final"]["gold"]]

@@ -380,6 +380,9 @@ def test_matched_kl_pairs_each_method_with_ppo_at_its_own_target_by_hand(tmp_pat
     assert b["gap_vs_ppo"]["mean"] == pytest.approx(0.2) and b["gap_vs_ppo"]["seeds"] == 2
     assert verdicts[2].startswith(f"- beta {n5_beta.flag('--beta')} (PPO at beta {n1_beta.flag('--beta')}): "
                                   "final KL 0.85 against PPO's 0.80, NOT at matched KL (1 of 2 pairs within 1.2x)")
+    # a pair that ended apart gets its interval and detectable effect, never one of the rules' words
+    assert verdicts[2].endswith(f"detectable effect {b['gap_vs_ppo']['mde']:.3f}): **no verdict: not at equal KL**, "
+                                "at the KLs these runs ended at.")
     assert f"| {study.held_at(n5_beta)} | {study.held_at(n1_beta)} | 2 | 0.60 / 0.80 | 1.33 | no | 0.400 / 0.500 | +0.100 |" in lines
     # at equal KL over every run: the matched pairs alone are KL 0.7's two seeds and the beta pair's seed 1
     assert result["equal_kl"]["matched_pairs"]["pairs"] == 3 and result["equal_kl"]["matched_pairs"]["seeds"] == 2
