@@ -1317,8 +1317,9 @@ def matched_kl_table(args, h, records, result):
     by_beta = any(c.flag("--kl_target") is None for c in h.configs)
     thresholds = " / ".join(map(str, h.matched_kl))
     lines = ["", "Each method held by the adaptive controller at a KL target" + (" (KL) or at a fixed beta chosen per "
-             "method (beta)" if by_beta else "") + f". KL: each run's mean per-sequence KL over the training batches "
-             f"of its last {KL_WINDOW} iterations. A pair (one seed, {arm} and its {ppo_name}) is at matched KL when the "
+             "method (beta)" if by_beta else "") + " (the controller steers on each iteration's batch alone, so a run "
+             "ends near its target, not at it, on the KL below)" + ". KL: each run's mean per-sequence KL over the "
+             f"training batches of its last {KL_WINDOW} iterations. A pair (one seed, {arm} and its {ppo_name}) is at matched KL when the "
              f"larger final KL is at most {MATCH:g} times the smaller. Final {key}: the final policies' mean on "
              f"{n_prompts} held-out prompts (one sampling seed); {arm} minus {ppo_name} and the win rate paired by seed, "
              "95% intervals from a seed-then-prompt bootstrap (t with seeds - 1 degrees of freedom on its standard "
