@@ -1316,9 +1316,12 @@ def matched_kl_table(args, h, records, result):
     n_prompts = next((len(r["final"][key]) for runs in done.values() for r in runs), 0)
     by_beta = any(c.flag("--kl_target") is None for c in h.configs)
     thresholds = " / ".join(map(str, h.matched_kl))
-    lines = ["", "Each method held by the adaptive controller at a KL target" + (" (KL) or at a fixed beta chosen per "
-             "method (beta)" if by_beta else "") + " (the controller steers on each iteration's batch alone, so a run "
-             "ends near its target, not at it, on the KL below)" + ". KL: each run's mean per-sequence KL over the "
+    controlled = any(held_at(c).startswith("KL ") for c in h.configs)
+    held = [way for way, present in (("by the adaptive controller at a KL target (KL)", controlled),
+                                     ("at a fixed beta chosen per method (beta)", by_beta)) if present]
+    lines = ["", "Each method held " + " or ".join(held) + (
+             ". The controller steers on each iteration's batch alone, so a run held at a target ends near it on the "
+             "KL below, not at it" if controlled else "") + ". KL: each run's mean per-sequence KL over the "
              f"training batches of its last {KL_WINDOW} iterations. A pair (one seed, {arm} and its {ppo_name}) is at matched KL when the "
              f"larger final KL is at most {MATCH:g} times the smaller. Final {key}: the final policies' mean on "
              f"{n_prompts} held-out prompts (one sampling seed); {arm} minus {ppo_name} and the win rate paired by seed, "
@@ -1344,6 +1347,8 @@ def matched_kl_table(args, h, records, result):
         ppo_of = {r["seed"]: r for r in partner}
         pairs = [(r, ppo_of[r["seed"]]) for r in runs if r["seed"] in ppo_of]
         n_matched = sum(kl_matched(run_kl(r), run_kl(p)) for r, p in pairs)
+        if gap and "ci95" in gap and n_matched < len(pairs):    # the rules' words are for comparisons at equal KL:
+            gap = {**gap, "verdict": UNEQUAL}                  # runs that ended apart get none, in the page and here
         reach = []
         for threshold in h.matched_kl:
             at = sorted(s for s in (steps_to_reach(r["rows"], metric, threshold) for r in runs) if s is not None)
@@ -1369,9 +1374,7 @@ def matched_kl_table(args, h, records, result):
                             f"{t_interval([run_kl(p) for p in partner])[0]:.2f}, "
                             + ("at matched KL on every pair" if every else
                                f"NOT at matched KL ({n_matched} of {len(pairs)} pairs within {MATCH:g}x)")
-                            + f"; {arm_name(config)} minus {arm_name(configs[config.partner])} {key} "
-                            # the rules' words are for comparisons at equal KL: runs that ended apart get none
-                            + fmt_verdict(gap if every or "ci95" not in gap else {**gap, "verdict": UNEQUAL})
+                            + f"; {arm_name(config)} minus {arm_name(configs[config.partner])} {key} " + fmt_verdict(gap)
                             + ("" if every else ", at the KLs these runs ended at") + ".")
     # Each arm's comparison at equal KL: its runs (and its partners') in the order of h.configs, its matched pairs.
     # With one method that is every run of the hypothesis: the pooled comparison of one method at several KLs.
@@ -1571,6 +1574,8 @@ def final_table(h, records, result):
             continue
         score = t_interval([sum(r["final"][key]) / len(r["final"][key]) for r in runs])
         gap = compare(paired_units(base_runs, runs, key)) if config is not base else None
+        if gap and "ci95" in gap:          # no KL held here: an interval, never one of the rules' words
+            gap = {**gap, "verdict": UNEQUAL}
         result[config.name]["final_policies"] = {"mean": score, "gap_vs_ppo": gap}
         lines.append(f"| {config.label} | {len(runs)} | {fmt(*score)} | " + (fmt_cmp(gap) if gap else "-")
                      + f" | {gap['seeds'] if gap else '-'} |")
@@ -1627,9 +1632,9 @@ def early_table(h, records, result):
     lines = ["", f"The first evaluation (iteration {first}), the final mean macro length and response length (tokens)"
              + (" and the share of exact counts among the final policies' answers" if exact else "")
              + (", the final distinct-2 of the held-out replies (the SFT model's: degenerate below half of it)" if diverse else "")
-             + (f". KL: run_kl, the {KL_WINDOW} iterations up to it; * runs recorded without a trace, whose KL is that "
-                "iteration's batch alone (not comparable with the others)" if not all(map(has_trace, (r for v in done.values() for r in v)))
-                else "") + ":", "",
+             + f". KL: run_kl, the {KL_WINDOW} iterations up to it"
+             + ("; * runs recorded without a trace, whose KL is that iteration's batch alone (not comparable with the "
+                "others)" if not all(map(has_trace, (r for v in done.values() for r in v))) else "") + ":", "",
              f"| configuration | {score} at iteration {first} | KL at iteration {first} | final mean macro length | "
              "final response length" + (" | final exact counts" if exact else "")
              + (" | final distinct-2 (SFT's)" if diverse else "") + " |", "|---" * (5 + exact + diverse) + "|"]

@@ -304,6 +304,7 @@ def test_the_real_study_reports_its_final_policies_paired_by_seed_by_hand():
     assert result["real_n1"]["final_policies"] == {"mean": (0.4, pytest.approx(12.706 * 0.1)), "gap_vs_ppo": None}
     gap = result["real_n5"]["final_policies"]["gap_vs_ppo"]        # seed 1: 0.3 - 0.3, seed 2: 0.9 - 0.5
     assert (gap["mean"], gap["seeds"]) == (pytest.approx(0.2), 2) and gap["ci95"][0] < 0.2 < gap["ci95"][1]
+    assert gap["verdict"] == "no verdict: not at equal KL"         # no KL held: the stored result has no rule word
     assert result["real_n5"]["final_policies"]["mean"][0] == pytest.approx(0.4)
     assert f"| MA-PPO (n=5) | 3 | 0.400 ± 1.138 | +0.200 [{gap['ci95'][0]:+.3f}, {gap['ci95'][1]:+.3f}] | 2 |" in lines
     # by seed: seed 1's policies tie on both prompts, seed 2's win both (0.9 against 0.5); no trace: KLs marked *
@@ -378,6 +379,7 @@ def test_matched_kl_pairs_each_method_with_ppo_at_its_own_target_by_hand(tmp_pat
     b = result[n5_beta.name]["matched_kl"]
     assert b["held_at"] == f"beta {n5_beta.flag('--beta')}" and (b["pairs_matched"], b["pairs"]) == (1, 2)
     assert b["gap_vs_ppo"]["mean"] == pytest.approx(0.2) and b["gap_vs_ppo"]["seeds"] == 2
+    assert b["gap_vs_ppo"]["verdict"] == "no verdict: not at equal KL"        # the stored result says so too
     assert verdicts[2].startswith(f"- beta {n5_beta.flag('--beta')} (PPO at beta {n1_beta.flag('--beta')}): "
                                   "final KL 0.85 against PPO's 0.80, NOT at matched KL (1 of 2 pairs within 1.2x)")
     # a pair that ended apart gets its interval and detectable effect, never one of the rules' words
@@ -662,8 +664,8 @@ def test_configs_runs_only_those_configurations(tmp_path, monkeypatch):
 # The prose may round a table's figure, never change it; a signed figure keeps its sign (an unsigned one is read as
 # a size: "PPO ahead by 0.04" for a table's -0.040).
 PROSE = ("README.md", "docs/study/README.md", "docs/real_models.md")
-# a sign only after a space or a bracket: the "-" of "0.988-0.998" joins a range, its second end unsigned
-FIGURE = re.compile(r"(?<![\w.#/§])([+\-−]?)(\d+\.\d+%?(?![\w.]*\d)|\d+%)")   # not §3.3, v1.2.3
+# a sign only after a space or a bracket: the "-" of "0.988-0.998" or "45%-55%" joins a range, its second end unsigned
+FIGURE = re.compile(r"(?<![\w.#/§%)])([+\-−]?)(\d+\.\d+%?(?![\w.]*\d)|\d+%)")   # not §3.3, v1.2.3
 # Figures allowed in any paragraph, each with the reason it needs no record.
 ANYWHERE = {
     "50%": "even odds: the line every win rate is read against",
@@ -763,9 +765,9 @@ def test_a_figures_sign_and_a_ranges_second_end_are_checked(tmp_path, monkeypatc
     negative figure are figures like any other."""
     monkeypatch.setattr(sys.modules[__name__], "ROOT", str(tmp_path))
     (tmp_path / "docs" / "study").mkdir(parents=True)
-    (tmp_path / "docs" / "study" / "study.md").write_text("### real_kl: q\n| -0.054 [-0.089, +0.001] | 0.988 |\n")
+    (tmp_path / "docs" / "study" / "study.md").write_text("### real_kl: q\n| -0.054 [-0.089, +0.001] | 0.988 | 45.0% [40.0%, 51.2%] |\n")
     (tmp_path / "page.md").write_text("# t\n\n`real_kl`: -0.054 [-0.09, +0.00], PPO ahead by 0.054, +0.054 flipped; "
-                                      "0.988-0.998 over seeds, -0.33 in none.\n")
+                                      "0.988-0.998 over seeds, 45.0%-51.2% a range, -0.33 in none.\n")
     assert [f for _, f, _ in unsourced_figures("page.md")] == ["+0.054", "0.998", "-0.33"]
 
 
