@@ -683,8 +683,6 @@ ANYWHERE = {
 # to record. A figure in any other paragraph that no generated table gives fails the test.
 UNRECORDED = {
     ("README.md", "Everything works offline"): "the test suite's duration on a fresh clone: not a study figure",
-    ("docs/study/README.md", "The segment and token RMs train"): "the count SFT model's entropy quantiles and segment "
-    "lengths behind c_ent, measured once by hand: to be written by a script into a record",
     ("docs/real_models.md", "| model | full fine-tuning"): "the recipe's memory table (bench/real_ppo.py): no record",
     ("docs/real_models.md", "Measured on a 2-core CPU"): "the recipe's timings (bench/real_ppo.py): no record",
     ("docs/real_models.md", "| held-out (16 prompts)"): "the recipe's 5-iteration demo run: no record",
