@@ -678,18 +678,13 @@ ANYWHERE = {
     "0.774": "0.95^5, the lambda of MA-PPO in `lambda` (its flag, 0.7738)",
     "10%": "the real-model controller's largest step an iteration (--kl_horizon 32 over 16 samples)",
     "2%": "the tiny tasks' controller's largest step an iteration (--kl_horizon 320 over 32 samples)",
+    "0.8": "the sampling temperature (ppo.py's --temperature)",
 }
 # Paragraphs whose figures no record holds yet, by (file, how the paragraph begins), with the reason: what is left
 # to record. A figure in any other paragraph that no generated table gives fails the test.
 UNRECORDED = {
     ("README.md", "Everything works offline"): "the test suite's duration on a fresh clone: not a study figure",
     ("docs/real_models.md", "| model | full fine-tuning"): "the recipe's memory table (bench/real_ppo.py): no record",
-    ("docs/real_models.md", "Measured on a 2-core CPU"): "the recipe's timings (bench/real_ppo.py): no record",
-    ("docs/real_models.md", "| held-out (16 prompts)"): "the recipe's 5-iteration demo run: no record",
-    ("docs/real_models.md", "Five iterations barely move"): "the recipe's 5-iteration demo run: no record",
-    ("docs/real_models.md", "| prompt | SFT | policy after 5"): "sampled replies of the demo run, shown for reading",
-    ("docs/real_models.md", "| prompt (its end) | SFT | PPO, 30"): "sampled replies, shown for reading; the study's "
-    "per-prompt scores of the same runs are in their records",
     ("docs/real_models.md", "| side | generate | forwards"): "bench/records/real_ppo.json (bench/real_ppo.py --show, tested)",
     ("docs/real_models.md", "ours / TRL: "): "bench/records/real_ppo.json, printed by bench/real_ppo.py --show (tested)",
     ("docs/real_models.md", "Measured on the 2-core CPU with the study's"): "bench/records/real_ppo.json's sitting "
