@@ -692,7 +692,6 @@ UNRECORDED = {
     ("docs/real_models.md", "**Where the memory went.**"): "memory measurements: no record",
     ("docs/real_models.md", "Here ours is the slower side"): "bench/records/real_ppo_full.json and real_ppo.json "
     "(their tables tested), and differences of their medians",
-    ("docs/real_models.md", "An earlier sitting on the machine"): "ours against TRL, an earlier sitting: no record",
 }
 
 
