@@ -689,7 +689,8 @@ UNRECORDED = {
     ("docs/real_models.md", "ours / TRL: "): "bench/records/real_ppo.json, printed by bench/real_ppo.py --show (tested)",
     ("docs/real_models.md", "Measured on the 2-core CPU with the study's"): "bench/records/real_ppo.json's sitting "
     "and the one before it, bench/records/real_ppo_d3f2e1d.json",
-    ("docs/real_models.md", "**Where the memory went.**"): "memory measurements: no record",
+    ("docs/real_models.md", "**Where the memory went.**"): "the peak RSS of bench/records/real_ppo.json "
+    "(its table tested)",
     ("docs/real_models.md", "Here ours is the slower side"): "bench/records/real_ppo_full.json and real_ppo.json "
     "(their tables tested), and differences of their medians",
 }
