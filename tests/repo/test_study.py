@@ -747,26 +747,29 @@ def test_rounds_to_accepts_a_tables_figure_rounded_never_another():
     assert not rounds_to("0.87", ["0.889", "0.914"]) and not rounds_to("0.5", ["50%"]) and not rounds_to("47%", ["0.47"])
 
 
+def unsourced_in(tmp_path, monkeypatch, tables, page):
+    """unsourced_figures of a page `page` beside generated tables `tables` (study.md's text), both in tmp_path."""
+    monkeypatch.setattr(sys.modules[__name__], "ROOT", str(tmp_path))
+    (tmp_path / "docs" / "study").mkdir(parents=True)
+    (tmp_path / "docs" / "study" / "study.md").write_text(tables)
+    (tmp_path / "page.md").write_text(page)
+    return [f for _, f, _ in unsourced_figures("page.md")]
+
+
 def test_a_figure_outside_its_hypothesis_tables_is_caught(tmp_path, monkeypatch):
     """The check itself: a figure the `real_kl` tables give passes in a paragraph about `real_kl`, fails in one about
     `kl`, and a figure no table gives fails."""
-    monkeypatch.setattr(sys.modules[__name__], "ROOT", str(tmp_path))
-    (tmp_path / "docs" / "study").mkdir(parents=True)
-    (tmp_path / "docs" / "study" / "study.md").write_text("### real_kl: q\n| a | 0.914 ± 0.640 |\n### kl: q\n| 6.164 |\n")
-    (tmp_path / "page.md").write_text("# t\n\n`real_kl` ends at 0.91 against 6.2.\n\nIn `kl`, 0.91.\n\n"
-                                      "[it](x.md#kl) ends at 6.16; 0.87 in none.\n")
-    assert [f for _, f, _ in unsourced_figures("page.md")] == ["6.2", "0.91", "0.87"]
+    assert unsourced_in(tmp_path, monkeypatch, "### real_kl: q\n| a | 0.914 ± 0.640 |\n### kl: q\n| 6.164 |\n",
+                        "# t\n\n`real_kl` ends at 0.91 against 6.2.\n\nIn `kl`, 0.91.\n\n"
+                        "[it](x.md#kl) ends at 6.16; 0.87 in none.\n") == ["6.2", "0.91", "0.87"]
 
 
 def test_a_figures_sign_and_a_ranges_second_end_are_checked(tmp_path, monkeypatch):
     """A signed figure must keep its table's sign (an unsigned one is read as a size); the end of a range and a
     negative figure are figures like any other."""
-    monkeypatch.setattr(sys.modules[__name__], "ROOT", str(tmp_path))
-    (tmp_path / "docs" / "study").mkdir(parents=True)
-    (tmp_path / "docs" / "study" / "study.md").write_text("### real_kl: q\n| -0.054 [-0.089, +0.001] | 0.988 | 45.0% [40.0%, 51.2%] |\n")
-    (tmp_path / "page.md").write_text("# t\n\n`real_kl`: -0.054 [-0.09, +0.00], PPO ahead by 0.054, +0.054 flipped; "
-                                      "0.988-0.998 over seeds, 45.0%-51.2% a range, -0.33 in none.\n")
-    assert [f for _, f, _ in unsourced_figures("page.md")] == ["+0.054", "0.998", "-0.33"]
+    assert unsourced_in(tmp_path, monkeypatch, "### real_kl: q\n| -0.054 [-0.089, +0.001] | 0.988 | 45.0% [40.0%, 51.2%] |\n",
+                        "# t\n\n`real_kl`: -0.054 [-0.09, +0.00], PPO ahead by 0.054, +0.054 flipped; "
+                        "0.988-0.998 over seeds, 45.0%-51.2% a range, -0.33 in none.\n") == ["+0.054", "0.998", "-0.33"]
 
 
 @pytest.mark.parametrize("path", PROSE)
