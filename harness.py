@@ -439,12 +439,13 @@ def release_freed_memory(device, at_least=2 ** 30):
     least `at_least` free bytes (resident or already handed back). On a CPU PyTorch allocates through
     malloc, and glibc returns only the top of its heap: a block freed below live tensors stays resident
     until a later allocation reuses it, and a forward leaves many (each layer's temporaries, between the
-    activations kept for the backward). With SmolLM2-135M in bench/real_ppo.py (16 x 112 tokens; the
-    policy's and the critic's graphs hold 5.3 GB, and 4 GB more lay freed in the heap after them) the
-    process peaked at 13.6 GB; trimming after each large forward, after generation and after the update,
-    at 8.6 GB, for 1.5-2 s of a 35 s iteration. Below a GiB it is not worth it: the tiny default model
-    frees about 200 MB per forward, and handing that back and faulting it in again made its iterations
-    25% slower. The numbers do not change (no tensor moves). A no-op off the CPU and off glibc."""
+    activations kept for the backward). With SmolLM2-135M in bench/real_ppo.py (16 x 112 tokens, the
+    policy's and the critic's graphs alive at once) those freed blocks stack up on top of the live ones;
+    trimming after each large forward, after generation and after the update, the process peaks at the
+    8.2 GB of bench/records/real_ppo.json (its iterations' timings include the trims). Below a GiB it is
+    not worth it: the tiny default model frees a few hundred MB per forward, and handing that back and
+    faulting it in again slowed its iterations. The numbers do not change (no tensor moves). A no-op off
+    the CPU and off glibc."""
     if GLIBC is not None and torch.device(device).type == "cpu" and GLIBC.mallinfo2().fordblks >= at_least:
         GLIBC.malloc_trim(0)
 
