@@ -1407,8 +1407,60 @@ def matched_kl_table(args, h, records, result):
             blocks += joint_fit_lines(joint, key, arm_name(base))
     else:
         result["equal_kl"] = {k: by_arm[label][k] for k in ("fit", "matched_pairs")}
+        blocks += heldout_kl_lines(args, h, done, key, result)
     return (lines + (arms_table(h, done, by_arm, key) if several else []) + ([""] + verdicts if verdicts else [])
             + by_seed + (equal_kl_intro(key, several) + blocks if blocks else []))
+
+
+def heldout_kl(args, record):
+    """A run's held-out KL (bench/heldout_kl.py: its final policy's mean per-sequence KL from the SFT model on the
+    replies its final scores judged), or None when it has not been measured."""
+    path = os.path.join(args.results_dir, "runs", record["config"], f"seed{record['seed']}.heldout_kl.json")
+    if not os.path.exists(path):
+        return None
+    kls = json.load(open(path))["kl"]
+    return sum(kls) / len(kls)
+
+
+def heldout_kl_lines(args, h, done, key, result):
+    """The comparison at equal KL again with each run's held-out KL (heldout_kl) in place of run_kl, when every run
+    of the hypothesis has one: each pair's held-out KLs, then the fit and the matched pairs by them. A check of the
+    verdict above on the KL where the scores are read, not a second verdict of its own."""
+    runs = [(c, r) for c in h.configs for r in done[c.name]]
+    measured = {(r["config"], r["seed"]): heldout_kl(args, r) for _, r in runs}
+    if not any(v is not None for v in measured.values()):
+        return []
+    if any(v is None for v in measured.values()):
+        return ["", f"Held-out KL (bench/heldout_kl.py): {sum(v is not None for v in measured.values())} of "
+                f"{len(measured)} runs measured, so no comparison by it yet."]
+    kl_of = (lambda r: measured[(r["config"], r["seed"])])
+    rows, gaps, n_pairs = [], {}, 0
+    for c, r in runs:
+        partner = next((p for p in done.get(c.partner, []) if p["seed"] == r["seed"]), None) if c.partner else None
+        if partner is None:
+            continue
+        a, b = kl_of(partner), kl_of(r)
+        matched = kl_matched(a, b)
+        n_pairs += 1
+        rows.append(f"| {r['seed']} | {a:.2f} / {b:.2f} | " + (f"{max(a, b) / min(a, b):.2f}" if min(a, b) > 0 else "-")
+                    + f" | {'yes' if matched else 'no'} | {run_kl(partner):.2f} / {run_kl(r):.2f} |")
+        if matched:
+            g = numpy.array(r["final"][key], float) - numpy.array(partner["final"][key], float)
+            gaps.setdefault(r["seed"], {})[tuple(g)] = g
+    fits = equal_kl_fits([(r["seed"], not c.is_ppo, kl_of(r), r["final"][key]) for c, r in runs], gaps)
+    n_matched = sum(len(v) for v in gaps.values())
+    result["equal_kl_heldout"] = {**fits, "pairs_matched": n_matched, "pairs": n_pairs}
+    ppo, arm = arm_name(h.configs[0]), arm_name(next(c for c in h.configs if not c.is_ppo))
+    n_prompts = len(json.load(open(os.path.join(args.results_dir, "runs", runs[0][1]["config"],
+                                                f"seed{runs[0][1]['seed']}.heldout_kl.json")))["kl"])
+    return (["", f"The same at the held-out KL (bench/heldout_kl.py, measured after the runs): each final policy's mean "
+             f"per-sequence KL from the SFT model on the {n_prompts} replies its final {key} judged, the replies sampled "
+             f"again and checked against the record. A check of the comparison above on the KL where the scores are "
+             f"read; the rules stated before the runs match and fit on run_kl. {n_matched} of {n_pairs} pairs at "
+             f"matched held-out KL.", "",
+             f"| seed | held-out KL, {ppo} / {arm} | larger / smaller | matched | run_kl, {ppo} / {arm} |",
+             "|---" * 5 + "|", *rows, ""]
+            + equal_kl_lines(fits, key, arm, ppo, "held-out KL: "))
 
 
 # the fixed-beta runs shown beside each matched-KL hypothesis in its reward-against-KL picture

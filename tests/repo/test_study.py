@@ -1,5 +1,6 @@
 """bench/learning_efficiency.py: the study's statistics, checked by hand."""
 import argparse
+import json
 import math
 import os
 import re
@@ -987,3 +988,94 @@ def test_one_method_at_several_kls_keeps_its_pooled_fit(tmp_path):
     assert any(line.startswith("- fit of each run's final mean gold on log final KL, a MA-PPO term") and
                "MA-PPO minus PPO" in line for line in lines)
     assert "| MA-PPO | PPO | seed | final KL |" in "\n".join(lines) and any("all, one gap per seed" in x for x in lines)
+
+
+# ---------------------------------------------------------------- the held-out KL, measured after the runs
+def test_the_held_out_kl_is_each_replys_summed_log_ratio_and_zero_for_the_sft_model(tiny_models, parrot):
+    """bench/heldout_kl.heldout_kl against a loop over the replies one at a time, each unpadded: the policy's minus the
+    reference's log-probability of every reply token at the sampling temperature, summed over the reply (its EOS
+    included, the padding after it not); a model's KL from itself is 0. The policy: the SFT model with its EOS row
+    scaled up, so that some replies end early; the reference: the parrot."""
+    import torch
+    import evaluate
+    import heldout_kl
+    ctx = evaluate.Context(evaluate.EvalArgs(task="chitchat", n_prompts=16, sft_path=str(tiny_models / "sft"),
+                                             rm_path=str(tiny_models / "rm"), temperature=0.7))
+    sft, parrot = ctx.model("sft"), ctx.model(str(parrot))
+    with torch.no_grad():
+        sft.get_output_embeddings().weight[ctx.tokenizer.eos_token_id] *= 10
+    kls, texts = heldout_kl.heldout_kl(ctx, sft, parrot, 11)
+    assert texts == ctx.responses(sft, seed=11)                        # the final scores' replies, sampled alike
+    assert heldout_kl.heldout_kl(ctx, sft, sft, 11)[0] == [0.0] * 16
+    with torch.random.fork_rng():
+        torch.manual_seed(11)
+        p_ids, p_mask, r_ids, r_mask, _ = data.sample(sft, ctx.tokenizer, ctx.prompts, ctx.args.max_prompt_len,
+                                                      ctx.args.max_response_len, 0.7)
+    assert (r_mask == 0).any(), "no reply ended early: the padding is not exercised"
+    for i, kl in enumerate(kls):
+        prompt, reply = p_ids[i][p_mask[i].bool()], r_ids[i][r_mask[i].bool()]
+        ids = torch.cat([prompt, reply]).unsqueeze(0)
+        total = 0.0
+        for model, sign in ((sft, 1), (parrot, -1)):
+            logp = (model(ids).logits[0, len(prompt) - 1:-1] / 0.7).log_softmax(-1)
+            total += sign * logp.gather(-1, reply.unsqueeze(-1)).sum().item()
+        assert kl == pytest.approx(total, abs=1e-3)
+    assert sum(kls) / len(kls) > 1                                     # the parrot is far from the SFT model
+
+
+def test_the_held_out_kl_is_written_beside_a_record_whose_replies_it_reproduces_and_refused_otherwise(
+        tmp_path, tiny_models, parrot):
+    """bench/heldout_kl.measure on a committed run: the replies sampled again must score as the record's final scores
+    did, prompt by prompt; then the per-prompt KLs go beside the record with what measured them, and a record
+    whose scores came from other replies stops it with the prompt that differs."""
+    import heldout_kl
+    config = study.HYPOTHESES["kl"].configs[0]                         # a chitchat run
+    args = argparse.Namespace(results_dir=str(tmp_path / "study"), runs_dir=str(tmp_path / "runs"), win_prompts=5,
+                              seed_eval=4321, jobs=1, models={"chitchat": (str(tiny_models / "sft"), str(tiny_models / "rm"))})
+    run_dir = tmp_path / "runs" / config.name / "seed3"
+    (run_dir).mkdir(parents=True)
+    os.symlink(parrot, run_dir / "policy")
+    final = study.final_scores(args, str(run_dir), config)
+    study.write_record(study.record_path(args, config.name, 3), {"config": config.name, "seed": 3, "final": final,
+                                                                 "trace": [{"step": 1, "kl": 2.0}]})
+    sidecar = heldout_kl.measure(args, config, 3)
+    assert json.load(open(heldout_kl.sidecar_path(args, config.name, 3))) == sidecar
+    assert len(sidecar["kl"]) == 5 and sidecar["policy_hash"] == study.folder_hash(str(parrot))
+    assert sum(sidecar["kl"]) / 5 == pytest.approx(study.heldout_kl(args, {"config": config.name, "seed": 3}))
+    study.write_record(study.record_path(args, config.name, 3), {"config": config.name, "seed": 3, "final": {
+        **final, "gold": final["gold"][:2] + [final["gold"][2] + 0.5] + final["gold"][3:]}})
+    with pytest.raises(SystemExit, match="prompt 2: gold"):
+        heldout_kl.measure(args, config, 3)
+
+
+def test_the_report_compares_again_at_the_held_out_kl_once_every_run_has_one(tmp_path):
+    """real_kl10's table at the held-out KL: pairs matched by it (not by run_kl), the fit on log held-out KL, and
+    nothing but a count while some run is not measured."""
+    args = argparse.Namespace(results_dir=str(tmp_path))
+    h = study.HYPOTHESES["real_kl10"]
+    ppo, ma = h.configs
+    rng = numpy.random.default_rng(0)
+    done, measured = {ppo.name: [], ma.name: []}, {}
+    for seed in (1, 2, 3):
+        for c, run_kl_, held in ((ppo, 1.0, 1.0), (ma, 1.0, 1.0 + seed)):     # run_kl matched on every seed
+            r = {"config": c.name, "seed": seed, "final": {"gold": list(rng.uniform(0, 1, 8))},
+                 "trace": [{"step": s, "kl": run_kl_} for s in range(1, 6)]}
+            done[c.name].append(r)
+            measured[(c.name, seed)] = held
+    assert study.heldout_kl_lines(args, h, done, "gold", {}) == []                     # none measured: nothing
+    for (name, seed), held in measured.items():
+        if seed < 3:
+            study.write_record(os.path.join(str(tmp_path), "runs", name, f"seed{seed}.heldout_kl.json"),
+                               {"kl": [held - 0.5, held + 0.5]})
+    assert study.heldout_kl_lines(args, h, done, "gold", {})[1].startswith("Held-out KL (bench/heldout_kl.py): 4 of 6")
+    study.write_record(os.path.join(str(tmp_path), "runs", ppo.name, "seed3.heldout_kl.json"), {"kl": [1.0]})
+    study.write_record(os.path.join(str(tmp_path), "runs", ma.name, "seed3.heldout_kl.json"), {"kl": [4.0]})
+    result = {}
+    lines = study.heldout_kl_lines(args, h, done, "gold", result)
+    assert result["equal_kl_heldout"]["pairs_matched"] == 0 and result["equal_kl_heldout"]["pairs"] == 3
+    assert "| 2 | 1.00 / 3.00 | 3.00 | no | 1.00 / 1.00 |" in lines
+    expected = study.equal_kl_fit([(r["seed"], c is ma, measured[(c.name, r["seed"])], r["final"]["gold"])
+                                   for c in h.configs for r in done[c.name]])
+    assert result["equal_kl_heldout"]["fit"]["mean"] == pytest.approx(expected["mean"])
+    assert result["equal_kl_heldout"]["fit"]["slope"] == pytest.approx(expected["slope"])
+    assert any(line.startswith("- held-out KL: fit of each run's final mean gold on log final KL") for line in lines)
