@@ -1412,14 +1412,25 @@ def matched_kl_table(args, h, records, result):
             + by_seed + (equal_kl_intro(key, several) + blocks if blocks else []))
 
 
+def record_digest(args, name, seed):
+    """sha256 of a committed record's file: what a held-out KL (bench/heldout_kl.py) was measured against."""
+    import hashlib
+    with open(record_path(args, name, seed), "rb") as f:
+        return hashlib.sha256(f.read()).hexdigest()
+
+
 def heldout_kl(args, record):
     """A run's held-out KL (bench/heldout_kl.py: its final policy's mean per-sequence KL from the SFT model on the
-    replies its final scores judged), or None when it has not been measured."""
+    replies its final scores judged), or None when it has not been measured; an error when it was measured against
+    another version of the record."""
     path = os.path.join(args.results_dir, "runs", record["config"], f"seed{record['seed']}.heldout_kl.json")
     if not os.path.exists(path):
         return None
-    kls = json.load(open(path))["kl"]
-    return sum(kls) / len(kls)
+    sidecar = json.load(open(path))
+    if sidecar.get("record_sha256") != record_digest(args, record["config"], record["seed"]):
+        sys.exit(f"error: {path} was measured against another version of its record (record_sha256); delete it and "
+                 "run bench/heldout_kl.py again")
+    return sum(sidecar["kl"]) / len(sidecar["kl"])
 
 
 def heldout_kl_lines(args, h, done, key, result):
@@ -1447,9 +1458,10 @@ def heldout_kl_lines(args, h, done, key, result):
         if matched:
             g = numpy.array(r["final"][key], float) - numpy.array(partner["final"][key], float)
             gaps.setdefault(r["seed"], {})[tuple(g)] = g
-    fits = equal_kl_fits([(r["seed"], not c.is_ppo, kl_of(r), r["final"][key]) for c, r in runs], gaps)
-    n_matched = sum(len(v) for v in gaps.values())
-    result["equal_kl_heldout"] = {**fits, "pairs_matched": n_matched, "pairs": n_pairs}
+    # a mean of per-reply estimates can fall at or below 0 (a KL cannot): no log, so out of the fit
+    fits = equal_kl_fits([(r["seed"], not c.is_ppo, kl_of(r), r["final"][key]) for c, r in runs if kl_of(r) > 0], gaps)
+    n_matched, n_out = sum(len(v) for v in gaps.values()), sum(kl_of(r) <= 0 for _, r in runs)
+    result["equal_kl_heldout"] = {**fits, "pairs_matched": n_matched, "pairs": n_pairs, "left_out": n_out}
     ppo, arm = arm_name(h.configs[0]), arm_name(next(c for c in h.configs if not c.is_ppo))
     n_prompts = len(json.load(open(os.path.join(args.results_dir, "runs", runs[0][1]["config"],
                                                 f"seed{runs[0][1]['seed']}.heldout_kl.json")))["kl"])
@@ -1457,7 +1469,8 @@ def heldout_kl_lines(args, h, done, key, result):
              f"per-sequence KL from the SFT model on the {n_prompts} replies its final {key} judged, the replies sampled "
              f"again and checked against the record. A check of the comparison above on the KL where the scores are "
              f"read; the rules stated before the runs match and fit on run_kl. {n_matched} of {n_pairs} pairs at "
-             f"matched held-out KL.", "",
+             f"matched held-out KL." + (f" {n_out} run(s) with a held-out KL at or below 0 left out of the fit."
+                                        if n_out else ""), "",
              f"| seed | held-out KL, {ppo} / {arm} | larger / smaller | matched | run_kl, {ppo} / {arm} |",
              "|---" * 5 + "|", *rows, ""]
             + equal_kl_lines(fits, key, arm, ppo, "held-out KL: "))

@@ -1011,7 +1011,7 @@ def test_the_held_out_kl_is_each_replys_summed_log_ratio_and_zero_for_the_sft_mo
         torch.manual_seed(11)
         p_ids, p_mask, r_ids, r_mask, _ = data.sample(sft, ctx.tokenizer, ctx.prompts, ctx.args.max_prompt_len,
                                                       ctx.args.max_response_len, 0.7)
-    assert (r_mask == 0).any(), "no reply ended early: the padding is not exercised"
+    assert (r_mask == 0).any() and (p_mask == 0).any(), "no reply ended early or no prompt padded: not exercised"
     for i, kl in enumerate(kls):
         prompt, reply = p_ids[i][p_mask[i].bool()], r_ids[i][r_mask[i].bool()]
         ids = torch.cat([prompt, reply]).unsqueeze(0)
@@ -1026,56 +1026,83 @@ def test_the_held_out_kl_is_each_replys_summed_log_ratio_and_zero_for_the_sft_mo
 def test_the_held_out_kl_is_written_beside_a_record_whose_replies_it_reproduces_and_refused_otherwise(
         tmp_path, tiny_models, parrot):
     """bench/heldout_kl.measure on a committed run: the replies sampled again must score as the record's final scores
-    did, prompt by prompt; then the per-prompt KLs go beside the record with what measured them, and a record
-    whose scores came from other replies stops it with the prompt that differs."""
+    did, every judge prompt by prompt; then the per-prompt KLs go beside the record with what measured them. Refused:
+    another policy in the run folder than the one scored, a record whose RM scores differ on one prompt, another
+    SFT build than the record's. And the report refuses a held-out KL once its record has changed."""
+    import shutil
     import heldout_kl
     config = study.HYPOTHESES["kl"].configs[0]                         # a chitchat run
     args = argparse.Namespace(results_dir=str(tmp_path / "study"), runs_dir=str(tmp_path / "runs"), win_prompts=5,
                               seed_eval=4321, jobs=1, models={"chitchat": (str(tiny_models / "sft"), str(tiny_models / "rm"))})
     run_dir = tmp_path / "runs" / config.name / "seed3"
-    (run_dir).mkdir(parents=True)
-    os.symlink(parrot, run_dir / "policy")
+    shutil.copytree(parrot, run_dir / "policy")
     final = study.final_scores(args, str(run_dir), config)
-    study.write_record(study.record_path(args, config.name, 3), {"config": config.name, "seed": 3, "final": final,
-                                                                 "trace": [{"step": 1, "kl": 2.0}]})
+    record = {"config": config.name, "seed": 3, "final": final, "trace": [{"step": 1, "kl": 2.0}],
+              **study.provenance(args, args.models["chitchat"])}
+    study.write_record(study.record_path(args, config.name, 3), record)
     sidecar = heldout_kl.measure(args, config, 3)
     assert json.load(open(heldout_kl.sidecar_path(args, config.name, 3))) == sidecar
     assert len(sidecar["kl"]) == 5 and sidecar["policy_hash"] == study.folder_hash(str(parrot))
-    assert sum(sidecar["kl"]) / 5 == pytest.approx(study.heldout_kl(args, {"config": config.name, "seed": 3}))
-    study.write_record(study.record_path(args, config.name, 3), {"config": config.name, "seed": 3, "final": {
-        **final, "gold": final["gold"][:2] + [final["gold"][2] + 0.5] + final["gold"][3:]}})
-    with pytest.raises(SystemExit, match="prompt 2: gold"):
+    assert sidecar["replies_checked_by"] == ["rm", "gold"] and sidecar["seed_eval"] == 4321
+    assert sum(sidecar["kl"]) / 5 == pytest.approx(study.heldout_kl(args, record)) and sum(sidecar["kl"]) > 5
+    shutil.rmtree(run_dir / "policy")                                  # the run folder now holds the SFT model
+    shutil.copytree(tiny_models / "sft", run_dir / "policy")
+    with pytest.raises(SystemExit, match="not the ones its record scored"):
+        heldout_kl.measure(args, config, 3)
+    shutil.rmtree(run_dir / "policy")
+    shutil.copytree(parrot, run_dir / "policy")
+    rm = final["rm"][:2] + [final["rm"][2] + 0.01] + final["rm"][3:]
+    study.write_record(study.record_path(args, config.name, 3), {**record, "final": {**final, "rm": rm}})
+    with pytest.raises(SystemExit, match="prompt 2: rm"):
+        heldout_kl.measure(args, config, 3)
+    with pytest.raises(SystemExit, match="another version of its record"):                 # the sidecar above is stale
+        study.heldout_kl(args, record)
+    study.write_record(study.record_path(args, config.name, 3), {**record, "sft_hash": "0" * 64})
+    with pytest.raises(SystemExit, match="sft_hash"):
         heldout_kl.measure(args, config, 3)
 
 
 def test_the_report_compares_again_at_the_held_out_kl_once_every_run_has_one(tmp_path):
-    """real_kl10's table at the held-out KL: pairs matched by it (not by run_kl), the fit on log held-out KL, and
-    nothing but a count while some run is not measured."""
+    """real_kl10's table at the held-out KL: pairs matched by it (not by run_kl), the matched pairs' gap MA-PPO minus
+    PPO, the fit on log held-out KL, a run at or below 0 left out of the fit, and nothing but a count while some run
+    is not measured."""
     args = argparse.Namespace(results_dir=str(tmp_path))
     h = study.HYPOTHESES["real_kl10"]
     ppo, ma = h.configs
     rng = numpy.random.default_rng(0)
     done, measured = {ppo.name: [], ma.name: []}, {}
+    held = {1: (1.0, 1.1), 2: (1.0, 3.0), 3: (1.0, 4.0)}               # matched on seed 1 only; run_kl on every seed
     for seed in (1, 2, 3):
-        for c, run_kl_, held in ((ppo, 1.0, 1.0), (ma, 1.0, 1.0 + seed)):     # run_kl matched on every seed
+        for c, kl in zip((ppo, ma), held[seed]):
             r = {"config": c.name, "seed": seed, "final": {"gold": list(rng.uniform(0, 1, 8))},
-                 "trace": [{"step": s, "kl": run_kl_} for s in range(1, 6)]}
+                 "trace": [{"step": s, "kl": 1.0} for s in range(1, 6)]}
+            study.write_record(study.record_path(args, c.name, seed), r)
             done[c.name].append(r)
-            measured[(c.name, seed)] = held
+            measured[(c.name, seed)] = kl
+
+    def sidecar(name, seed, kls):
+        study.write_record(os.path.join(str(tmp_path), "runs", name, f"seed{seed}.heldout_kl.json"),
+                           {"kl": kls, "record_sha256": study.record_digest(args, name, seed)})
     assert study.heldout_kl_lines(args, h, done, "gold", {}) == []                     # none measured: nothing
-    for (name, seed), held in measured.items():
+    for (name, seed), kl in measured.items():
         if seed < 3:
-            study.write_record(os.path.join(str(tmp_path), "runs", name, f"seed{seed}.heldout_kl.json"),
-                               {"kl": [held - 0.5, held + 0.5]})
+            sidecar(name, seed, [kl - 0.5, kl + 0.5])
     assert study.heldout_kl_lines(args, h, done, "gold", {})[1].startswith("Held-out KL (bench/heldout_kl.py): 4 of 6")
-    study.write_record(os.path.join(str(tmp_path), "runs", ppo.name, "seed3.heldout_kl.json"), {"kl": [1.0]})
-    study.write_record(os.path.join(str(tmp_path), "runs", ma.name, "seed3.heldout_kl.json"), {"kl": [4.0]})
+    sidecar(ppo.name, 3, [1.0])
+    sidecar(ma.name, 3, [4.0])
     result = {}
     lines = study.heldout_kl_lines(args, h, done, "gold", result)
-    assert result["equal_kl_heldout"]["pairs_matched"] == 0 and result["equal_kl_heldout"]["pairs"] == 3
-    assert "| 2 | 1.00 / 3.00 | 3.00 | no | 1.00 / 1.00 |" in lines
+    out = result["equal_kl_heldout"]
+    assert out["pairs_matched"] == 1 and out["pairs"] == 3 and out["left_out"] == 0
+    assert "| 2 | 1.00 / 3.00 | 3.00 | no | 1.00 / 1.00 |" in lines and "| 1 | 1.00 / 1.10 | 1.10 | yes | 1.00 / 1.00 |" in lines
+    ppo1, ma1 = done[ppo.name][0], done[ma.name][0]
+    assert out["matched_pairs"]["mean"] == pytest.approx(numpy.mean(ma1["final"]["gold"]) - numpy.mean(ppo1["final"]["gold"]))
     expected = study.equal_kl_fit([(r["seed"], c is ma, measured[(c.name, r["seed"])], r["final"]["gold"])
                                    for c in h.configs for r in done[c.name]])
-    assert result["equal_kl_heldout"]["fit"]["mean"] == pytest.approx(expected["mean"])
-    assert result["equal_kl_heldout"]["fit"]["slope"] == pytest.approx(expected["slope"])
+    assert out["fit"]["mean"] == pytest.approx(expected["mean"]) and out["fit"]["slope"] == pytest.approx(expected["slope"])
     assert any(line.startswith("- held-out KL: fit of each run's final mean gold on log final KL") for line in lines)
+    sidecar(ma.name, 3, [-0.5, 0.1])                                   # a mean below 0: no log, out of the fit
+    result = {}
+    lines = study.heldout_kl_lines(args, h, done, "gold", result)
+    assert result["equal_kl_heldout"]["left_out"] == 1 and result["equal_kl_heldout"]["fit"]["runs"] == 4   # seed 3 unpaired
+    assert "1 run(s) with a held-out KL at or below 0 left out of the fit." in lines[1]
