@@ -1436,14 +1436,18 @@ def heldout_kl(args, record):
 def heldout_kl_lines(args, h, done, key, result):
     """The comparison at equal KL again with each run's held-out KL (heldout_kl) in place of run_kl, when every run
     of the hypothesis has one: each pair's held-out KLs, then the fit and the matched pairs by them. A check of the
-    verdict above on the KL where the scores are read, not a second verdict of its own."""
+    verdict above on the KL where the scores are read, not a second verdict of its own. While only some runs have
+    one (a run needs its policy folder): those runs' held-out KL beside their run_kl, and no comparison."""
     runs = [(c, r) for c in h.configs for r in done[c.name]]
     measured = {(r["config"], r["seed"]): heldout_kl(args, r) for _, r in runs}
     if not any(v is not None for v in measured.values()):
         return []
-    if any(v is None for v in measured.values()):
+    if any(v is None for v in measured.values()):      # the runs measured so far, each beside its run_kl
         return ["", f"Held-out KL (bench/heldout_kl.py): {sum(v is not None for v in measured.values())} of "
-                f"{len(measured)} runs measured, so no comparison by it yet."]
+                f"{len(measured)} runs measured (a run needs its policy folder), so no comparison by it yet. "
+                "The runs measured:", "", "| configuration | seed | held-out KL | run_kl |", "|---" * 4 + "|",
+                *(f"| {c.label} | {r['seed']} | {measured[(r['config'], r['seed'])]:.2f} | {run_kl(r):.2f} |"
+                  for c, r in runs if measured[(r["config"], r["seed"])] is not None)]
     kl_of = (lambda r: measured[(r["config"], r["seed"])])
     rows, gaps, n_pairs = [], {}, 0
     for c, r in runs:

@@ -1087,7 +1087,9 @@ def test_the_report_compares_again_at_the_held_out_kl_once_every_run_has_one(tmp
     for (name, seed), kl in measured.items():
         if seed < 3:
             sidecar(name, seed, [kl - 0.5, kl + 0.5])
-    assert study.heldout_kl_lines(args, h, done, "gold", {})[1].startswith("Held-out KL (bench/heldout_kl.py): 4 of 6")
+    partial = study.heldout_kl_lines(args, h, done, "gold", {})
+    assert partial[1].startswith("Held-out KL (bench/heldout_kl.py): 4 of 6")
+    assert f"| {ma.label} | 2 | 3.00 | 1.00 |" in partial and not any(f"| {ma.label} | 3 |" in x for x in partial)
     sidecar(ppo.name, 3, [1.0])
     sidecar(ma.name, 3, [4.0])
     result = {}
