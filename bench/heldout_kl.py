@@ -112,6 +112,8 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("hypotheses", nargs="+", help="the hypotheses whose committed runs to measure (real_kl10)")
     parser.add_argument("--seeds", default="", help="only these seeds (commas); default every committed one")
+    parser.add_argument("--configs", default="", help="only these configurations (commas, e.g. "
+                        "real_kl10_n5_beta0.077); default every one of the hypotheses")
     parser.add_argument("--win_prompts", type=int, default=256, help="as learning_efficiency.py's (the real model "
                         f"caps it at {study.REAL_WIN_PROMPTS})")
     parser.add_argument("--seed_eval", type=int, default=4321, help="as learning_efficiency.py's: the final scores' "
@@ -132,12 +134,17 @@ def main(argv=None):
                    **{task: (data.run_dir(task, "sft"), data.run_dir(task, "rm")) for task in ("code", "count")},
                    "smollm2": study.REAL_MODELS, "smollm2_kl10": study.REAL_KL10_MODELS}
     wanted = {int(s) for s in args.seeds.split(",")} if args.seeds else None
+    configs = [c for h in args.hypotheses for c in study.HYPOTHESES[h].configs]
+    names = args.configs.split(",") if args.configs else [c.name for c in configs]
+    stray = [n for n in names if n not in {c.name for c in configs}]
+    if stray:
+        parser.error(f"--configs: {stray[0]!r} is not a configuration of {', '.join(args.hypotheses)}; one of "
+                     f"{', '.join(c.name for c in configs)}")
     out = []
-    for h in args.hypotheses:
-        for config in study.HYPOTHESES[h].configs:
-            for seed in sorted(study.committed_seeds(args, config.name)):
-                if (wanted is None or seed in wanted) and not os.path.exists(sidecar_path(args, config.name, seed)):
-                    out.append(measure(args, config, seed))
+    for config in (c for c in configs if c.name in names):
+        for seed in sorted(study.committed_seeds(args, config.name)):
+            if (wanted is None or seed in wanted) and not os.path.exists(sidecar_path(args, config.name, seed)):
+                out.append(measure(args, config, seed))
     print(f"[heldout_kl] {len(out)} run(s) measured", flush=True)
     return out
 

@@ -1108,3 +1108,20 @@ def test_the_report_compares_again_at_the_held_out_kl_once_every_run_has_one(tmp
     lines = study.heldout_kl_lines(args, h, done, "gold", result)
     assert result["equal_kl_heldout"]["left_out"] == 1 and result["equal_kl_heldout"]["fit"]["runs"] == 4   # seed 3 unpaired
     assert "1 run(s) with a held-out KL at or below 0 left out of the fit." in lines[1]
+
+
+def test_heldout_kl_measures_only_the_configurations_asked_for(tmp_path, capsys):
+    """bench/heldout_kl.py --configs: a run of another configuration with no policy folder is not touched (without
+    the flag it is refused); a name that is no configuration of the hypotheses is an error that names it."""
+    import heldout_kl
+    ppo, ma = study.HYPOTHESES["kl"].configs
+    results = tmp_path / "study"
+    study.write_record(os.path.join(str(results), "runs", ma.name, "seed3.json"),
+                       {"config": ma.name, "seed": 3, "final": {"gold": [0.5]}})
+    common = ["kl", "--results_dir", str(results), "--runs_dir", str(tmp_path / "runs")]
+    assert heldout_kl.main([*common, "--configs", ppo.name]) == []
+    with pytest.raises(SystemExit, match="no final policy"):
+        heldout_kl.main(common)
+    with pytest.raises(SystemExit):
+        heldout_kl.main([*common, "--configs", f"{ppo.name},kl_n9_6"])
+    assert "'kl_n9_6' is not a configuration of kl" in capsys.readouterr().err
