@@ -714,10 +714,21 @@ def tracked_changes(root, results_dir=None):
     return [line[3:] for line in out.splitlines()]
 
 
+def cpu_name():
+    """The processor's model name (/proc/cpuinfo where there is one): a CPU run's floats depend on the kernels
+    its instruction set selects, as on its thread count."""
+    import platform
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), None)
+    except OSError:
+        return platform.processor() or None
+
+
 def provenance(args, models):
     """What a reviewer needs to trust or rerun a record: the git revision (and whether tracked files other than
-    the study's outputs differed from it), library versions, threads, runs side by side, and hashes of the SFT /
-    RM folders."""
+    the study's outputs differed from it), library versions, threads, runs side by side, the processor and the
+    instruction set torch's kernels use, and hashes of the SFT / RM folders."""
     import platform
     import torch
     import transformers
@@ -725,7 +736,8 @@ def provenance(args, models):
     dirty = bool(tracked_changes(ROOT, getattr(args, "results_dir", None)))
     return {"commit": git("rev-parse", "HEAD"), "dirty": dirty,
             "python": platform.python_version(), "torch": torch.__version__, "transformers": transformers.__version__,
-            "threads": torch.get_num_threads(), "jobs": args.jobs,
+            "threads": torch.get_num_threads(), "jobs": args.jobs, "cpu": cpu_name(),
+            "cpu_capability": torch.backends.cpu.get_cpu_capability(),
             "sft_hash": folder_hash(models[0]), "rm_hash": folder_hash(models[1]) if models[1] else None}
 
 

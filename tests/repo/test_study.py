@@ -490,6 +490,10 @@ def test_a_record_says_what_produced_it(tmp_path):
     p = study.provenance(argparse.Namespace(jobs=2), (str(tmp_path / "sft"), None))
     assert len(p["commit"]) == 40 and isinstance(p["dirty"], bool) and p["jobs"] == 2 and p["threads"] >= 1
     assert p["sft_hash"] == before and p["rm_hash"] is None and p["torch"].startswith("2.")
+    import torch
+    assert p["cpu_capability"] == torch.backends.cpu.get_cpu_capability()            # AVX2, AVX512, ...
+    with open("/proc/cpuinfo") as f:                                                  # Linux, here and in CI
+        assert p["cpu"] == next(ln for ln in f if ln.startswith("model name")).partition(":")[2].strip()
     (tmp_path / "sft" / "config.json").write_text("{ }")
     assert study.folder_hash(str(tmp_path / "sft")) != before
     assert study.folder_hash(str(tmp_path / "no_rm")) is None             # the code task has no RM
