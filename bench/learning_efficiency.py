@@ -1419,9 +1419,39 @@ def matched_kl_table(args, h, records, result):
             blocks += joint_fit_lines(joint, key, arm_name(base))
     else:
         result["equal_kl"] = {k: by_arm[label][k] for k in ("fit", "matched_pairs")}
+        blocks += one_build_lines(args, h, done, key, result)
         blocks += heldout_kl_lines(args, h, done, key, result)
     return (lines + (arms_table(h, done, by_arm, key) if several else []) + ([""] + verdicts if verdicts else [])
             + by_seed + (equal_kl_intro(key, several) + blocks if blocks else []))
+
+
+def one_build_lines(args, h, done, key, result):
+    """When some runs of a one-method hypothesis were trained from another SFT / RM build than its SFT record names:
+    the comparison at equal KL again over the runs of that build alone (a pair whose other run is from another build
+    drops out of the matched pairs; the fit keeps each run, its seed's intercept absorbing what the seed shares)."""
+    sft = committed_sft_record(args, h.configs[0]) if getattr(args, "results_dir", None) else None
+    if not (sft and sft.get("sft_hash")):
+        return []
+    build = (lambda r: (r.get("sft_hash"), r.get("rm_hash")))                       # noqa: E731
+    one = {name: [r for r in runs if build(r) == build(sft)] for name, runs in done.items()}
+    n_all, n_one = sum(map(len, done.values())), sum(map(len, one.values()))
+    if n_one == n_all:
+        return []
+    fit_runs = [(r["seed"], not c.is_ppo, run_kl(r), r["final"][key]) for c in h.configs for r in one[c.name]
+                if has_trace(r)]
+    gaps = {}
+    for c in h.configs:
+        for r in one[c.name] if c.partner else []:
+            p = next((p for p in one.get(c.partner, []) if p["seed"] == r["seed"]), None)
+            if p and kl_matched(run_kl(r), run_kl(p)):
+                g = numpy.array(r["final"][key], float) - numpy.array(p["final"][key], float)
+                gaps.setdefault(r["seed"], {})[tuple(g)] = g
+    fits = equal_kl_fits(fit_runs, gaps)
+    result["equal_kl_one_build"] = {**fits, "runs": n_one, "of": n_all}
+    arm = arm_name(next(c for c in h.configs if not c.is_ppo))
+    return (["", f"The same over the runs of the SFT record's build alone ({n_one} of {n_all} runs: those whose SFT / "
+             f"RM hashes are the record's), a check of the comparison above, which counts every run:", ""]
+            + equal_kl_lines(fits, key, arm, arm_name(h.configs[0]), "one build: "))
 
 
 def record_digest(args, name, seed):

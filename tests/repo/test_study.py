@@ -1129,3 +1129,34 @@ def test_heldout_kl_measures_only_the_configurations_asked_for(tmp_path, capsys)
     with pytest.raises(SystemExit):
         heldout_kl.main([*common, "--configs", f"{ppo.name},kl_n9_6"])
     assert "'kl_n9_6' is not a configuration of kl" in capsys.readouterr().err
+
+
+def test_runs_of_another_build_are_compared_again_without_them(tmp_path):
+    """real_kl10's report when some runs were trained from another SFT / RM build than its SFT record's: the fit and
+    the matched pairs again over that build's runs alone, equal to the fit over those runs; nothing when every run is
+    of the record's build."""
+    args = argparse.Namespace(results_dir=str(tmp_path))
+    h = study.HYPOTHESES["real_kl10"]
+    ppo, ma = h.configs
+    rng = numpy.random.default_rng(1)
+    study.write_record(study.record_path(args, study.sft_record_name(ppo), 0),
+                       {"config": "real_kl10_sft", "seed": 0, "final": {"gold": [0.2] * 8}, "sft_hash": "a", "rm_hash": "b"})
+    records = {ppo.name: [], ma.name: []}
+    for seed in (1, 2, 3, 4):
+        for c in (ppo, ma):
+            kl = float(rng.uniform(0.5, 1.0))          # each pair matched or not, as it falls
+            records[c.name].append({"config": c.name, "seed": seed, "final": {"gold": list(rng.uniform(0, 1, 8))},
+                                    "rows": [{"step": 30, "eval/gold": 0.5}], "sft_hash": "a", "rm_hash": "b",
+                                    "trace": [{"step": s, "kl": kl} for s in range(1, 6)]})
+    result = {}
+    lines = study.matched_kl_table(args, h, records, result)
+    assert "equal_kl_one_build" not in result and not any("build alone" in x for x in lines)
+    records[ma.name][3]["sft_hash"] = "c"                         # seed 4's MA-PPO run: another build
+    result = {}
+    lines = study.matched_kl_table(args, h, records, result)
+    one = result["equal_kl_one_build"]
+    assert (one["runs"], one["of"]) == (7, 8) and any("(7 of 8 runs" in x for x in lines)
+    expected = study.equal_kl_fit([(r["seed"], c is ma, study.run_kl(r), r["final"]["gold"])
+                                   for c in h.configs for r in records[c.name] if r["sft_hash"] == "a"])
+    assert one["fit"]["mean"] == pytest.approx(expected["mean"]) and one["fit"]["seeds"] == 3
+    assert result["equal_kl"]["fit"]["seeds"] == 4                # the verdict's fit still counts every run
