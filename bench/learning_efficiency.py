@@ -1480,7 +1480,8 @@ def heldout_kl_lines(args, h, done, key, result):
     of the hypothesis has one: each pair's held-out KLs, then the fit and the matched pairs by them. A check of the
     verdict above on the KL where the scores are read, not a second verdict of its own. While only some runs have
     one (a run needs its policy folder): those runs' held-out KL beside their run_kl, and no comparison."""
-    runs = [(c, r) for c in h.configs for r in done[c.name]]
+    done = {name: [{**r, "config": name} for r in runs] for name, runs in done.items()}   # records made by hand
+    runs = [(c, r) for c in h.configs for r in done[c.name]]                             # may not name theirs
     measured = {(r["config"], r["seed"]): heldout_kl(args, r) for _, r in runs}
     if not any(v is not None for v in measured.values()):
         return []
