@@ -1242,6 +1242,11 @@ def arm_name(config):
     return config.label.split(" (")[0]
 
 
+def prompt_gaps(run, partner, key):
+    """`run`'s final scores minus its partner's, prompt by prompt (one matched pair's gaps)."""
+    return numpy.array(run["final"][key], float) - numpy.array(partner["final"][key], float)
+
+
 def equal_kl_fits(fit_runs, matched_gaps):
     """The comparison at equal KL two ways: the fit of score on log KL (fit_runs, as equal_kl_fit takes them) and
     the matched pairs alone (matched_gaps {seed: {pair: per-prompt gaps}}), each seed's pairs averaged."""
@@ -1375,7 +1380,7 @@ def matched_kl_table(args, h, records, result):
         for r, p in pairs:
             by_seed.append(pair_row(who(config), who(configs[config.partner]), r, p, key))
             if kl_matched(run_kl(r), run_kl(p)):       # a pair that repeats another of its seed counts once
-                g = numpy.array(r["final"][key], float) - numpy.array(p["final"][key], float)
+                g = prompt_gaps(r, p, key)
                 matched_gaps.setdefault(config.name, {}).setdefault(r["seed"], {})[tuple(g)] = g
         if gap:
             entry["matched_kl"].update(pairs_matched=n_matched, pairs=len(pairs))
@@ -1444,7 +1449,7 @@ def one_build_lines(args, h, done, key, result):
         for r in one[c.name] if c.partner else []:
             p = next((p for p in one.get(c.partner, []) if p["seed"] == r["seed"]), None)
             if p and kl_matched(run_kl(r), run_kl(p)):
-                g = numpy.array(r["final"][key], float) - numpy.array(p["final"][key], float)
+                g = prompt_gaps(r, p, key)
                 gaps.setdefault(r["seed"], {})[tuple(g)] = g
     fits = equal_kl_fits(fit_runs, gaps)
     result["equal_kl_one_build"] = {**fits, "runs": n_one, "of": n_all}
@@ -1503,7 +1508,7 @@ def heldout_kl_lines(args, h, done, key, result):
         rows.append(f"| {r['seed']} | {a:.2f} / {b:.2f} | " + (f"{max(a, b) / min(a, b):.2f}" if min(a, b) > 0 else "-")
                     + f" | {'yes' if matched else 'no'} | {run_kl(partner):.2f} / {run_kl(r):.2f} |")
         if matched:
-            g = numpy.array(r["final"][key], float) - numpy.array(partner["final"][key], float)
+            g = prompt_gaps(r, partner, key)
             gaps.setdefault(r["seed"], {})[tuple(g)] = g
     # a mean of per-reply estimates can fall at or below 0 (a KL cannot): no log, so out of the fit
     fits = equal_kl_fits([(r["seed"], not c.is_ppo, kl_of(r), r["final"][key]) for c, r in runs if kl_of(r) > 0], gaps)
