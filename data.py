@@ -706,6 +706,20 @@ def check_tokenizer(tokenizer):
                          "a model: start the later stages from the SFT model's folder")
 
 
+def batch_indices(n_rows, batch_size, step, seed, rank=0, world=1, repeats=1):
+    """Row indices of this process's batch at micro-step `step`: a seeded permutation per epoch, so a
+    resumed run sees exactly the batches an uninterrupted one would have. Every rank gets a full batch:
+    with fewer rows than batch_size x world, the permutation wraps around (rows repeat). `repeats`: each
+    index that many times in adjacent places (a group of samples of one prompt, all on this process)."""
+    if n_rows < 1:
+        raise ValueError("batch_indices: no rows to draw batches from")
+    per_epoch = max(1, n_rows // (batch_size * world))
+    epoch, k = divmod(step, per_epoch)
+    order = torch.randperm(n_rows, generator=torch.Generator().manual_seed(seed + epoch))
+    start = (k * world + rank) * batch_size
+    return [i for i in order[torch.arange(start, start + batch_size) % n_rows].tolist() for _ in range(repeats)]
+
+
 def encode_prompts(tokenizer, prompts, max_len):
     """Left-padded prompt ids [B, P] and mask; a long prompt keeps its *end* (the question is
     last). BOS, when the tokenizer has one, stays first. Returns (ids, mask, n_truncated)."""

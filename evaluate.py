@@ -82,6 +82,16 @@ class EvalArgs:
     output_dir: str = field(default="runs/eval", metadata={"help": "where results are written"})
 
 
+@dataclass
+class ReportArgs:
+    """ppo.py's flags for what the run reports beyond its metrics: the held-out evaluation, the final plot, trackers."""
+    eval_every: int = harness.flag(20, "held-out evaluation every k iterations", "[1, inf)")
+    n_eval_prompts: int = harness.flag(256, "held-out prompts per evaluation", "[1, inf)")
+    plot: bool = harness.flag(True, "draw learning_curve.png in the final report (false: skip matplotlib)")
+    report_to: str = harness.flag("none", "accelerate trackers: none | tensorboard | wandb",
+                                  choices=("none", "tensorboard", "wandb"))
+
+
 def floats(text):
     return [float(x) for x in text.split(",") if x]
 
@@ -365,50 +375,6 @@ def held_out(policy, reward_model, tokenizer, rows, sampling, seed, synced_gpus=
     return texts, scores, gold
 
 
-@dataclass
-class Iteration:
-    """ppo.py's step 7: the tensors of one iteration that its metrics read; B rollouts of R response tokens."""
-    score: torch.Tensor             # [B] the sequence score (RM, gold judge or execution)
-    passed: torch.Tensor | None     # [B] 1.0 where every test passed (code tasks), else None
-    token_rewards: torch.Tensor     # [B, R] per-token rewards: KL rewards and the score (macro_rewards)
-    kl: torch.Tensor                # [B, R] per-token KL estimate
-    entropy: torch.Tensor           # [B, R] the policy's entropy at each response token
-    response_mask: torch.Tensor     # [B, R] 1.0 on real response tokens
-    starts: torch.Tensor            # [B, R] bool, where a macro action begins
-    old_values: torch.Tensor | None     # [B, R] V(s_t) at rollout time; None without a critic
-    advantages: torch.Tensor        # [B, R] macro advantages before whitening
-    returns: torch.Tensor | None    # [B, R] the critic's targets; None without a critic
-    has_eos: torch.Tensor           # [B] bool, the response ended with EOS
-    parse_fallback: float           # share of rows whose parse fell back to n=1
-    update_stats: list              # one dict of losses and ratio stats per minibatch
-    score_stats: dict = field(default_factory=dict)      # the scorer's (--reward segment: segment counts, rewards)
-    points: torch.Tensor | None = None      # [B, R] bool, --advantage mc: where Monte Carlo values were estimated
-
-
-def iteration_metrics(it, score_name):
-    """ppo.py's step 7: the metrics of one Iteration (masked: no padding in any average); the score is logged as
-    reward/<score_name> (rm, gold, segment or exec)."""
-    m, starts = it.response_mask, it.starts
-    n_macro = starts.sum(-1).clamp(min=1).float()
-    lengths = m.sum(-1)
-    critic = {}
-    if it.returns is not None:      # the critic's: none under --advantage group / mc
-        var_r = ma.masked_mean((it.returns - ma.masked_mean(it.returns, m)) ** 2, m)
-        critic = {"value/explained_variance": 1 - ma.masked_mean((it.returns - it.old_values) ** 2, m) / var_r.clamp(min=1e-8),
-                  "q/l2": (it.returns ** 2 * m).sum(-1).sqrt().mean(), "q/l2_macro": (it.returns ** 2 * starts).sum(-1).sqrt().mean()}
-    return {f"reward/{score_name}": it.score.mean(),
-            **({"reward/pass_rate": it.passed.mean()} if it.passed is not None else {}),
-            "reward/total": it.token_rewards.sum(-1).mean(),
-            "kl": (it.kl * m).sum(-1).mean(), "entropy": ma.masked_mean(it.entropy, m), **critic,
-            # Fig. 11: L2 norms per response, over tokens (a macro counted once per token) and over macro actions
-            "adv/l2": (it.advantages ** 2 * m).sum(-1).sqrt().mean(),
-            "adv/l2_macro": (it.advantages ** 2 * starts).sum(-1).sqrt().mean(),
-            **({"mc/points": it.points.sum(-1).float().mean()} if it.points is not None else {}),
-            "macro/mean_len": (lengths / n_macro).mean(), "macro/parse_fallback": torch.tensor(it.parse_fallback),
-            "response/len": lengths.mean(), "response/eos_rate": it.has_eos.float().mean(),
-            **{k: torch.stack([s[k] for s in it.update_stats]).mean() for k in it.update_stats[0]}, **it.score_stats}
-
-
 # A policy whose replies keep less than this share of the SFT model's distinct-2 is degenerate: its score
 # comes from saying one thing over and over (a collapsed chitchat policy: 0.03 against the SFT's 0.8-0.9).
 DEGENERATE = 0.5
@@ -467,6 +433,7 @@ def during_training(metrics, sampling, *, accelerator, policy, reward_model, tok
     `held_out`; `gather`: ppo.py's --gather_for_generation; `score_name`: the score the run trains on."""
     acc, sharded, task = accelerator, harness.is_sharded(accelerator), sampling.task
     code = task in data.CODE_TASKS
+    harness.release_freed_memory(acc.device, at_least=0)    # the held-out generation starts lean
     if acc.is_main_process or sharded:               # sharded weights: every rank takes part
         with harness.generation_model(acc, policy, gather) as (model, synced):
             texts, scores, second = held_out(model.eval(), reward_model, tokenizer, eval_rows, sampling, sampling.seed,

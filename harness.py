@@ -37,6 +37,8 @@ from dataclasses import asdict
 
 import torch
 
+import data
+
 CHECKPOINT = "checkpoint"
 
 
@@ -209,6 +211,9 @@ def generation_model(accelerator, model, gather=True):
     whole policy sits on every GPU meanwhile). Without `gather`: sharded forwards, every rank in lockstep
     (synced_gpus=True) and every layer gathered again for every generated token, the ZeRO-3 trap that
     makes generation 10x slower (TRL PR 1483; DeepSpeed issue 4354)."""
+    if not is_sharded(accelerator):
+        yield unwrap(accelerator, model), False
+        return
     unwrapped = unwrap(accelerator, model)
     kind = accelerator.distributed_type.value
     zero3 = kind == "DEEPSPEED" and accelerator.state.deepspeed_plugin.zero_stage == 3
@@ -220,7 +225,7 @@ def generation_model(accelerator, model, gather=True):
         with torch.no_grad():
             model(input_ids=torch.zeros(1, 1, dtype=torch.long, device=accelerator.device))
         _FSDP_ROOTS.add(model)
-    if not is_sharded(accelerator) or (kind == "DEEPSPEED" and not zero3):
+    if kind == "DEEPSPEED" and not zero3:
         yield unwrapped, False
     elif not gather and hasattr(model, "unshard"):
         # FSDP2, sharded: each layer gathers itself in its forward, but the root's own parameters (with LoRA those
@@ -253,6 +258,20 @@ def generation_model(accelerator, model, gather=True):
         from torch.distributed.fsdp import FullyShardedDataParallel
         with FullyShardedDataParallel.summon_full_params(model, writeback=False, recurse=True):
             yield unwrapped, False
+
+
+@contextlib.contextmanager
+def reference_forward(accelerator, ref, policy):
+    """Yields the model whose forward is ppo.py's reference: the frozen SFT model `ref`, computing as the policy does
+    (unsharded under --bf16: fp32 weights under the same autocast, so the first KL is exactly 0), or under LoRA (`ref`
+    None) the `policy` with its adapters switched off, which is the SFT model. The freed heap is handed back first."""
+    release_freed_memory(accelerator.device)
+    if ref is None:
+        with unwrap(accelerator, policy).disable_adapter():
+            yield policy
+    else:
+        with accelerator.autocast() if not is_sharded(accelerator) else contextlib.nullcontext():
+            yield ref
 
 
 @contextlib.contextmanager
@@ -463,6 +482,47 @@ def cpu_threads(num_processes, environ=os.environ):
     return None
 
 
+def flag(default, help, range=None, choices=None):
+    """A field of a stage's arguments dataclass: its default, its one-line `help`, and either the numeric `range` it
+    takes ("[1, inf)": `--help` shows it as the value; check_ranges enforces it) or its `choices` (check_choices)."""
+    metadata = {"help": help, **({"metavar": range} if range else {}), **({"choices": choices} if choices else {})}
+    return dataclasses.field(default=default, metadata=metadata)
+
+
+@dataclasses.dataclass
+class ModelArgs:
+    """ppo.py's flags for the models beyond the paper's: the critic's init, how the default models are built, chat
+    templates, LoRA, precision and the sharded engines (all of them this file's plumbing)."""
+    critic_path: str = flag("", "critic init: default the RM (App. B.2; code tasks: the SFT model); an LM gets a fresh "
+                            "head")
+    sft_args: str = flag("", "extra sft.py flags used when the default SFT model is built, e.g. '--max_steps 600'")
+    rm_args: str = flag("", "extra reward_model.py flags used when the default RM is built")
+    chat_template: bool = flag(False, "render prompts with the tokenizer's chat template (instruct models); same in "
+                               "every stage")
+    lora_r: int = flag(0, "LoRA rank for the policy and the critic (the reference: adapters off); 0 = full",
+                       "[0, inf)")
+    lora_alpha: int = flag(16, "LoRA scale alpha (the update is scaled by alpha / r)", "(0, inf)")
+    lora_target_modules: str = flag("all-linear", "LoRA: all-linear, or module names separated by commas")
+    bf16: bool = flag(False, "bf16 mixed precision (GPUs)")
+    gradient_checkpointing: bool = flag(False, "recompute activations to save memory (GPUs)")
+    gather_for_generation: bool = flag(True, "ZeRO-3 / FSDP: gather the whole policy for generate() (false: "
+                                       "sharded, slow)")
+
+
+def split_flags(classes, flags):
+    """One instance of each arguments dataclass of `classes`, each given the `flags` {name: value} it holds: a
+    stage's arguments built in Python, as its command line would parse them. An unknown flag is a TypeError."""
+    owner = {f.name: cls for cls in classes for f in dataclasses.fields(cls)}
+    if set(flags) - set(owner):
+        raise TypeError(f"no flag {', '.join(sorted(set(flags) - set(owner)))}")
+    return tuple(cls(**{k: v for k, v in flags.items() if owner[k] is cls}) for cls in classes)
+
+
+def config_of(*parts):
+    """One dict of every field of the arguments dataclasses `parts` (a stage's flags, as printed and saved)."""
+    return {k: v for part in parts for k, v in asdict(part).items()}
+
+
 def check_choices(args):
     """Every choice flag of a stage's arguments dataclass (a field with "choices" in its metadata, which
     argparse also enforces on the command line) holds one of its choices, also when the dataclass was built
@@ -508,10 +568,10 @@ def check_flags(args):
     check_ranges(args)
 
 
-def start(name, args, accelerator, final="config.json"):
+def start(name, args, accelerator, final="config.json", config=None):
     """Every stage's preamble: a fresh start refused over an interrupted run (it would replace that
     run's checkpoint and metrics), the seed, CPU threads, then the resolved configuration printed once.
-    `final` is the file of the finished run's model, under --output_dir."""
+    `final` is the file of the finished run's model, under --output_dir; `config`: what to print (default `args`)."""
     if interrupted(args.output_dir, final) and not args.resume:
         sys.exit(f"error: {args.output_dir!r} holds the checkpoint of an interrupted run. Continue it with "
                  "--resume, or start afresh in another --output_dir (or delete this one).")
@@ -522,7 +582,7 @@ def start(name, args, accelerator, final="config.json"):
     threads = cpu_threads(accelerator.num_processes) if accelerator.device.type == "cpu" else None
     if threads:
         torch.set_num_threads(threads)
-    accelerator.print(f"[{name}] config: {asdict(args)}")
+    accelerator.print(f"[{name}] config: {config or asdict(args)}")
     if accelerator.device.type == "cpu":
         accelerator.print(f"[{name}] CPU threads per process: {torch.get_num_threads()}")
 
@@ -532,7 +592,6 @@ def build_default(accelerator, task, sft_path, rm_path=None, sft_args="", rm_arg
     `sft_path`, then reward_model.py at `rm_path` (None: no RM, as for code, whose score is running the
     program), each run once as a subprocess of the main process, reused afterwards; `sft_args` / `rm_args`:
     their extra flags (empty: the task's data.BUILD_ARGS); `name`: the stage that asks, in its log line."""
-    import data
     env = {k: v for k, v in os.environ.items()
            if not k.startswith(("ACCELERATE_", "RANK", "WORLD_SIZE", "LOCAL_", "MASTER_", "OMP_"))}
     default_sft, default_rm = data.BUILD_ARGS.get(task, ("", ""))
@@ -550,37 +609,29 @@ def build_default(accelerator, task, sft_path, rm_path=None, sft_args="", rm_arg
 
 
 class Stopwatch:
-    """Seconds spent per phase of an iteration: `with clock.phase(name):` around it, or `lap(name)` to close the
-    phase that just ended; a phase timed in two parts adds them up."""
+    """Seconds spent per phase of an iteration: `with clock.phase(name):` around it (a phase timed in two parts adds
+    them up). With a `device`, each phase ends by handing the freed heap back (`release_freed_memory`), inside its
+    time: the next phase's tensors then do not land above what this one freed."""
 
-    def __init__(self):
-        self.t0 = self.last = time.time()
-        self.laps = {}
-
-    def lap(self, name):
-        now = time.time()
-        self.laps[name] = self.laps.get(name, 0.0) + now - self.last
-        self.last = now
+    def __init__(self, device=None):
+        self.t0, self.device, self.laps = time.time(), device, {}
 
     @contextlib.contextmanager
-    def phase(self, name, release=None):
-        """Times the block as phase `name`; with `release` (a device), the freed heap is handed back at its end
-        (`release_freed_memory`), inside the phase's time."""
+    def phase(self, name):
+        start = time.time()
         yield
-        if release is not None:
-            release_freed_memory(release)
-        self.lap(name)
-
-    def total(self):
-        return time.time() - self.t0
+        if self.device is not None:
+            release_freed_memory(self.device)
+        self.laps[name] = self.laps.get(name, 0.0) + time.time() - start
 
     def metrics(self, tokens):
         """The timing metrics of a step that produced `tokens` tokens (over every process): seconds per step and
         per phase, tokens per second, and on a GPU the peak memory allocated."""
-        total = self.total()
-        return {"time/step": round(total, 3), **{f"time/{k}": round(v, 4 if k == "macro" else 3) for k, v in self.laps.items()},
-                "tokens_per_s": round(tokens / total, 1),
-                **({"memory/peak_gb": round(torch.cuda.max_memory_allocated() / 2 ** 30, 2)} if torch.cuda.is_available() else {})}
+        total = time.time() - self.t0
+        return {"time/step": round(total, 3), **{f"time/{k}": round(v, 4 if k == "macro" else 3)
+                                                 for k, v in self.laps.items()}, "tokens_per_s": round(tokens / total, 1),
+                **({"memory/peak_gb": round(torch.cuda.max_memory_allocated() / 2 ** 30, 2)}
+                   if torch.cuda.is_available() else {})}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -620,10 +671,11 @@ class RunLog:
 
 
 def mean_over_processes(accelerator, values):
-    """{name: scalar tensor} of this process -> {name: float}, each the mean over every process (one reduction,
+    """{name: scalar tensor or number} of this process -> {name: float}, each the mean over every process (one reduction,
     the names in sorted order on every rank): the same numbers on every rank."""
     names = sorted(values)
-    means = accelerator.reduce(torch.stack([values[k].float().to(accelerator.device) for k in names]), "mean")
+    means = accelerator.reduce(torch.stack([torch.as_tensor(values[k]).float().to(accelerator.device) for k in names]),
+                               "mean")
     return dict(zip(names, means.tolist()))
 
 
@@ -644,6 +696,49 @@ def with_lora(model, r, alpha, target_modules, task_type):
     with peft_quietly():
         return trained_dtype(get_peft_model(model, LoraConfig(r=r, lora_alpha=alpha, lora_dropout=0.0,
                                                              target_modules=targets, task_type=task_type)))
+
+
+def lora(model, models, task_type, adapters=""):
+    """ppo.py's LoRA: `model` with new adapters of `models` (ModelArgs: --lora_r, --lora_alpha,
+    --lora_target_modules), or with the saved `adapters` of a checkpoint part put back."""
+    if adapters:
+        return load_lora(model, adapters)
+    return with_lora(model, models.lora_r, models.lora_alpha, models.lora_target_modules, task_type)
+
+
+def load_ppo_models(models, sft_path, rm_path, critic_path, rm, *, code_task, resume_dir=None, sharded=False):
+    """ppo.py's four models, (tokenizer, policy, critic or None, frozen reference, frozen RM or None): policy and
+    reference from the SFT model, the critic from `critic_path` ("": none); under --lora_r adapters on both, the
+    reference the policy with its adapters off (None); `resume_dir`: the trained two from its checkpoint. `models`:
+    ModelArgs; `rm`: the reward_model module (its loader and its Critic); `sharded`: ZeRO-3 / FSDP partitions."""
+    from transformers import AutoModelForCausalLM
+    part = (lambda name, default: checkpoint_part(resume_dir, name) if resume_dir else default)
+    if resume_dir:
+        require_part(part("policy", ""), "checkpoint to resume", "Run without --resume.")
+    tokenizer, bf16 = data.load_tokenizer(sft_path), models.bf16
+    with loading_whole():       # the frozen models are never handed to a ZeRO-3 engine
+        reward_model = None if code_task else rm.load_reward_model(rm_path, bf16)[0].eval().requires_grad_(False)
+    if models.lora_r:   # adapters on the SFT model and on the critic's init: two copies of the base weights in all
+        policy = AutoModelForCausalLM.from_pretrained(sft_path, dtype=torch.bfloat16 if bf16 else torch.float32)
+        # a critic initialised from the RM reads the RM's own weights (a twin of it), unless sharded
+        shared = reward_model is not None and not sharded and os.path.realpath(critic_path) == os.path.realpath(rm_path)
+        critic = (twin(reward_model) if shared else rm.load_reward_model(critic_path, bf16)[0]) \
+            if critic_path else None
+        policy = lora(policy, models, "CAUSAL_LM", part("policy", ""))
+        critic = None if critic is None else rm.Critic(lora(critic, models, "SEQ_CLS", part("critic", "")))
+    else:       # trained weights in fp32 (the master copy); --bf16 autocasts their forwards
+        policy = AutoModelForCausalLM.from_pretrained(part("policy", sft_path), dtype=torch.float32)
+        critic = rm.Critic(rm.load_reward_model(part("critic", critic_path))[0]) if critic_path else None
+    # the reference in the precision the policy computes in: bf16 where the engine runs the policy's in bf16
+    # (DeepSpeed, FSDP2's mixed precision), else fp32 under the policy's autocast (reference_forward)
+    with loading_whole():
+        ref = None if models.lora_r else AutoModelForCausalLM.from_pretrained(
+            sft_path, dtype=torch.bfloat16 if bf16 and sharded else torch.float32).eval().requires_grad_(False)
+    if models.gradient_checkpointing:
+        policy.gradient_checkpointing_enable()
+        if critic is not None:
+            critic.model.gradient_checkpointing_enable()
+    return tokenizer, policy, critic, ref, reward_model
 
 
 @contextlib.contextmanager
@@ -839,7 +934,7 @@ def save_checkpoint(output_dir, parts, tokenizer, step, args, optimizers=None, s
                     state_dicts=None, shards=None, **extra):
     """The one checkpoint writer (main process only): the parts, and the trainer state of `step`;
     `shards`: the folder of `save_optimizer_shards`, moved in."""
-    state = {"step": step, "rng": rng_state(), "args": asdict(args), **extra,
+    state = {"step": step, "rng": rng_state(), "args": args if isinstance(args, dict) else asdict(args), **extra,
              **{k: o.state_dict() for k, o in (optimizers or {}).items()},
              **{k: s.state_dict() for k, s in (schedulers or {}).items()}}
     atomic_save(checkpoint_dir(output_dir), tokenizer=tokenizer, parts=parts, state=state, state_dicts=state_dicts,
@@ -860,6 +955,28 @@ def save_training(accelerator, output_dir, step, args, tokenizer, models, optimi
         save_checkpoint(output_dir, parts, tokenizer, step, args, {} if sharded else optimizers, schedulers,
                         weights, shards, rng_ranks=rng, **extra)
     accelerator.wait_for_everyone()
+
+
+def save_trained(trained, output_dir, config, tokenizer, step, **extra):
+    """ppo.py's checkpoint of iteration `step` (collective): the `trained` models {name: Trained} with their optimizers
+    and schedules, the run's `config`, and `extra` state of its loop."""
+    optimizers, schedulers = checkpoint_names(trained)
+    save_training(trained["policy"].accelerator, output_dir, step, config, tokenizer,
+                  {name: (t.accelerator, t.model) for name, t in trained.items()}, optimizers, schedulers, **extra)
+
+
+def resume(output_dir, trained, generator, beta):
+    """ppo.py --resume: the optimizers, schedules and RNG of the `trained` models back from the checkpoint in
+    `output_dir` (a fresh start where it is empty or False: (0, 0, beta)), the `generator`'s state too; returns (the
+    iteration to continue at, prompts truncated so far, the KL coefficient: the checkpoint's, else `beta`)."""
+    if not output_dir:
+        return 0, 0, beta
+    acc = trained["policy"].accelerator
+    optimizers, schedulers = checkpoint_names(trained)
+    state = load_checkpoint(output_dir, optimizers, schedulers, acc.print, acc.process_index, acc.num_processes)
+    generator.set_state(state["generator"])
+    acc.print(f"[ppo] resumed at iteration {state['step']}")
+    return state["step"], state["truncated"], state.get("beta", beta)
 
 
 SHARDS = "optimizer_shards"
@@ -956,20 +1073,6 @@ def rng_states(accelerator):
     return gather_object([rng_state()])
 
 
-def batch_indices(n_rows, batch_size, step, seed, rank=0, world=1, repeats=1):
-    """Row indices of this process's batch at micro-step `step`: a seeded permutation per epoch, so a
-    resumed run sees exactly the batches an uninterrupted one would have. Every rank gets a full batch:
-    with fewer rows than batch_size x world, the permutation wraps around (rows repeat). `repeats`: each
-    index that many times in adjacent places (a group of samples of one prompt, all on this process)."""
-    if n_rows < 1:
-        raise ValueError("batch_indices: no rows to draw batches from")
-    per_epoch = max(1, n_rows // (batch_size * world))
-    epoch, k = divmod(step, per_epoch)
-    order = torch.randperm(n_rows, generator=torch.Generator().manual_seed(seed + epoch))
-    start = (k * world + rank) * batch_size
-    return [i for i in order[torch.arange(start, start + batch_size) % n_rows].tolist() for _ in range(repeats)]
-
-
 def eval_batches(n_rows, batch_size, rank=0, world=1):
     """(start, weight) of this process's held-out batches rows[start:start + batch_size]: every rank
     gets the same number of batches, since a sharded forward needs every rank; a rank past the end
@@ -1020,7 +1123,7 @@ class Trainer:
         with GracefulStop(acc, name, "step", checkpoint_dir(args.output_dir), saved=self.start) as stop:
             for step in bar:
                 for micro in range(args.grad_accum):
-                    idx = batch_indices(self.n_rows, args.batch_size, step * args.grad_accum + micro, args.seed,
+                    idx = data.batch_indices(self.n_rows, args.batch_size, step * args.grad_accum + micro, args.seed,
                                         rank, world)
                     with acc.accumulate(self.model):
                         loss = loss_fn([rows[i] for i in idx])

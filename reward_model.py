@@ -106,6 +106,7 @@ class Critic(torch.nn.Module):
     def forward(self, ids, attention_mask, prompt_width=None):
         """V(s_t) for the state before each response token of [prompt | response] `ids`: the head at the
         preceding position, [B, R]; without `prompt_width`, the head at every position [B, T]."""
+        harness.release_freed_memory(ids.device)     # what the forward before this one freed, back to the OS
         model = self.model.get_base_model() if harness.is_lora(self.model) else self.model   # LoRA layers inside
         values = token_values(model, ids, attention_mask)
         return values if prompt_width is None else values[:, prompt_width - 1:-1]
@@ -220,49 +221,101 @@ def read_score_normalizer(rm_path):
 
 
 class Scorer:
-    """ppo.py's step 2: the sequence score of a rollout batch, of the one kind (`name`, logged as reward/<name>) chosen at setup:
-      exec     the program run against its tests (App. B.5): code tasks
-      gold     the task's gold judge reading the response: a verifiable reward
-      rm       the reward model's head at the last real token; a segment / token RM's score is e(x, y), the mean
-               of its segment rewards (Yin et al. 2025, Table 1's segment as bandit)
-      segment  a segment / token RM's rewards (Yin et al. 2025, §2): its head at each segment's last token,
-               normalized at its location, spread over the segment's tokens as `dense` rewards
-    `segment_settings` (`segment_rewards.segment_settings`): where the rollout's segments are cut, or None; `segment_rm`: the
-    reward model is a segment / token RM; `score_norm`: (mean, std) that standardize the RM's score, or None."""
+    """ppo.py's step 2: the sequence score of a rollout batch, of the one kind chosen at setup (`name`, logged as
+    reward/<name>). This one is the paper's: the reward model's head at the last real token. The others, each a
+    subclass below: `GoldScorer` (the task's judge), `ExecScorer` (the program run against its tests, App. B.5),
+    `SegmentScorer` (Yin et al. 2025: segments, segment rewards, a standardized score). A call returns (score [B],
+    dense per-token rewards [B, R] or None, the rollout's segment starts [B, R] or None, stats)."""
+    name, reads_sft_entropy = "rm", False     # reads_sft_entropy: wants the SFT entropy of step 2's reference forward
 
-    def __init__(self, name, tokenizer, *, task=None, reward_model=None, segment_settings=None, segment_rm=False,
-                 seg_norm="regression", seg_interp="even", score_norm=None):
-        self.name, self.tokenizer, self.task, self.reward_model = name, tokenizer, task, reward_model
-        self.segment_settings, self.seg_norm, self.score_norm = segment_settings, seg_norm, score_norm
-        self.reads_segments = name == "segment" or (name == "rm" and segment_rm)
-        self.seg_interp = "bandit" if name == "rm" else seg_interp      # e(x, y) as one reward at the last token
+    def __init__(self, tokenizer, *, task=None, reward_model=None):
+        self.tokenizer, self.task, self.reward_model = tokenizer, task, reward_model
 
-    def segments(self, response_ids, response_mask, sft_entropy):
-        """(starts, inside) [B, R] of the rollout's segments, cut as the RM's training cut its own (the SFT
-        entropy at temperature 1); (None, None) without segment settings."""
-        return sr.rollout_segments(self.segment_settings, response_ids, response_mask, self.tokenizer.eos_token_id,
-                                   sft_entropy)
+    def __call__(self, ids, attention_mask, prompt_width, rows, sft_entropy=None):
+        """The score of the rollout [B, P + R]; `rows`: its problems (prompt, tests) as the data gave them."""
+        harness.release_freed_memory(ids.device)     # what the forward before this one freed, back to the OS
+        return last_token(token_values(self.reward_model, ids, attention_mask), attention_mask), None, None, {}
 
-    def __call__(self, ids, attention_mask, prompt_width, rows, seg_starts=None, inside=None):
-        """(score [B], dense per-token rewards [B, R] or None, passed [B] (every test passed) or None, stats) of the
-        rollout [B, P + R]; `rows`: its problems (prompt, tests); `seg_starts`, `inside`: from `segments`."""
-        if self.name in ("exec", "gold"):
-            texts = self.tokenizer.batch_decode(ids[:, prompt_width:], skip_special_tokens=True)
-        if self.name == "exec":     # App. B.5: the compiler / test signal of running prefix + response
-            score, passed = map(torch.tensor, sandbox.execution_reward(rows, texts))
-            return score.to(ids.device), None, passed, {}
-        if self.name == "gold":     # a verifiable reward: the gold judge reads the whole response
-            return torch.tensor(data.gold(self.task, data.judged_prompts(rows), texts), device=ids.device), None, None, {}
-        head = token_values(self.reward_model, ids, attention_mask)       # the RM's head at every position
+
+class GoldScorer(Scorer):
+    """A verifiable reward: the task's gold judge reads the whole response."""
+    name = "gold"
+
+    def __call__(self, ids, attention_mask, prompt_width, rows, sft_entropy=None):
+        texts = self.tokenizer.batch_decode(ids[:, prompt_width:], skip_special_tokens=True)
+        score = torch.tensor(data.gold(self.task, data.judged_prompts(rows), texts), device=ids.device)
+        return score, None, None, {}
+
+
+class ExecScorer(Scorer):
+    """App. B.5: the compiler / test signal of running prefix + response (code tasks); reward/pass_rate logged."""
+    name = "exec"
+
+    def __call__(self, ids, attention_mask, prompt_width, rows, sft_entropy=None):
+        texts = self.tokenizer.batch_decode(ids[:, prompt_width:], skip_special_tokens=True)
+        score, passed = map(torch.tensor, sandbox.execution_reward(rows, texts))
+        return score.to(ids.device), None, None, {"reward/pass_rate": passed.mean()}
+
+
+class SegmentScorer(Scorer):
+    """Yin et al. 2025 around a score of `inner` kind (rm or gold): the rollout's segments, cut as the RM's training
+    cut its own from the SFT entropy at temperature 1 (`settings`, segment_rewards.segment_settings; None: none),
+    which --termination segment reads; a segment / token RM (`reads_segments`) read at each segment's end: under
+    --reward segment its normalized rewards spread over their tokens as `dense` rewards, under --reward rm their mean
+    e(x, y) as the score; `score_norm` (--rm_norm): (mean, std) that standardize the score. `sft_entropy_of(ids,
+    mask, P)`: the SFT entropy of other sequences than step 2's (Monte Carlo continuations)."""
+    reads_sft_entropy = True
+
+    def __init__(self, inner, settings, reads_segments, seg_norm, seg_interp, score_norm, sft_entropy_of):
+        super().__init__(inner.tokenizer, task=inner.task, reward_model=inner.reward_model)
+        self.inner, self.name, self.settings, self.reads_segments = inner, inner.name, settings, reads_segments
+        self.seg_norm, self.score_norm, self.sft_entropy_of = seg_norm, score_norm, sft_entropy_of
+        self.seg_interp = "bandit" if inner.name == "rm" else seg_interp      # e(x, y) as one reward at the last token
+        self.reads_sft_entropy = settings is not None
+
+    def __call__(self, ids, attention_mask, prompt_width, rows, sft_entropy=None):
+        if sft_entropy is None and self.reads_segments:
+            sft_entropy = self.sft_entropy_of(ids, attention_mask, prompt_width)
+        starts, inside = (None, None) if sft_entropy is None else sr.rollout_segments(
+            self.settings, ids[:, prompt_width:], attention_mask[:, prompt_width:], self.tokenizer.eos_token_id,
+            sft_entropy)
         dense, stats = None, {}
-        if self.reads_segments:                     # the head at each segment's end; e(x, y), their mean
-            dense, score, stats = sr.segment_rewards(head[:, prompt_width:], seg_starts, inside, self.segment_settings,
-                                                     self.seg_norm, self.seg_interp)
-        else:                                       # the head at the last real token
-            score = last_token(head, attention_mask)
+        if self.reads_segments:      # the head at each segment's end; e(x, y), their mean
+            head = token_values(self.reward_model, ids, attention_mask)[:, prompt_width:]
+            dense, score, stats = sr.segment_rewards(head, starts, inside, self.settings, self.seg_norm,
+                                                     self.seg_interp)
+        else:
+            score = self.inner(ids, attention_mask, prompt_width, rows)[0]
         if self.score_norm is not None:     # Yin et al. 2025, §2.1: the RM's score over its calibration mean and std
             score = (score - self.score_norm[0]) / self.score_norm[1]
-        return score, dense, None, stats
+        return score, dense, starts, stats
+
+
+def make_scorer(kind, tokenizer, *, task, reward_model, settings=None, own=None, seg=None, score_norm=None,
+                sft_entropy_of=None):
+    """ppo.py's scorer of `kind` (rm, gold, segment, exec). A SegmentScorer around it where segments are read
+    (`settings`, segment_rewards.segment_settings) or the score standardized (`score_norm`); `own`: the RM's own
+    segment settings (a segment / token RM) or None; `seg`: segment_rewards.SegmentArgs."""
+    inner = {"exec": ExecScorer, "gold": GoldScorer}.get(kind, Scorer)(tokenizer, task=task,
+                                                                        reward_model=reward_model)
+    if settings is None and score_norm is None:
+        return inner
+    reads_segments = kind == "segment" or (kind == "rm" and own is not None)
+    return SegmentScorer(inner, settings, reads_segments, seg.seg_norm, seg.seg_interp, score_norm, sft_entropy_of)
+
+
+def ppo_scorer(kind, tokenizer, args, seg, models, accelerator, reward_model, own, segmenter, sft_entropy_of):
+    """ppo.py's scorer: `make_scorer` of `kind` with the run's segments (segment_rewards.segment_settings: where the
+    rollouts' segments are cut, or None) and, under --rm_norm, the RM's score standardized (`score_normalizer`).
+    `args`, `seg`, `models`: ppo.py's PPOArgs, segment_rewards.SegmentArgs, harness.ModelArgs; `own`: the RM's own
+    segment settings or None; `segmenter`: its held-out e(x, y) or None."""
+    settings = sr.segment_settings(own, args.rm_path, args.sft_path, reward=args.reward, termination=args.termination,
+                                   c_ent=seg.c_ent, seg_norm=seg.seg_norm, lora_r=models.lora_r, log=accelerator.print)
+    score_norm = score_normalizer(accelerator, args.rm_path, reward_model, tokenizer, segmenter, task=args.task,
+                                  chat_template=models.chat_template, max_prompt_len=args.max_prompt_len,
+                                  max_response_len=args.max_response_len) if seg.rm_norm else None
+    return make_scorer(kind, tokenizer, task=args.task, reward_model=reward_model, settings=settings, own=own, seg=seg,
+                       score_norm=score_norm, sft_entropy_of=sft_entropy_of)
 
 
 def score_normalizer(accelerator, rm_path, reward_model, tokenizer, segmenter, *, task, chat_template,

@@ -18,11 +18,29 @@ import json
 import math
 import os
 import sys
+from dataclasses import dataclass
 
 import torch
 
 import data
+import harness
 import macro_actions as ma
+from harness import flag
+
+
+@dataclass
+class SegmentArgs:
+    """ppo.py's flags for segment rewards (Yin et al. 2025), read where --reward segment, --termination segment or a
+    segment / token RM asks for them."""
+    rm_norm: bool = flag(False, "--reward rm: the RM's score standardized by its calibration mean and std")
+    c_ent: float = flag(0.0, "segments at this SFT entropy (nats) instead of the RM's own c_ent; 0 = the RM's",
+                        "[0, inf)")
+    seg_norm: str = flag("regression", "--reward segment: normalizer: regression (the paper's) | global | last | none",
+                         choices=("regression", "global", "last", "none"))
+    seg_interp: str = flag("even", "--reward segment: a segment's reward on its tokens: even | repeat | end | bandit",
+                           choices=("even", "repeat", "end", "bandit"))
+    reward_clip: float = flag(10.0, "--reward segment: per-token segment rewards clipped to [-c, c]; 0 = off",
+                              "[0, inf)")
 
 SEGMENT_FILE = "segment_reward.json"     # beside a segment / token RM's weights: its settings and normalizer
 NORMALIZER_KIND = "segment_location"
@@ -104,6 +122,26 @@ def rollout_segments(settings, response_ids, response_mask, eos_token_id, sft_en
         return None, None
     return segment_starts(response_ids, response_mask, settings["unit"], settings.get("c_ent"), eos_token_id,
                              sft_entropy)
+
+
+def reference_logprobs_and_entropy(ref, accelerator, policy, ids, attention_mask, prompt_width, temperature):
+    """ppo.py's step 2 where segments are read: from one forward of its reference (harness.reference_forward), the
+    logprobs of the response tokens at `temperature` and the SFT model's next-token entropy at temperature 1 (the
+    segments' threshold is on it), both [B, R]."""
+    with harness.reference_forward(accelerator, ref, policy) as model:
+        logits = model(input_ids=ids, attention_mask=attention_mask, position_ids=data.position_ids(attention_mask),
+                       logits_to_keep=ids.shape[1] - prompt_width + 1).logits[:, :-1].float()
+        entropy = next_token_entropy(logits)
+        logp = (logits / temperature).log_softmax(-1).gather(-1, ids[:, prompt_width:].unsqueeze(-1)).squeeze(-1)
+    return logp, entropy
+
+
+def sft_entropy(ref, accelerator, policy, ids, attention_mask, prompt_width, temperature=1.0):
+    """The SFT model's next-token entropy at temperature 1 on the response tokens [B, R] of other sequences than a
+    rollout (ppo.py's Monte Carlo continuations), without a graph."""
+    with torch.no_grad():
+        return reference_logprobs_and_entropy(ref, accelerator, policy, ids, attention_mask, prompt_width,
+                                              temperature)[1]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -330,7 +368,7 @@ def checked_segment_settings(rm_path, seg_norm="regression"):
     return settings
 
 
-def check_flags(task, code_task, *, reward, termination, lora_r, c_ent):
+def check_flags(task, code_task, *, reward, termination, lora_r, c_ent, rm_norm=False):
     """ppo.py's segment flags that cannot go together, refused at start with the flags named: segments need a
     reward model (not a code task's program), the frozen SFT model (not LoRA's adapters-off policy), and --c_ent
     only where segments are read."""
@@ -342,6 +380,9 @@ def check_flags(task, code_task, *, reward, termination, lora_r, c_ent):
     if c_ent and reward != "segment" and termination != "segment":
         sys.exit("error: --c_ent sets the segments of --termination segment, or those a sequence RM is read on "
                  "under --reward segment (bandit as segment)")
+    if rm_norm and (code_task or reward != "rm"):
+        sys.exit(f"error: --rm_norm normalizes the reward model's score under --reward rm, not --reward {reward}"
+                 + (f" (task {task!r} runs its code)" if code_task else ""))
 
 
 def segment_settings(own, rm_path, sft_path, *, reward, termination, c_ent, seg_norm, lora_r, log):

@@ -37,7 +37,7 @@ ARMS = [("gae (critic, n=5)", ["--advantage", "gae"]),
           for p in (1, 2, 4))]
 # The child: ppo.main on the command line's flags, then its own peak resident memory.
 CHILD = ("import sys; from transformers import HfArgumentParser; import ppo; "
-         "ppo.main(HfArgumentParser(ppo.PPOArgs).parse_args_into_dataclasses(sys.argv[1:])[0]); "
+         "ppo.main(*HfArgumentParser(ppo.ARGS).parse_args_into_dataclasses(sys.argv[1:])); "
          "print('VmHWM_kB', [l.split()[1] for l in open('/proc/self/status') if l.startswith('VmHWM')][0])")
 
 

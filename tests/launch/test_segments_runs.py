@@ -15,7 +15,7 @@ def test_segment_ppo_on_segment_macro_actions_with_a_critic_warmup(tiny_models, 
     are there and finite, the policy is the SFT model still, the critic has moved."""
     import ppo
     from safetensors.torch import load_file
-    ppo.main(ppo_args(tiny_models, segment_rm, tmp_path, reward="segment", termination="segment", critic_warmup=2))
+    ppo.main(*ppo_args(tiny_models, segment_rm, tmp_path, reward="segment", termination="segment", critic_warmup=2))
     rows = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
     assert len(rows) == 2
     for row in rows:
@@ -36,7 +36,7 @@ def test_termination_segment_under_a_sequence_rm_takes_its_segments_from_c_ent(t
     import ppo
     lengths = {}
     for c_ent in (1e-6, 1e6):
-        ppo.main(ppo_args(tiny_models, tiny_models / "rm", tmp_path / str(c_ent), termination="segment", c_ent=c_ent))
+        ppo.main(*ppo_args(tiny_models, tiny_models / "rm", tmp_path / str(c_ent), termination="segment", c_ent=c_ent))
         rows = [json.loads(line) for line in open(tmp_path / str(c_ent) / "metrics.jsonl")]
         lengths[c_ent] = [(row["macro/mean_len"], row["response/len"], row["response/eos_rate"]) for row in rows]
     for macro, _, eos in lengths[1e-6]:      # every token but EOS starts one; EOS joins the last
@@ -59,14 +59,15 @@ def test_reward_rm_on_a_segment_rm_scores_e_as_evaluate_does(tiny_models, segmen
     rows = {}
 
     def run(name, **flags):
-        ppo.main(ppo_args(tiny_models, segment_rm, tmp_path / name, steps=1, eval_every=1, policy_lr=0.0, **flags))
+        ppo.main(*ppo_args(tiny_models, segment_rm, tmp_path / name, steps=1, eval_every=1, policy_lr=0.0, **flags))
         rows[name] = metrics_of(tmp_path / name)[0]
     run("rm")
     run("segment", reward="segment")
     assert rows["rm"]["reward/rm"] == rows["segment"]["reward/segment"]
     assert "is a segment RM; its score is e(x, y)" in capsys.readouterr().out
     # held out: evaluate.py's score of the responses ppo.py sampled (the SFT policy, ppo.py's seed)
-    args = ppo.resolve(ppo_args(tiny_models, segment_rm, tmp_path / "rm"))[0]
+    args, *extensions = ppo_args(tiny_models, segment_rm, tmp_path / "rm")
+    ppo.resolve(args, *extensions)
     ctx = evaluate.Context(evaluate.EvalArgs(sft_path=args.sft_path, rm_path=args.rm_path, n_prompts=4,
                                              max_prompt_len=16, max_response_len=8, output_dir=str(tmp_path)))
     texts = evaluate.sample_responses(ctx.model("sft").eval(), ctx.tokenizer, ctx.prompts, args.seed, 16, 8,
@@ -87,12 +88,12 @@ def test_bandit_as_segment_reads_a_sequence_rm_at_the_ends_of_c_ent_segments(tin
     A normalizer it does not have, or --c_ent on a segment RM, is refused naming the flag."""
     import ppo
     out = tmp_path / "run"
-    ppo.main(ppo_args(tiny_models, tiny_models / "rm", out, reward="segment", c_ent=1e6, seg_norm="none",
+    ppo.main(*ppo_args(tiny_models, tiny_models / "rm", out, reward="segment", c_ent=1e6, seg_norm="none",
                       seg_interp="end", eval_every=2))
     rows = metrics_of(out)
     assert len(rows) == 2 and all(r["segment/count"] == 1.0 for r in rows) and math.isfinite(rows[-1]["eval/rm"])
     with pytest.raises(SystemExit, match="--seg_norm regression"):
-        ppo.main(ppo_args(tiny_models, tiny_models / "rm", tmp_path / "norm", reward="segment", c_ent=1.0))
+        ppo.main(*ppo_args(tiny_models, tiny_models / "rm", tmp_path / "norm", reward="segment", c_ent=1.0))
 
 
 @pytest.mark.launch
@@ -106,7 +107,7 @@ def test_rm_norm_standardizes_the_rm_score_and_keeps_eval_raw(tiny_models, tmp_p
     shutil.copytree(tiny_models / "rm", rm_path)
     rows = {}
     for name, flags in (("raw", {}), ("norm", {"rm_norm": True})):
-        ppo.main(ppo_args(tiny_models, rm_path, tmp_path / name, steps=1, eval_every=1, policy_lr=0.0, **flags))
+        ppo.main(*ppo_args(tiny_models, rm_path, tmp_path / name, steps=1, eval_every=1, policy_lr=0.0, **flags))
         rows[name] = metrics_of(tmp_path / name)[0]
         assert (rm_path / rm.SCORE_FILE).exists() == (name == "norm")
     mean, std = rm.read_score_normalizer(str(rm_path))
@@ -114,7 +115,7 @@ def test_rm_norm_standardizes_the_rm_score_and_keeps_eval_raw(tiny_models, tmp_p
     assert rows["norm"]["reward/rm"] == pytest.approx((rows["raw"]["reward/rm"] - mean) / std, abs=1e-4)
     assert rows["norm"]["eval/rm"] == rows["raw"]["eval/rm"]
     with pytest.raises(SystemExit, match="--rm_norm"):
-        ppo.main(ppo_args(tiny_models, rm_path, tmp_path / "gold", reward="gold", rm_norm=True))
+        ppo.main(*ppo_args(tiny_models, rm_path, tmp_path / "gold", reward="gold", rm_norm=True))
     (rm_path / rm.SCORE_FILE).write_text(json.dumps({"kind": "score", "mean": 0.0, "std": 0.0}))
     with pytest.raises(SystemExit, match="field 'std'"):
-        ppo.main(ppo_args(tiny_models, rm_path, tmp_path / "broken", rm_norm=True))
+        ppo.main(*ppo_args(tiny_models, rm_path, tmp_path / "broken", rm_norm=True))

@@ -128,9 +128,9 @@ def test_every_flag_has_a_one_line_help_and_every_ppo_flag_a_row_in_the_training
     import ppo
     import reward_model
     import sft
-    for cls in (ppo.PPOArgs, sft.SFTArgs, reward_model.RMArgs, evaluate.EvalArgs):
+    for cls in (*ppo.ARGS, sft.SFTArgs, reward_model.RMArgs, evaluate.EvalArgs):
         too_long = {f.name: len(f.metadata["help"]) for f in dataclasses.fields(cls)
                     if len(f.metadata["help"]) > 100 or "\n" in f.metadata["help"]}
         assert not too_long, f"{cls.__name__}: help over 100 characters: {too_long}"
     doc = (ROOT / "docs" / "training.md").read_text()
-    assert flag_table(doc, "**Flags** (`python ppo.py --help`") == {f.name for f in dataclasses.fields(ppo.PPOArgs)}
+    assert flag_table(doc, "**Flags** (`python ppo.py --help`") == {f.name for c in ppo.ARGS for f in dataclasses.fields(c)}

@@ -21,11 +21,40 @@ def run_stage(script, *argv, printed=None):
     from transformers import HfArgumentParser
     name = script.removesuffix(".py")
     module = importlib.import_module(name)
-    args = HfArgumentParser(getattr(module, ARGS[name])).parse_args_into_dataclasses(list(map(str, argv)))[0]
+    classes = getattr(module, "ARGS", None) or getattr(module, ARGS[name])     # ppo.py: several dataclasses
+    parsed = HfArgumentParser(classes).parse_args_into_dataclasses(list(map(str, argv)))
     stream = printed or io.StringIO()
     with contextlib.redirect_stdout(stream), contextlib.redirect_stderr(stream):
-        module.main(args)
+        module.main(*parsed)
     return None if printed else stream.getvalue()
+
+
+class PPOConfig(tuple):
+    """ppo.py's arguments dataclasses (ppo.config), each flag also readable as an attribute of the whole:
+    `ppo.main(*c)`, `c.output_dir`."""
+
+    def __getattr__(self, name):
+        for part in self:
+            if hasattr(part, name):
+                return getattr(part, name)
+        raise AttributeError(name)
+
+
+def ppo_config(**flags):
+    """ppo.py's arguments from flags by name (ppo.config), as a PPOConfig."""
+    import ppo
+    return PPOConfig(ppo.harness.split_flags(ppo.ARGS, flags))
+
+
+def ppo_losses(logp, old_logp, values, old_values, advantages, returns, mask, starts, clip=0.2, value_clip=0.2,
+               ratio="token", ref_logp=None, kl_coef=0.0):
+    """(policy loss, value loss or None without `values`, the policy's stats) of one minibatch of these tensors, by
+    ppo.policy_loss and ppo.value_loss."""
+    import ppo
+    b = {"old_logp": old_logp, "advantages": advantages, "response_mask": mask, "starts": starts,
+         "old_values": old_values, "returns": returns, **({} if ref_logp is None else {"ref_logp": ref_logp})}
+    pg_loss, stats = ppo.policy_loss(logp, b, clip, ratio, kl_coef)
+    return pg_loss, None if values is None else ppo.value_loss(values, b, value_clip), stats
 
 
 def comparable(row):

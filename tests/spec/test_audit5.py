@@ -6,6 +6,7 @@ library behaviour harness.py relies on beyond public APIs is pinned; bf16 policy
 The DeepSpeed and FSDP launches run this file as their script (`python tests/spec/test_audit5.py zero OUT` under
 tests/launch/deepspeed_cpu.py, `... fsdp OUT` under tests/launch/fsdp_cpu.py): one launch each, kept small."""
 import dataclasses
+from stages import ppo_config
 import json
 import math
 import os
@@ -20,7 +21,8 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent.parent
 sys.path.insert(0, str(ROOT))
 import harness  # noqa: E402
 
-STAGES = ("sft.SFTArgs", "reward_model.RMArgs", "ppo.PPOArgs", "evaluate.EvalArgs")
+STAGES = ("sft.SFTArgs", "reward_model.RMArgs", "ppo.PPOArgs", "segment_rewards.SegmentArgs", "critic_free.CreditArgs",
+          "harness.ModelArgs", "evaluate.ReportArgs", "evaluate.EvalArgs")     # ppo.py's flags: its ARGS
 
 
 def stage_classes():
@@ -84,7 +86,8 @@ def test_a_value_outside_a_flags_range_is_refused_naming_the_flag_its_value_and_
 def test_the_issues_bad_numbers_are_refused_by_ppo(flag, value):
     import ppo
     with pytest.raises(SystemExit, match=f"--{flag} {value!r}: outside its range"):
-        harness.check_flags(ppo.PPOArgs(**{flag: value}))
+        for part in ppo_config(**{flag: value}):
+            harness.check_flags(part)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -199,7 +202,7 @@ def test_kl_target_with_beta_0_is_refused():
     """beta 0 never moves: beta * (1 + e) = 0 whatever the error e."""
     import ppo
     with pytest.raises(SystemExit, match="--kl_target 1.0 with --beta 0.0"):
-        ppo.resolve(ppo.PPOArgs(beta=0.0, kl_target=1.0, task="count"))
+        ppo.resolve(*ppo_config(beta=0.0, kl_target=1.0, task="count"))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -210,7 +213,7 @@ def test_kl_target_with_beta_0_is_refused():
 def test_released_aggregation_with_a_sigma_the_released_code_weighs_otherwise_is_refused(sigma):
     import ppo
     with pytest.raises(SystemExit, match=f"--reward_agg released with --sigma {sigma}"):
-        ppo.resolve(ppo.PPOArgs(reward_agg="released", sigma=sigma, task="count"))
+        ppo.resolve(*ppo_config(reward_agg="released", sigma=sigma, task="count"))
 
 
 # ---------------------------------------------------------------------------------------------

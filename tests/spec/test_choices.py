@@ -8,11 +8,17 @@ from transformers import HfArgumentParser
 import evaluate
 import harness
 import ppo
+from stages import ppo_config
 import reward_model
 import sft
 
-STAGES = {"sft.py": sft.SFTArgs, "reward_model.py": reward_model.RMArgs, "ppo.py": ppo.PPOArgs,
-          "evaluate.py": evaluate.EvalArgs}
+STAGES = {"sft.py": (sft.SFTArgs,), "reward_model.py": (reward_model.RMArgs,), "ppo.py": ppo.ARGS,
+          "evaluate.py": (evaluate.EvalArgs,)}      # each stage's arguments dataclasses, parsed together
+
+
+def holder(stage, flag):
+    """The dataclass of `stage` that holds `flag`."""
+    return next(cls for cls in STAGES[stage] if flag in {f.name for f in dataclasses.fields(cls)})
 CHOICE_FLAGS = {
     ("ppo.py", "reward"): ("rm", "gold", "segment"),
     ("ppo.py", "termination"): ("fixed", "randomized", "parsing", "ppl", "entropy", "segment"),
@@ -36,8 +42,8 @@ CHOICE_FLAGS = {
 def test_every_flag_whose_help_lists_alternatives_declares_its_choices():
     """A string flag whose help reads 'a | b | c' is a choice flag: found in every stage's arguments."""
     declared = {}
-    for stage, cls in STAGES.items():
-        for f in dataclasses.fields(cls):
+    for stage, classes in STAGES.items():
+        for f in (f for cls in classes for f in dataclasses.fields(cls)):
             if "choices" in f.metadata:
                 declared[stage, f.name] = tuple(f.metadata["choices"])
                 assert f.default in f.metadata["choices"], (stage, f.name)
@@ -50,7 +56,8 @@ def test_every_flag_whose_help_lists_alternatives_declares_its_choices():
 def test_an_unknown_choice_is_refused_by_the_parser_naming_the_flag_and_its_choices(stage, flag, capsys):
     parser = HfArgumentParser(STAGES[stage])
     for value in CHOICE_FLAGS[stage, flag]:                   # every choice parses
-        assert getattr(parser.parse_args_into_dataclasses([f"--{flag}", value])[0], flag) == value
+        parsed = parser.parse_args_into_dataclasses([f"--{flag}", value])
+        assert getattr(next(p for p in parsed if isinstance(p, holder(stage, flag))), flag) == value
     with pytest.raises(SystemExit):
         parser.parse_args_into_dataclasses([f"--{flag}", "bogus"])
     err = capsys.readouterr().err
@@ -60,7 +67,7 @@ def test_an_unknown_choice_is_refused_by_the_parser_naming_the_flag_and_its_choi
 
 @pytest.mark.parametrize("stage,flag", sorted(CHOICE_FLAGS))
 def test_an_unknown_choice_in_a_dataclass_built_in_python_is_refused(stage, flag):
-    args = STAGES[stage](**{flag: "bogus"})
+    args = holder(stage, flag)(**{flag: "bogus"})
     with pytest.raises(SystemExit) as stopped:
         harness.check_choices(args)
     assert str(stopped.value) == (f"error: --{flag} 'bogus': choose from "
@@ -69,10 +76,10 @@ def test_an_unknown_choice_in_a_dataclass_built_in_python_is_refused(stage, flag
 
 def test_kl_estimator_k2_stops_ppo_at_start_instead_of_running_k3(tiny_models, tmp_path):
     """It used to run k3 for any value but k1."""
-    args = ppo.PPOArgs(sft_path=str(tiny_models / "sft"), rm_path=str(tiny_models / "rm"), output_dir=str(tmp_path),
+    args = ppo_config(sft_path=str(tiny_models / "sft"), rm_path=str(tiny_models / "rm"), output_dir=str(tmp_path),
                        kl_estimator="k2", steps=1, rollout_batch_size=4, mini_batch_size=2)
     with pytest.raises(SystemExit, match="--kl_estimator 'k2': choose from 'k1', 'k3'"):
-        ppo.main(args)
+        ppo.main(*args)
     assert not (tmp_path / "metrics.jsonl").exists()
 
 

@@ -2,6 +2,7 @@
 macro-action starts (SPO-chain) and the sequence ratio (GSPO), each checked against a plain loop written from
 its paper."""
 import math
+from stages import ppo_config, ppo_losses
 import os
 
 import pytest
@@ -257,8 +258,8 @@ def test_kl_in_the_loss_is_grpos_k3_term_with_its_gradient():
     logp, old, adv, mask = ratio_batch()
     ref = old - 0.3 * torch.rand(mask.shape, generator=torch.Generator().manual_seed(8)) * mask
     starts = mask.bool()
-    plain = ppo.ppo_losses(logp, old, None, None, adv, None, mask, starts)[0]
-    with_kl, _, stats = ppo.ppo_losses(logp, old, None, None, adv, None, mask, starts, ref_logp=ref, kl_coef=0.04)
+    plain = ppo_losses(logp, old, None, None, adv, None, mask, starts)[0]
+    with_kl, _, stats = ppo_losses(logp, old, None, None, adv, None, mask, starts, ref_logp=ref, kl_coef=0.04)
     k3 = [torch.exp(ref[b, t] - logp[b, t]) - (ref[b, t] - logp[b, t]) - 1
           for b in range(len(mask)) for t in range(int(mask[b].sum()))]
     expected = plain + 0.04 * torch.stack(k3).mean()
@@ -270,7 +271,7 @@ def test_kl_in_the_loss_is_grpos_k3_term_with_its_gradient():
 
 def ppo_args(tiny_models, out, **flags):
     import ppo
-    return ppo.PPOArgs(**{"sft_path": str(tiny_models / "sft"), "rm_path": str(tiny_models / "rm"), "output_dir": str(out),
+    return ppo_config(**{"sft_path": str(tiny_models / "sft"), "rm_path": str(tiny_models / "rm"), "output_dir": str(out),
                           "rollout_batch_size": 4, "mini_batch_size": 2, "max_prompt_len": 16, "max_response_len": 8,
                           "n_eval_prompts": 4, "plot": False, **flags})
 
@@ -289,7 +290,7 @@ def ppo_args(tiny_models, out, **flags):
 def test_bad_settings_are_refused_at_start_naming_the_flag(tiny_models, tmp_path, flags, message):
     import ppo
     with pytest.raises(SystemExit) as stop:
-        ppo.resolve(ppo_args(tiny_models, tmp_path, **flags))
+        ppo.resolve(*ppo_args(tiny_models, tmp_path, **flags))
     assert message in str(stop.value)
 
 
@@ -306,43 +307,45 @@ def test_the_prepared_study_arms_parse_and_pair_each_with_its_tasks_ppo():
         assert base.is_ppo and len(arms) == 5 and all(a.partner == base.name and a.task == base.task for a in arms)
         kinds = set()
         for c in h.configs:
-            args = HfArgumentParser(ppo.PPOArgs).parse_args_into_dataclasses(c.argv("sft"))[0]
+            args, _, credit, *_ = HfArgumentParser(ppo.ARGS).parse_args_into_dataclasses(c.argv("sft"))
             assert args.kl_target == float(study.CRITIC_FREE_KL[c.task][0])
-            kinds.add((args.advantage, args.ratio))
+            kinds.add((credit.advantage, args.ratio))
         assert kinds == {("gae", "token"), ("group", "token"), ("group", "macro"), ("group", "sequence"), ("mc", "token")}
 
 
 class RowScorer:
     """A deterministic scorer for the Monte Carlo glue: a continuation scores its problem's `value`, whatever it says
-    (step 2's scorer interface: ids, mask, prompt width, rows -> (score, dense, passed, stats))."""
-    reads_segments, segment_settings = False, None
+    (step 2's scorer interface: ids, mask, prompt width, rows -> (score, dense, segments, stats))."""
+    reads_sft_entropy = False
 
-    def __call__(self, ids, attention_mask, prompt_width, rows, seg_starts=None, inside=None):
+    def __call__(self, ids, attention_mask, prompt_width, rows, sft_entropy=None):
         return torch.tensor([float(r["value"]) for r in rows]), None, None, {}
 
 
 @pytest.mark.parametrize("penalty, always_eos", [(0.0, False), (-1.0, False), (-1.0, True)])
 def test_mc_values_score_each_continuation_against_its_own_rows_problem(tiny_models, tmp_path, penalty, always_eos):
-    """ppo.monte_carlo_values: the continuations from row b's points are scored with row b's problem (the `rows` of
+    """critic_free.monte_carlo_values: the continuations from row b's points are scored with row b's problem (the `rows` of
     the rollout), V(point) is their mean, and a continuation that ends without EOS takes --missing_eos_penalty; one
     that ends with it (`always_eos`: the policy's head made to put all its weight on EOS) takes none."""
+    import critic_free
     import data
-    import harness
     import ppo
-    args, code_task = ppo.resolve(ppo_args(tiny_models, tmp_path, advantage="mc", mc_rollouts=3, mc_points=2,
-                                           missing_eos_penalty=penalty))
-    s = ppo.setup(args, code_task, harness.make_accelerators(False, 1, args.mini_batch_size))
-    s.scorer = RowScorer()
+    args, *extensions = ppo_args(tiny_models, tmp_path, advantage="mc", mc_rollouts=3, mc_points=2,
+                                 missing_eos_penalty=penalty)
+    seg, credit, models, report, code_task = ppo.resolve(args, *extensions)
+    s = ppo.setup(args, seg, credit, models, report, code_task)
+    s.scorer, policy = RowScorer(), s.trained["policy"]
     rows = [{**s.rows[i], "value": 10.0 * (i + 1)} for i in range(3)]
     torch.manual_seed(0)
-    p_ids, p_mask, r_ids, r_mask, _ = data.sample(s.policy.model, s.tokenizer, [r["prompt"] for r in rows],
+    p_ids, p_mask, r_ids, r_mask, _ = data.sample(policy.model, s.tokenizer, [r["prompt"] for r in rows],
                                                   args.max_prompt_len, args.max_response_len)
     starts = ma.fixed_ngram_starts(r_mask, 3)
     if always_eos:      # every continuation ends at its first token, with EOS
         eos = s.tokenizer.eos_token_id
-        s.policy.model.get_output_embeddings().register_forward_hook(
+        policy.model.get_output_embeddings().register_forward_hook(
             lambda module, inputs, logits: logits.index_fill(-1, torch.tensor([eos]), 1e4))
-    values, points = ppo.monte_carlo_values(s, args, p_ids, p_mask, r_ids, starts, r_mask.float(), rows)
+    values, points = critic_free.monte_carlo_values(s, credit, args, True, p_ids, p_mask, r_ids, starts,
+                                                    r_mask.float(), rows)
     assert points.sum() >= 3 and (values[~points] == 0).all()
     for b, row in enumerate(rows):
         got = values[b][points[b]]

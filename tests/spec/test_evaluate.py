@@ -1,6 +1,7 @@
 """evaluate.py: the arithmetic by hand, the LLM judge against a real
 HTTP server on 127.0.0.1, and each command from the command line on tiny models."""
 import dataclasses
+from stages import ppo_config
 import http.server
 import json
 import math
@@ -273,8 +274,9 @@ def models(tiny_models, parrot):
     import data
     import ppo
     import reward_model as rm
-    args, _ = ppo.resolve(ppo.PPOArgs(sft_path=str(tiny_models / "sft"), rm_path=str(tiny_models / "rm"),
-                                      max_prompt_len=16, max_response_len=12))
+    args, *extensions = ppo_config(sft_path=str(tiny_models / "sft"), rm_path=str(tiny_models / "rm"),
+                                      max_prompt_len=16, max_response_len=12)
+    ppo.resolve(args, *extensions)
     tokenizer = data.load_tokenizer(args.sft_path)
     rows = data.first_row_per_prompt(data.load_task("chitchat", only=("test",))["test"])[:16]
     load = (lambda path: AutoModelForCausalLM.from_pretrained(path).eval())

@@ -22,11 +22,11 @@ def model(tokenizer):
 
 def test_batches_split_across_ranks_and_repeat_on_resume():
     n, bs = 103, 8
-    a = harness.batch_indices(n, bs, step=5, seed=1, rank=0, world=2)
-    b = harness.batch_indices(n, bs, step=5, seed=1, rank=1, world=2)
+    a = data.batch_indices(n, bs, step=5, seed=1, rank=0, world=2)
+    b = data.batch_indices(n, bs, step=5, seed=1, rank=1, world=2)
     assert len(a) == len(b) == bs and not set(a) & set(b)
-    assert a == harness.batch_indices(n, bs, step=5, seed=1, rank=0, world=2)
-    epoch = [i for s in range(n // bs) for i in harness.batch_indices(n, bs, s, seed=1)]
+    assert a == data.batch_indices(n, bs, step=5, seed=1, rank=0, world=2)
+    epoch = [i for s in range(n // bs) for i in data.batch_indices(n, bs, s, seed=1)]
     assert len(set(epoch)) == len(epoch)                               # no repeats within an epoch
 
 
@@ -136,10 +136,10 @@ def test_a_launched_cpu_process_gets_its_share_of_the_cores_not_the_launchers_on
 @pytest.mark.parametrize("n_rows", [1, 5, 13])
 def test_every_rank_gets_a_full_batch_even_with_fewer_rows_than_batch_times_processes(n_rows):
     for step in range(3):
-        batches = [harness.batch_indices(n_rows, 4, step, seed=1, rank=r, world=4) for r in range(4)]
+        batches = [data.batch_indices(n_rows, 4, step, seed=1, rank=r, world=4) for r in range(4)]
         assert all(len(b) == 4 and all(0 <= i < n_rows for i in b) for b in batches), batches
     with pytest.raises(ValueError, match="no rows"):
-        harness.batch_indices(0, 4, 0, seed=1)
+        data.batch_indices(0, 4, 0, seed=1)
 
 
 def test_parameter_checksums_tell_apart_one_changed_or_moved_weight(model):

@@ -19,8 +19,9 @@ def test_every_stage_defaults_to_the_folders_of_its_task(task):
     assert data.resolve_paths(parsed(sft.SFTArgs, "--task", task), "sft").output_dir == f"runs/{task}/sft"
     rm_args = data.resolve_paths(parsed(reward_model.RMArgs, "--task", task), "rm")
     assert (rm_args.sft_path, rm_args.output_dir) == (f"runs/{task}/sft", f"runs/{task}/rm")
-    ppo_args, _ = ppo.resolve(parsed(ppo.PPOArgs, "--task", task))
-    assert (ppo_args.sft_path, ppo_args.rm_path, ppo_args.critic_path, ppo_args.output_dir) == (
+    ppo_args, *extensions = HfArgumentParser(ppo.ARGS).parse_args_into_dataclasses(["--task", task])
+    models = ppo.resolve(ppo_args, *extensions)[2]
+    assert (ppo_args.sft_path, ppo_args.rm_path, models.critic_path, ppo_args.output_dir) == (
         f"runs/{task}/sft", f"runs/{task}/rm", f"runs/{task}/rm", f"runs/{task}/ppo_n5_fixed")
     eval_args = data.resolve_paths(evaluate.EvalArgs(task=task))
     assert (eval_args.sft_path, eval_args.rm_path, eval_args.output_dir) == (f"runs/{task}/sft", f"runs/{task}/rm",
@@ -36,7 +37,9 @@ def test_paths_given_are_kept():
                                          (["--termination", "ppl"], "ppo_ppl"),
                                          (["--n", "3", "--termination", "parsing"], "ppo_parsing")])
 def test_ppo_run_names_carry_n_only_where_the_termination_uses_it(flags, name):
-    assert ppo.resolve(parsed(ppo.PPOArgs, "--task", "count", *flags))[0].output_dir == f"runs/count/{name}"
+    args = parsed(ppo.PPOArgs, "--task", "count", *flags)
+    ppo.resolve(args)
+    assert args.output_dir == f"runs/count/{name}"
 
 
 def test_sft_and_rm_of_count_read_and_write_runs_count(tmp_path, monkeypatch):

@@ -9,6 +9,7 @@ import evaluate
 import harness
 import macro_actions as ma
 import ppo
+from stages import ppo_config, ppo_losses
 import sandbox
 from reference import macro_policy_loss_loop, token_gae
 from stages import run_stage
@@ -63,10 +64,10 @@ def test_n1_is_exactly_token_level_ppo_loss_and_gradients():
     old_logp, old_values, rewards = -torch.rand(B, T) * mask, torch.randn(B, T) * mask, torch.randn(B, T) * mask
     logp = (old_logp + 0.3 * torch.randn(B, T)).requires_grad_()
     values = (old_values + 0.3 * torch.randn(B, T)).requires_grad_()
-    args = ppo.PPOArgs(n=1, whiten_advantages=False)
+    args = ppo_config(n=1, whiten_advantages=False)
     starts = ma.fixed_ngram_starts(mask, 1)
     adv, ret = ma.macro_advantages(old_values, rewards, mask, starts, args.gamma, args.lam)
-    pg, vf, _ = ppo.ppo_losses(logp, old_logp, values, old_values, adv, ret, mask, starts, clip=args.clip,
+    pg, vf, _ = ppo_losses(logp, old_logp, values, old_values, adv, ret, mask, starts, clip=args.clip,
                                value_clip=args.value_clip)
     ref_pg, ref_vf = reference_token_ppo(logp, old_logp, values, old_values, rewards, mask, args.clip,
                                          args.value_clip, args.gamma, args.lam)
@@ -82,7 +83,7 @@ def test_macro_ratio_is_the_product_of_the_token_ratios_of_the_macro_action():
     old = torch.zeros(1, 5)
     logp = torch.tensor([[0.1, 0.2, -0.05, 0.3, 0.0]])
     adv = torch.ones(1, 5)
-    _, _, stats = ppo.ppo_losses(logp, old, old, old, adv, old, mask, starts, clip=10.0, ratio="macro")
+    _, _, stats = ppo_losses(logp, old, old, old, adv, old, mask, starts, clip=10.0, ratio="macro")
     expected = torch.tensor([0.25] * 3 + [0.3] * 2).exp().mean()
     assert torch.allclose(stats["policy/ratio"], expected)
 
@@ -92,8 +93,8 @@ def test_macro_ratio_loss_is_a_mean_over_macro_actions_whatever_their_length():
     actions is 0 (a mean over tokens would give -(5 - 1) / 6). Token ratios stay a mean over tokens."""
     mask, starts = torch.ones(1, 6), torch.tensor([[True, False, False, False, False, True]])
     zeros, adv = torch.zeros(1, 6), torch.tensor([[1.0] * 5 + [-1.0]])
-    macro, _, _ = ppo.ppo_losses(zeros, zeros, zeros, zeros, adv, zeros, mask, starts, ratio="macro")
-    token, _, _ = ppo.ppo_losses(zeros, zeros, zeros, zeros, adv, zeros, mask, starts, ratio="token")
+    macro, _, _ = ppo_losses(zeros, zeros, zeros, zeros, adv, zeros, mask, starts, ratio="macro")
+    token, _, _ = ppo_losses(zeros, zeros, zeros, zeros, adv, zeros, mask, starts, ratio="token")
     assert macro.item() == pytest.approx(0.0, abs=1e-7) and token.item() == pytest.approx(-4 / 6)
 
 
@@ -105,7 +106,7 @@ def test_macro_ratio_loss_and_gradient_match_a_loop_over_macro_actions():
     logp = (old_logp + 0.2 * torch.randn(4, 9)).requires_grad_()
     adv = ma.macro_advantages(torch.randn(4, 9) * mask, torch.randn(4, 9) * mask, mask, starts)[0]
     zeros = torch.zeros(4, 9)
-    pg, _, _ = ppo.ppo_losses(logp, old_logp, zeros, zeros, adv, zeros, mask, starts, clip=0.2, ratio="macro")
+    pg, _, _ = ppo_losses(logp, old_logp, zeros, zeros, adv, zeros, mask, starts, clip=0.2, ratio="macro")
     ref = macro_policy_loss_loop(logp, old_logp, adv, mask, starts, 0.2)
     assert torch.allclose(pg, ref, atol=1e-6)
     assert torch.allclose(torch.autograd.grad(pg, logp)[0], torch.autograd.grad(ref, logp)[0], atol=1e-6)
@@ -116,11 +117,10 @@ def test_macro_level_norms_count_each_macro_action_once():
     response_mask = torch.ones(1, 4)
     starts = torch.tensor([[True, False, False, True]])
     adv, returns = torch.tensor([[2.0, 2.0, 2.0, 1.0]]), torch.tensor([[3.0, 3.0, 3.0, 0.0]])
-    it = evaluate.Iteration(score=torch.zeros(1), passed=None, token_rewards=torch.zeros(1, 4), kl=torch.zeros(1, 4),
-                            entropy=torch.zeros(1, 4), response_mask=response_mask, starts=starts, old_values=torch.zeros(1, 4),
-                            advantages=adv, returns=returns, has_eos=torch.ones(1, dtype=torch.bool),
-                            parse_fallback=0.0, update_stats=[{"loss/policy": torch.tensor(0.0)}])
-    metrics = evaluate.iteration_metrics(it, "rm")
+    zeros = torch.zeros(1, 4)
+    metrics = ppo.iteration_metrics("rm", torch.zeros(1), zeros, zeros, response_mask, starts, zeros,
+                                    torch.ones(1, dtype=torch.bool), adv, returns, zeros, {},
+                                    [{"loss/policy": torch.tensor(0.0)}])
     assert metrics["adv/l2"].item() == pytest.approx(13 ** 0.5) and metrics["adv/l2_macro"].item() == pytest.approx(5 ** 0.5)
     assert metrics["q/l2"].item() == pytest.approx(27 ** 0.5) and metrics["q/l2_macro"].item() == pytest.approx(3.0)
     assert metrics["macro/mean_len"].item() == pytest.approx(2.0) and "reward/rm" in metrics
@@ -161,12 +161,13 @@ def test_dropout_is_found_in_a_module_or_a_config(policy):
 
 
 def test_several_minibatches_epochs_or_accumulation_run_their_own_forwards(tiny_lm, tiny_models):
-    args = ppo.PPOArgs(sft_path=str(tiny_models / "sft"), rm_path=str(tiny_models / "rm"), mini_batch_size=4)
+    import dataclasses
+    args = ppo.PPOArgs(sft_path=str(tiny_models / "sft"), rm_path=str(tiny_models / "rm"), mini_batch_size=4,
+                       rollout_batch_size=4)
     acc = ppo.harness.make_accelerator()
-    fused = (lambda a: ppo.fused_update(acc, tiny_lm, tiny_lm, 4, a.mini_batch_size, a.ppo_epochs, a.grad_accum))
-    assert fused(args)
+    assert ppo.reusable_forwards(acc, tiny_lm, tiny_lm, args)
     for changed in [{"mini_batch_size": 2}, {"ppo_epochs": 2}, {"grad_accum": 2}]:
-        assert not fused(ppo.PPOArgs(**{**vars(args), **changed}))
+        assert not ppo.reusable_forwards(acc, tiny_lm, tiny_lm, dataclasses.replace(args, **changed))
 
 
 def test_the_update_backpropagates_the_policy_before_the_critics_forward(tiny_models):
@@ -193,18 +194,18 @@ def test_the_update_backpropagates_the_policy_before_the_critics_forward(tiny_mo
     batch = {"ids": torch.randint(5, 300, (B, P + R)), "attention_mask": torch.ones(B, P + R, dtype=torch.long),
              "old_logp": torch.full((B, R), -5.0), "advantages": torch.randn(B, R), "response_mask": mask,
              "starts": mask.bool(), "old_values": torch.zeros(B, R), "returns": torch.randn(B, R)}
-    ppo.ppo_update(*trained, batch, ppo.UpdateSettings(epochs=2, mini_batch_size=2), train_policy=True, reused=None,
-                   generator=torch.Generator().manual_seed(0), prompt_width=P, step=0, output_dir="unused")
+    ppo.ppo_update(*trained, batch, ppo.PPOArgs(ppo_epochs=2, mini_batch_size=2), train_policy=True,
+                   generator=torch.Generator().manual_seed(0), prompt_width=P, beta=0.0, step=0)
     assert events == ["policy forward", "policy backward", "critic forward"] * 4
 
 
 def test_grad_accum_never_steps_across_iterations(tiny_models, tmp_path):
     """Two minibatches an iteration and --grad_accum 3: each iteration steps once on its own two (their
     mean), so 3 iterations make 3 AdamW steps per model, never one on two iterations' gradients."""
-    args = ppo.PPOArgs(sft_path=str(tiny_models / "sft"), rm_path=str(tiny_models / "rm"), output_dir=str(tmp_path),
+    args = ppo_config(sft_path=str(tiny_models / "sft"), rm_path=str(tiny_models / "rm"), output_dir=str(tmp_path),
                        steps=3, rollout_batch_size=8, mini_batch_size=4, grad_accum=3, save_every=3,
                        max_prompt_len=16, max_response_len=8, n_eval_prompts=4, eval_every=100)
-    ppo.main(args)
+    ppo.main(*args)
     state = torch.load(tmp_path / "checkpoint" / "trainer_state.pt", weights_only=False)
     for opt in ("policy_opt", "critic_opt"):
         steps = {int(s["step"]) for s in state[opt]["state"].values()}
@@ -212,10 +213,10 @@ def test_grad_accum_never_steps_across_iterations(tiny_models, tmp_path):
 
 
 def test_gold_reward_needs_a_task_with_a_gold_judge(tiny_models, tmp_path):
-    args = ppo.PPOArgs(task="tldr", reward="gold", sft_path=str(tiny_models / "sft"), rm_path=str(tiny_models / "rm"),
+    args = ppo_config(task="tldr", reward="gold", sft_path=str(tiny_models / "sft"), rm_path=str(tiny_models / "rm"),
                        output_dir=str(tmp_path))
     with pytest.raises(SystemExit, match="needs a task with a gold judge"):
-        ppo.main(args)
+        ppo.main(*args)
 
 
 def test_execution_reward_runs_prefix_plus_response():
@@ -259,10 +260,10 @@ def test_count_with_a_chat_template_gives_the_gold_judge_the_raw_prompt(tiny_mod
         tok = AutoTokenizer.from_pretrained(tmp_path / part)
         tok.chat_template = CHAT_TEMPLATE
         tok.save_pretrained(tmp_path / part)
-    args = ppo.PPOArgs(task="count", reward="gold", chat_template=True, sft_path=str(tmp_path / "sft"),
+    args = ppo_config(task="count", reward="gold", chat_template=True, sft_path=str(tmp_path / "sft"),
                        rm_path=str(tmp_path / "rm"), output_dir=str(tmp_path / "ppo"), steps=1, rollout_batch_size=4,
                        mini_batch_size=2, max_prompt_len=32, max_response_len=8, n_eval_prompts=4)
-    ppo.main(args)
+    ppo.main(*args)
     row = [json.loads(line) for line in open(tmp_path / "ppo" / "metrics.jsonl")][0]
     assert 0.0 <= row["reward/gold"] <= 1.0 and 0.0 <= row["eval/gold"] <= 1.0
     out = run_stage("reward_model.py", "--task", "count", "--sft_path", tmp_path / "sft", "--output_dir",
@@ -311,8 +312,9 @@ def test_training_warns_when_the_policys_replies_are_degenerate(tiny_models, par
     import evaluate
     import harness
     import reward_model as rm
-    args, _ = ppo.resolve(ppo.PPOArgs(sft_path=str(tiny_models / "sft"), rm_path=str(tiny_models / "rm"),
-                                      max_prompt_len=16, max_response_len=12))
+    args, *extensions = ppo_config(sft_path=str(tiny_models / "sft"), rm_path=str(tiny_models / "rm"),
+                                      max_prompt_len=16, max_response_len=12)
+    ppo.resolve(args, *extensions)
     tokenizer = data.load_tokenizer(args.sft_path)
     rows = data.first_row_per_prompt(data.load_task("chitchat", only=("test",))["test"])[:16]
     load = (lambda path: AutoModelForCausalLM.from_pretrained(path).eval())

@@ -1,6 +1,7 @@
 """Models from other families, as a new user brings them: a Llama whose tokenizer has no pad token goes
 through sft.py -> reward_model.py -> ppo.py without manual edits; the slow SmolLM2 GGUF end to end."""
 import pathlib
+from stages import ppo_config
 
 import pytest
 import torch
@@ -63,10 +64,11 @@ def test_lora_critic_reads_the_reward_models_own_weights(tiny_models, tmp_path):
     import data
     import ppo
     import reward_model as rm
-    args, code = ppo.resolve(ppo.PPOArgs(sft_path=str(tiny_models / "sft"), rm_path=str(tiny_models / "rm"),
-                                         output_dir=str(tmp_path / "ppo"), lora_r=4))
-    _, policy, critic, ref, reward_model = ppo.load_models(args.sft_path, args.rm_path, args.critic_path, code_task=code,
-                                                           lora=(args.lora_r, args.lora_alpha, args.lora_target_modules))
+    args, *extensions = ppo_config(sft_path=str(tiny_models / "sft"), rm_path=str(tiny_models / "rm"),
+                                   output_dir=str(tmp_path / "ppo"), lora_r=4)
+    _, _, models, _, code = ppo.resolve(args, *extensions)
+    _, policy, critic, ref, reward_model = ppo.harness.load_ppo_models(models, args.sft_path, args.rm_path,
+                                                                       models.critic_path, rm, code_task=code)
     frozen = {p.data_ptr() for p in critic.parameters() if not p.requires_grad}
     assert ref is None and frozen == {p.data_ptr() for p in reward_model.parameters()}
     assert not frozen & {p.data_ptr() for p in policy.parameters()}

@@ -93,8 +93,8 @@ def test_two_micro_steps_of_16_pairs_are_one_step_of_32_at_half_the_activations(
     of one permutation) and, the loss of each half divided by the accumulation, the same gradient up to float rounding."""
     import harness
     for step in (0, 1, 7, 199):
-        whole = harness.batch_indices(21810, 32, step, 1234, 0, 1)
-        halves = [i for micro in range(2) for i in harness.batch_indices(21810, 16, 2 * step + micro, 1234, 0, 1)]
+        whole = data.batch_indices(21810, 32, step, 1234, 0, 1)
+        halves = [i for micro in range(2) for i in data.batch_indices(21810, 16, 2 * step + micro, 1234, 0, 1)]
         assert halves == whole
     prompts = [f"\n\nHuman: question number {i}\n\nAssistant:" for i in range(8)]
     chosen, rejected = [f" kind reply {i}" for i in range(8)], [f" rude reply {i} !" for i in range(8)]

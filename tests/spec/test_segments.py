@@ -1,6 +1,7 @@
 """Segment-level rewards (Yin et al., 2025) as a specification: entropy segments with EOS left out,
 segment ends and positions, rewards spread over segments, and the location-aware normalizers."""
 import json
+from stages import ppo_config
 import math
 
 import pytest
@@ -427,11 +428,13 @@ def tiny_sft_batch(tokenizer):
 def test_rollout_and_training_segment_the_same_text(tokenizer):
     """ppo.py's segments (the T=1 entropy of the reference forward, taken before the division by the
     sampling temperature) are those reward_model.py trained on; the logprobs do not change."""
+    import harness
     import ppo
     model, batch = tiny_sft_batch(tokenizer)
     P, ids, mask = batch["prompt_width"], batch["input_ids"], batch["attention_mask"]
     with torch.no_grad():
-        logp, entropy = ppo.response_logprobs(model, ids, mask, P, 0.7, t1_entropy=True)
+        logp, entropy = ppo.reference_logprobs(model, harness.make_accelerator(), None, ids, mask, P, 0.7,
+                                               t1_entropy=True)
         plain, _ = ppo.response_logprobs(model, ids, mask, P, 0.7)
     assert torch.equal(logp, plain)
     real = entropy[mask[:, P:].bool()]
@@ -471,7 +474,7 @@ def segment_rm(tiny_models, tmp_path_factory, tokenizer):
 
 def ppo_args(tiny_models, rm_path, out, **flags):
     import ppo
-    return ppo.PPOArgs(sft_path=str(tiny_models / "sft"), rm_path=str(rm_path), output_dir=str(out),
+    return ppo_config(sft_path=str(tiny_models / "sft"), rm_path=str(rm_path), output_dir=str(out),
                        rollout_batch_size=4, mini_batch_size=2, max_prompt_len=16, max_response_len=8,
                        n_eval_prompts=4, **{"steps": 2, "plot": False, **flags})
 
@@ -489,7 +492,7 @@ def test_c_ent_is_refused_where_the_segments_are_the_segment_rms(tiny_models, se
     import ppo
     for flags in ({"reward": "segment", "c_ent": 2.0}, {"c_ent": 2.0}):
         with pytest.raises(SystemExit, match="--c_ent"):
-            ppo.main(ppo_args(tiny_models, segment_rm, tmp_path / "out", **flags))
+            ppo.main(*ppo_args(tiny_models, segment_rm, tmp_path / "out", **flags))
 
 
 @pytest.mark.parametrize("settings, message", [
@@ -506,13 +509,13 @@ def test_reward_segment_refuses_a_sequence_rm_or_a_broken_settings_file(tiny_mod
     if settings is not None:
         (rm_path / sr.SEGMENT_FILE).write_text(json.dumps(settings))
     with pytest.raises(SystemExit, match=message):
-        ppo.main(ppo_args(tiny_models, rm_path, tmp_path / "out", reward="segment"))
+        ppo.main(*ppo_args(tiny_models, rm_path, tmp_path / "out", reward="segment"))
 
 
 def test_a_negative_reward_clip_is_refused(tiny_models, segment_rm, tmp_path):
     import ppo
     with pytest.raises(SystemExit, match="--reward_clip -5"):
-        ppo.main(ppo_args(tiny_models, segment_rm, tmp_path, reward="segment", reward_clip=-5.0))
+        ppo.main(*ppo_args(tiny_models, segment_rm, tmp_path, reward="segment", reward_clip=-5.0))
 
 
 def test_evaluate_scores_a_segment_rm_with_e_on_its_segments(tiny_models, segment_rm, tmp_path):
@@ -537,7 +540,7 @@ def test_evaluate_scores_a_segment_rm_with_e_on_its_segments(tiny_models, segmen
 def test_reward_segment_refuses_lora(tiny_models, segment_rm, tmp_path):
     import ppo
     with pytest.raises(SystemExit, match="--lora_r"):
-        ppo.main(ppo_args(tiny_models, segment_rm, tmp_path, reward="segment", lora_r=4))
+        ppo.main(*ppo_args(tiny_models, segment_rm, tmp_path, reward="segment", lora_r=4))
 
 
 def test_next_token_entropy_is_finite_where_a_logit_is_minus_infinity():
@@ -608,35 +611,36 @@ def test_mc_values_score_each_continuation_with_the_segment_rms_e(tiny_models, s
     import data
     import harness
     import ppo
-    ppo.main(ppo_args(tiny_models, segment_rm, tmp_path / "run", steps=1, advantage="mc", mc_rollouts=2, mc_points=2))
+    ppo.main(*ppo_args(tiny_models, segment_rm, tmp_path / "run", steps=1, advantage="mc", mc_rollouts=2, mc_points=2))
     [row] = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert row["mc/points"] >= 1 and all(v == v for v in row.values())
-    args, code_task = ppo.resolve(ppo_args(tiny_models, segment_rm, tmp_path / "one", advantage="mc", mc_rollouts=2,
-                                           mc_points=3))
-    s = ppo.setup(args, code_task, harness.make_accelerators(False, 1, args.mini_batch_size))
+    import critic_free
+    args, *extensions = ppo_args(tiny_models, segment_rm, tmp_path / "one", advantage="mc", mc_rollouts=2, mc_points=3)
+    seg, credit, models, report, code_task = ppo.resolve(args, *extensions)
+    s = ppo.setup(args, seg, credit, models, report, code_task)
+    policy = s.trained["policy"]
     assert s.scorer.reads_segments
     rows = s.rows[:3]
     torch.manual_seed(0)
-    p_ids, p_mask, r_ids, r_mask, _ = data.sample(s.policy.model, s.tokenizer, [r["prompt"] for r in rows],
+    p_ids, p_mask, r_ids, r_mask, _ = data.sample(policy.model, s.tokenizer, [r["prompt"] for r in rows],
                                                   args.max_prompt_len, args.max_response_len)
     starts = ma.fixed_ngram_starts(r_mask, 2)
     torch.manual_seed(1)
-    values, points = ppo.monte_carlo_values(s, args, p_ids, p_mask, r_ids, starts, r_mask.float(), rows)
+    values, points = critic_free.monte_carlo_values(s, credit, args, True, p_ids, p_mask, r_ids, starts,
+                                                    r_mask.float(), rows)
     # step 2 on the very continuations: its reference entropy, its segments, its scorer
     torch.manual_seed(1)
-    c_p_ids, c_p_mask, c_ids, c_mask = data.sample_continuations(s.policy.model, s.tokenizer, p_ids, p_mask, r_ids,
+    c_p_ids, c_p_mask, c_ids, c_mask = data.sample_continuations(policy.model, s.tokenizer, p_ids, p_mask, r_ids,
                                                                  points, 2, args.temperature)
     ids, mask, P = torch.cat([c_p_ids, c_ids], 1), torch.cat([c_p_mask, c_mask], 1), c_p_ids.shape[1]
     with torch.no_grad():
-        _, entropy = ppo.reference_logprobs(s.ref, s.policy.accelerator, s.policy.model, ids, mask, P,
+        _, entropy = ppo.reference_logprobs(s.ref, policy.accelerator, policy.model, ids, mask, P,
                                             args.temperature, t1_entropy=True)
-        seg_starts, inside = s.scorer.segments(c_ids, c_mask, entropy)
-        score = s.scorer(ids, mask, P, [rows[i] for i in points.nonzero()[:, 0].repeat_interleave(2)], seg_starts,
-                         inside)[0]
+        score = s.scorer(ids, mask, P, [rows[i] for i in points.nonzero()[:, 0].repeat_interleave(2)], entropy)[0]
     assert torch.allclose(values, ma.mc_values(score, points, 2), atol=1e-6)
     # the sampled responses' own segments would give other values: the check can tell them apart
     with torch.no_grad():
-        _, r_entropy = ppo.reference_logprobs(s.ref, s.policy.accelerator, s.policy.model,
+        _, r_entropy = ppo.reference_logprobs(s.ref, policy.accelerator, policy.model,
                                               torch.cat([p_ids, r_ids], 1), torch.cat([p_mask, r_mask], 1),
                                               p_ids.shape[1], args.temperature, t1_entropy=True)
     assert not torch.equal(entropy, r_entropy[points.nonzero()[:, 0].repeat_interleave(2)])
