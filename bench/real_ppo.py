@@ -21,7 +21,7 @@ its peak resident memory (VmHWM: loading and training), so the two do not share 
 - ours: the real ppo.py loop (ppo.main), held-out evaluation and the final report left out (they are not
   part of an iteration). Its times are the ones ppo.py writes to metrics.jsonl: forwards are the old and
   reference logprobs, the values and the RM score; with this one epoch over one minibatch the policy's
-  and the critic's run with their graphs and the update reuses them (ppo.fused_update), so "update" is
+  and the critic's run with their graphs and the update reuses them (ppo.reusable_forwards), so "update" is
   their backward and the optimizer steps.
 - TRL: `trl.experimental.ppo.PPOTrainer` of TRL 1.12.0 (the last release that has it), with its own
   forwards and loss. TRL LoRAs only the policy (peft_config); the critic gets the same adapters as ours
@@ -256,7 +256,7 @@ def our_batches(cli):
                                        tokenizer, z["chat_template"])
     prompts, batches = [r["prompt"] for r in problems], []
     for step in range(cli.steps):
-        idx = harness.batch_indices(len(prompts), z["prompts"], step, SEED, 0, 1)
+        idx = data.batch_indices(len(prompts), z["prompts"], step, SEED, 0, 1)
         ids, mask, _ = data.encode_prompts(tokenizer, [prompts[i] for i in idx], z["prompt_len"])
         batches.append([row[m.bool()].tolist() for row, m in zip(ids, mask)])
     return batches
