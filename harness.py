@@ -211,8 +211,8 @@ def generation_model(accelerator, model, gather=True):
     whole policy sits on every GPU meanwhile). Without `gather`: sharded forwards, every rank in lockstep
     (synced_gpus=True) and every layer gathered again for every generated token, the ZeRO-3 trap that
     makes generation 10x slower (TRL PR 1483; DeepSpeed issue 4354)."""
-    if not is_sharded(accelerator):
-        yield unwrap(accelerator, model), False
+    if not is_sharded(accelerator):     # the module itself, or inside DDP's wrapper
+        yield model.module if isinstance(model, torch.nn.parallel.DistributedDataParallel) else model, False
         return
     unwrapped = unwrap(accelerator, model)
     kind = accelerator.distributed_type.value
@@ -464,8 +464,9 @@ def release_freed_memory(device, at_least=2 ** 30):
     8.2 GB of bench/records/real_ppo.json (its iterations' timings include the trims). Below a GiB it is
     not worth it: the tiny default model frees a few hundred MB per forward, and handing that back and
     faulting it in again slowed its iterations. The numbers do not change (no tensor moves). A no-op off
-    the CPU and off glibc."""
-    if GLIBC is not None and torch.device(device).type == "cpu" and GLIBC.mallinfo2().fordblks >= at_least:
+    the CPU and off glibc (and for `device` None)."""
+    if GLIBC is not None and device is not None and torch.device(device).type == "cpu" \
+            and GLIBC.mallinfo2().fordblks >= at_least:
         GLIBC.malloc_trim(0)
 
 
@@ -620,18 +621,16 @@ class Stopwatch:
     def phase(self, name):
         start = time.time()
         yield
-        if self.device is not None:
-            release_freed_memory(self.device)
+        release_freed_memory(self.device)
         self.laps[name] = self.laps.get(name, 0.0) + time.time() - start
 
     def metrics(self, tokens):
         """The timing metrics of a step that produced `tokens` tokens (over every process): seconds per step and
         per phase, tokens per second, and on a GPU the peak memory allocated."""
-        total = time.time() - self.t0
-        return {"time/step": round(total, 3), **{f"time/{k}": round(v, 4 if k == "macro" else 3)
-                                                 for k, v in self.laps.items()}, "tokens_per_s": round(tokens / total, 1),
-                **({"memory/peak_gb": round(torch.cuda.max_memory_allocated() / 2 ** 30, 2)}
-                   if torch.cuda.is_available() else {})}
+        total, gpu = time.time() - self.t0, torch.cuda.is_available()
+        laps = {f"time/{k}": round(v, 4 if k == "macro" else 3) for k, v in self.laps.items()}
+        return {"time/step": round(total, 3), **laps, "tokens_per_s": round(tokens / total, 1),
+                **({"memory/peak_gb": round(torch.cuda.max_memory_allocated() / 2 ** 30, 2)} if gpu else {})}
 
 
 # ---------------------------------------------------------------------------------------------

@@ -137,14 +137,13 @@ def sigma_weights(starts, mask, kind="equal"):
              largest on the last token
     first    (1, 0, ..., 0): the value of the state where the macro action begins"""
     m = mask.to(torch.float32)
-    ids = macro_ids(starts)
-    T = mask.shape[1]
-    t = torch.arange(T, device=mask.device).expand_as(ids)
     length = macro_sum(m, starts)                                                # len of my macro
-    index = t - torch.where(starts, t, torch.zeros_like(t)).cummax(-1).values    # i within macro
     if kind == "equal":
-        w = 1.0 / length.clamp(min=1)
-    elif kind == "unit":
+        return m / length.clamp(min=1)
+    T = mask.shape[1]
+    t = torch.arange(T, device=mask.device).expand_as(starts)
+    index = t - torch.where(starts, t, torch.zeros_like(t)).cummax(-1).values    # i within macro
+    if kind == "unit":
         w = (index == length - 1).float()
     elif kind == "first":
         w = (index == 0).float()
