@@ -112,7 +112,8 @@ def repetition_rate(texts):
 
 def diversity(texts):
     """{distinct_1, distinct_2, repetition} of a set of replies: what a score of the same replies is read beside."""
-    return {"distinct_1": distinct_n(texts, 1), "distinct_2": distinct_n(texts, 2), "repetition": repetition_rate(texts)}
+    return {"distinct_1": distinct_n(texts, 1), "distinct_2": distinct_n(texts, 2),
+            "repetition": repetition_rate(texts)}
 
 
 def strict_sentiment(texts):
@@ -596,15 +597,17 @@ def code_problems(n=6000, seed=SEED, n_tests=5):
         doc, body = rng.choice(docs).format(**fill), body.format(**fill)
         first, second = rng.choice(CODE_NAMES["pairs"])
         rename = {"x": first, "y": second, "xs": rng.choice(CODE_NAMES["xs"]), "s": rng.choice(CODE_NAMES["s"])}
-        doc, body, signature = (re.sub(r"\b(xs|x|y|s)\b", lambda w: rename[w.group(1)], t) for t in (doc, body, arguments))
+        doc, body, signature = (re.sub(r"\b(xs|x|y|s)\b", lambda w: rename[w.group(1)], t)
+                                for t in (doc, body, arguments))
         name = rng.choice(CODE_NAMES["prefix"]) + name
         prompt = f'def {name}({signature}):\n    """{doc}"""\n'
         namespace = {}
         exec(prompt + "    " + body + "\n", namespace)             # our own reference code
         inputs = [_code_inputs(arguments, rng) for _ in range(n_tests)]
         outputs = [namespace[name](*args) for args in inputs]
-        rows.append({"prompt": prompt, "prefix": prompt, "chosen": "    " + body + "\n", "rejected": "", "group": prompt,
-                     "difficulty": difficulty, "tests": {"fn_name": name, "inputs": inputs, "outputs": outputs}})
+        rows.append({"prompt": prompt, "prefix": prompt, "chosen": "    " + body + "\n", "rejected": "",
+                     "group": prompt, "difficulty": difficulty,
+                     "tests": {"fn_name": name, "inputs": inputs, "outputs": outputs}})
     return rows
 
 
@@ -623,7 +626,8 @@ def _apps_row(row, get):
         raise DataError(f"{where}: field 'input_output' or 'solutions' is not valid JSON ({err})") from None
     if not io.get("inputs") or len(io["inputs"]) != len(io.get("outputs") or []):
         raise DataError(f"{where}: field 'input_output' needs as many 'inputs' as 'outputs', at least one")
-    tests = {"inputs": io["inputs"], "outputs": io["outputs"], **({"fn_name": io["fn_name"]} if io.get("fn_name") else {})}
+    tests = {"inputs": io["inputs"], "outputs": io["outputs"],
+             **({"fn_name": io["fn_name"]} if io.get("fn_name") else {})}
     return {"prompt": apps_prompt(get(row, "question"), row.get("starter_code") or "", "fn_name" in tests),
             "prefix": "", "chosen": solutions[0] if solutions else "", "rejected": "", "tests": tests,
             "difficulty": get(row, "difficulty"), "group": str(row.get("problem_id", row["question"]))}
@@ -633,8 +637,8 @@ def load_code_task(name, data_files=None, seed=SEED, only=None):
     """Splits {sft, ppo, test} of code problems: `code` (embedded), `apps` (codeparrot/apps schema;
     its own test split), `humaneval` (164 problems, all of them `test`: an evaluation set)."""
     if name == "humaneval":
-        rows = [{"prompt": p["prompt"], "prefix": p["prompt"], "chosen": p["canonical_solution"], "rejected": "", "tests": p["tests"],
-                 "difficulty": "humaneval", "group": p["task_id"]} for p in humaneval_problems()]
+        rows = [{"prompt": p["prompt"], "prefix": p["prompt"], "chosen": p["canonical_solution"], "rejected": "",
+                 "tests": p["tests"], "difficulty": "humaneval", "group": p["task_id"]} for p in humaneval_problems()]
         splits = {"sft": [], "ppo": [], "test": rows}
     elif name == "code":
         splits = split_by_group(code_problems(seed=seed), seed, TEST_FRACTION, CODE_SPLIT)
@@ -788,7 +792,8 @@ NEUTRAL_GENERATION = {"repetition_penalty": 1.0, "encoder_repetition_penalty": 1
                       "encoder_no_repeat_ngram_size": 0, "min_length": 0, "min_new_tokens": 0, "typical_p": 1.0,
                       "min_p": None, "epsilon_cutoff": 0.0, "eta_cutoff": 0.0, "bad_words_ids": None,
                       "suppress_tokens": None, "begin_suppress_tokens": None, "sequence_bias": None,
-                      "forced_bos_token_id": None, "forced_eos_token_id": None, "exponential_decay_length_penalty": None,
+                      "forced_bos_token_id": None, "forced_eos_token_id": None,
+                      "exponential_decay_length_penalty": None,
                       "renormalize_logits": False, "guidance_scale": None, "watermarking_config": None,
                       "num_beams": 1, "num_beam_groups": 1, "diversity_penalty": 0.0, "penalty_alpha": None,
                       "top_h": None, "length_penalty": 1.0}

@@ -4,7 +4,8 @@
     python evaluate.py winrate    --policy A --baseline sft --judge gold           # rm | gold | llm judge
     python evaluate.py agreement  --policy A --baseline sft --judges rm,gold       # Table 1
     python evaluate.py best_of_n  --policy A --ns 1,4,8,16 --temperatures 0.4,0.8,1.2   # Fig. 8
-    python evaluate.py curves     --runs "ppo=runs/study/n1/seed*" "ma-ppo=runs/study/n5_fixed_equal_sum/seed*"  # Fig. 2, 11
+    python evaluate.py curves     --runs "ppo=runs/study/n1/seed*" "ma-ppo=runs/study/n5_fixed_equal_sum/seed*"
+                                  # Fig. 2, 11
     python evaluate.py passk      --task code --policies sft P --samples 10 --ks 1,5  # Table 3
 
 A policy is a save_pretrained folder, or `sft` (the SFT model) or `chosen` (the dataset's chosen
@@ -31,6 +32,7 @@ import torch
 
 import data
 import harness
+from harness import flag
 import macro_actions as ma
 import reward_model as rm
 import sandbox
@@ -45,41 +47,47 @@ JUDGES = ("rm", "gold", "llm")
 @dataclass
 class EvalArgs:
     # --- what is evaluated --------------------------------------------------------------------------
-    task: str = field(default="chitchat", metadata={"help": "task whose held-out (test) prompts are used"})
-    sft_path: str = field(default="", metadata={"help": "SFT model (default runs/<task>/sft); also the tokenizer"})
-    rm_path: str = field(default="", metadata={"help": "reward model (default runs/<task>/rm)"})
+    task: str = flag("chitchat", "task whose held-out (test) prompts are used")
+    sft_path: str = flag("", "SFT model (default runs/<task>/sft); also the tokenizer")
+    rm_path: str = flag("", "reward model (default runs/<task>/rm)")
     policies: list[str] = field(default_factory=list, metadata={"help": "score / passk: policies (folders or `sft`)"})
-    policy: str = field(default="sft", metadata={"help": "winrate / agreement / best_of_n: the policy (A)"})
-    baseline: str = field(default="sft", metadata={"help": "winrate / agreement: B = `sft`, `chosen` or a folder"})
+    policy: str = flag("sft", "winrate / agreement / best_of_n: the policy (A)")
+    baseline: str = flag("sft", "winrate / agreement: B = `sft`, `chosen` or a folder")
     # --- the judges (winrate, agreement) ------------------------------------------------------------
-    judge: str = field(default="gold", metadata={"help": "winrate: rm (higher RM score) | gold (embedded judge) | llm", "choices": JUDGES})
-    judges: str = field(default="rm,gold", metadata={"help": "agreement: judges (rm, gold, llm) separated by commas"})
-    judge_url: str = field(default="", metadata={"help": "llm: OpenAI-compatible base URL, e.g. https://api.openai.com/v1"})
-    judge_model: str = field(default="gpt-4", metadata={"help": "llm: model name sent to the endpoint"})
-    judge_key_env: str = field(default="OPENAI_API_KEY", metadata={"help": "llm: environment variable holding the API key"})
-    judge_template: str = field(default="", metadata={"help": "llm: tldr | hh | webgpt (default: from --task; chitchat uses hh)", "choices": ("", "tldr", "hh", "webgpt")})
-    judge_timeout: float = field(default=60.0, metadata={"help": "llm: seconds per request", "metavar": "(0, inf)"})
-    judge_retries: int = field(default=4, metadata={"help": "llm: retries with exponential backoff (1, 2, 4 ... s)", "metavar": "[0, inf)"})
-    judge_mode: str = field(default="text", metadata={"help": "llm: text (the template's answer format) | logprobs (one letter's probability, small judges)", "choices": ("text", "logprobs")})
-    judge_max_tokens: int = field(default=96, metadata={"help": "llm, text mode: the longest answer asked for (max_tokens)", "metavar": "[1, inf)"})
-    judge_min_answered: float = field(default=0.5, metadata={"help": "llm: fewer usable verdicts than this fraction of the items is an error (exit 1)", "metavar": "[0, 1]"})
+    judge: str = flag("gold", "winrate: rm (higher RM score) | gold (embedded judge) | llm", choices=JUDGES)
+    judges: str = flag("rm,gold", "agreement: judges (rm, gold, llm) separated by commas")
+    judge_url: str = flag("", "llm: OpenAI-compatible base URL, e.g. https://api.openai.com/v1")
+    judge_model: str = flag("gpt-4", "llm: model name sent to the endpoint")
+    judge_key_env: str = flag("OPENAI_API_KEY", "llm: environment variable holding the API key")
+    judge_template: str = flag("", "llm: tldr | hh | webgpt (default: from --task; chitchat uses hh)",
+                                   choices=("", "tldr", "hh", "webgpt"))
+    judge_timeout: float = flag(60.0, "llm: seconds per request", "(0, inf)")
+    judge_retries: int = flag(4, "llm: retries with exponential backoff (1, 2, 4 ... s)", "[0, inf)")
+    judge_mode: str = flag("text", "llm: text (the template's answer format) | logprobs (one letter's probability, "
+                                   "small judges)", choices=("text", "logprobs"))
+    judge_max_tokens: int = flag(96, "llm, text mode: the longest answer asked for (max_tokens)", "[1, inf)")
+    judge_min_answered: float = flag(0.5, "llm: fewer usable verdicts than this fraction of the items is an error "
+                                          "(exit 1)", "[0, 1]")
     # --- sampling -----------------------------------------------------------------------------------
-    n_prompts: int = field(default=256, metadata={"help": "held-out prompts evaluated", "metavar": "[1, inf)"})
-    max_prompt_len: int = field(default=48, metadata={"help": "prompt tokens kept", "metavar": "[1, inf)"})
-    max_response_len: int = field(default=0, metadata={"help": "generated tokens at most; 0 = the task's default (64 for count, else 32)", "metavar": "[0, inf)"})
-    chat_template: bool = field(default=False, metadata={"help": "render prompts with the tokenizer's chat template (instruct models); same in every stage"})
-    temperature: float = field(default=0.8, metadata={"help": "sampling temperature", "metavar": "(0, inf)"})
+    n_prompts: int = flag(256, "held-out prompts evaluated", "[1, inf)")
+    max_prompt_len: int = flag(48, "prompt tokens kept", "[1, inf)")
+    max_response_len: int = flag(0, "generated tokens at most; 0 = the task's default (64 for count, else 32)",
+                                    "[0, inf)")
+    chat_template: bool = flag(False, "render prompts with the tokenizer's chat template (instruct models); same in "
+                                      "every stage")
+    temperature: float = flag(0.8, "sampling temperature", "(0, inf)")
     # --- the commands: best_of_n, curves, passk -----------------------------------------------------
-    ns: str = field(default="1,4,8,16", metadata={"help": "best_of_n: values of N", "metavar": "[1, inf)"})
-    temperatures: str = field(default="0.4,0.8,1.2", metadata={"help": "best_of_n: sampling temperatures", "metavar": "(0, inf)"})
-    runs: list[str] = field(default_factory=list, metadata={"help": "curves: LABEL=GLOB items, one run folder (metrics.jsonl) per seed"})
-    metrics: str = field(default="eval/rm,eval/gold", metadata={"help": "curves: metrics plotted (adv/l2,q/l2 for Fig. 11)"})
-    results: str = field(default="", metadata={"help": "passk: JSONL rows {policy, difficulty, n, correct} instead of sampling --policies"})
-    samples: int = field(default=10, metadata={"help": "passk: samples per problem (the estimator's n; at least the largest k)", "metavar": "[1, inf)"})
-    ks: str = field(default="1,5", metadata={"help": "passk: values of k", "metavar": "[1, inf)"})
+    ns: str = flag("1,4,8,16", "best_of_n: values of N", "[1, inf)")
+    temperatures: str = flag("0.4,0.8,1.2", "best_of_n: sampling temperatures", "(0, inf)")
+    runs: list[str] = field(default_factory=list, metadata={
+        "help": "curves: LABEL=GLOB items, one run folder (metrics.jsonl) per seed"})
+    metrics: str = flag("eval/rm,eval/gold", "curves: metrics plotted (adv/l2,q/l2 for Fig. 11)")
+    results: str = flag("", "passk: JSONL rows {policy, difficulty, n, correct} instead of sampling --policies")
+    samples: int = flag(10, "passk: samples per problem (the estimator's n; at least the largest k)", "[1, inf)")
+    ks: str = flag("1,5", "passk: values of k", "[1, inf)")
     # --- the run ------------------------------------------------------------------------------------
-    seed: int = field(default=1234, metadata={"help": "sampling and response-order seed", "metavar": "[0, inf)"})
-    output_dir: str = field(default="runs/eval", metadata={"help": "where results are written"})
+    seed: int = flag(1234, "sampling and response-order seed", "[0, inf)")
+    output_dir: str = flag("runs/eval", "where results are written")
 
 
 @dataclass
@@ -184,10 +192,11 @@ QUESTIONS = {
     "webgpt": ("Which of the two answers to the question below is more useful, factually accurate and "
                "coherent?\n\nQuestion:\n{prompt}\n\nAnswer A:\n{a}\n\nAnswer B:\n{b}"),
 }
-JSON_ANSWER = ("\n\nAnswer with a JSON object only: {{\"reason\": \"<one sentence>\", \"choice\": \"A\" | \"B\" | \"E\"}} "
-               "where E means they are equally good.")
-TEMPLATES = {"tldr": QUESTIONS["tldr"] + "\n\nFirst give a one-sentence comparison of the two summaries. Then, on a new "
-                                         "line, write \"Preferred: A\", \"Preferred: B\", or \"Preferred: E\" if they "
+JSON_ANSWER = ("\n\nAnswer with a JSON object only: {{\"reason\": \"<one sentence>\", "
+               "\"choice\": \"A\" | \"B\" | \"E\"}} where E means they are equally good.")
+TEMPLATES = {"tldr": QUESTIONS["tldr"] + "\n\nFirst give a one-sentence comparison of the two summaries. Then, "
+                                         "on a new line, write \"Preferred: A\", \"Preferred: B\", or "
+                                         "\"Preferred: E\" if they "
                                          "are equally good.",
              "hh": QUESTIONS["hh"] + JSON_ANSWER,
              "webgpt": QUESTIONS["webgpt"] + JSON_ANSWER}
@@ -495,7 +504,8 @@ def final_report(policy, sft_model, reward_model, tokenizer, rows, metrics_path,
     p_texts, p_score, p_second = held_out(policy, reward_model, tokenizer, rows, sp, seed, segmenter=segmenter)
     code = sp.task in data.CODE_TASKS
     lines = ["", f"| held-out ({len(rows)} prompts) | SFT | policy ({label}) |", "|---|---|---|",
-             f"| {'mean execution reward' if code else 'mean RM score'} | {s_score.mean():.3f} | {p_score.mean():.3f} |"]
+             f"| {'mean execution reward' if code else 'mean RM score'} | {s_score.mean():.3f} | "
+             f"{p_score.mean():.3f} |"]
     if code:
         lines += [f"| pass@1 (sampled, T={sp.temperature}) | {s_second.mean():.1%} | {p_second.mean():.1%} |"]
     elif s_second is not None:
@@ -561,7 +571,8 @@ class Context:
         self.tokenizer = data.load_tokenizer(args.sft_path)
         self.rm = self.segmenter = None                    # code tasks have none: their reward is running the code
         if not self.code:
-            harness.require_model_dir(args.rm_path, "reward model", "Train it with reward_model.py (or run ppo.py once).")
+            harness.require_model_dir(args.rm_path, "reward model",
+                                      "Train it with reward_model.py (or run ppo.py once).")
             self.rm = rm.load_reward_model(args.rm_path)[0].eval()
             settings = sr.read_segment_settings(args.rm_path)      # a segment / token RM scores e(x, y)
             if settings:
@@ -678,27 +689,31 @@ def cmd_score(args, ctx):
     ax.set_xlabel("RM score on held-out prompts")
     ax.legend()
     lines = ["| policy | RM mean | RM std | gold mean |", "|---|---|---|---|"] + [
-        f"| {p} | {r['rm_mean']:.3f} | {r['rm_std']:.3f} | {r.get('gold_mean', float('nan')):.3f} |" for p, r in result.items()]
+        f"| {p} | {r['rm_mean']:.3f} | {r['rm_std']:.3f} | {r.get('gold_mean', float('nan')):.3f} |"
+        for p, r in result.items()]
     return write(args, "score", result, lines, fig)
 
 
 def cmd_winrate(args, ctx):
     a, b = ctx.responses(args.policy), ctx.responses(args.baseline, seed=args.seed + 1)
-    result = {"policy": args.policy, "baseline": args.baseline, "judge": args.judge, **win_rate(ctx.verdicts(args.judge, a, b))}
+    result = {"policy": args.policy, "baseline": args.baseline, "judge": args.judge,
+              **win_rate(ctx.verdicts(args.judge, a, b))}
     lines = [f"| {args.judge} judge | wins | ties | losses | win rate (ties half) |", "|---|---|---|---|---|",
              f"| {args.policy} vs {args.baseline} | {result['wins']} | {result['ties']} | {result['losses']} | "
              f"{pct(result['win_rate'])} |"] + (["", f"{result['unanswered']} items got no usable answer"]
                                                if result["unanswered"] else [])
     # the diversity of both sides and of the SFT model (sampled as a baseline is), beside the win rate
     sft = b if args.baseline == "sft" else ctx.responses("sft", seed=args.seed + 1)
-    replies = {side: reply_metrics(args.task, ctx.rows, texts) for side, texts in (("policy", a), ("baseline", b), ("sft", sft))}
+    replies = {side: reply_metrics(args.task, ctx.rows, texts)
+               for side, texts in (("policy", a), ("baseline", b), ("sft", sft))}
     result["replies"] = replies
     lines += ["", "| replies | distinct-1 | distinct-2 | mostly one repeated word |" + (
               " mean gold_strict |" if "gold_strict" in replies["sft"] else ""), "|---|---|---|---|" + "---|" * (
               "gold_strict" in replies["sft"])] + [
         f"| {side} ({name}) | {r['distinct_1']:.3f} | {r['distinct_2']:.3f} | {r['repetition']:.1%} |" + (
             f" {r['gold_strict']:.3f} |" if "gold_strict" in r else "")
-        for side, name in (("policy", args.policy), ("baseline", args.baseline), ("sft", "SFT model")) for r in [replies[side]]]
+        for side, name in (("policy", args.policy), ("baseline", args.baseline), ("sft", "SFT model"))
+        for r in [replies[side]]]
     verdict = degeneracy(replies["policy"], replies["sft"], args.task)
     result["degenerate"] = verdict is not None
     lines += ["", f"WARNING: {verdict}: this win rate is not a better policy." if verdict else
@@ -713,7 +728,8 @@ def cmd_agreement(args, ctx):
     matrix = agreement_matrix(verdicts)
     lines = ["| agreement | " + " | ".join(judges) + " |", "|---" * (len(judges) + 1) + "|"] + [
         f"| {i} | " + " | ".join(pct(matrix[i][j]) for j in judges) + " |" for i in judges]
-    return write(args, "agreement", {"matrix": matrix, "win_rates": {j: win_rate(v) for j, v in verdicts.items()}}, lines)
+    return write(args, "agreement", {"matrix": matrix, "win_rates": {j: win_rate(v) for j, v in verdicts.items()}},
+                 lines)
 
 
 def cmd_best_of_n(args, ctx):
@@ -799,7 +815,8 @@ def cmd_passk(args, ctx=None):
         rows = [json.loads(line) for line in open(args.results) if line.strip()]
     else:
         if not ctx.code:
-            sys.exit(f"error: passk samples programs: use a code task (--task code, apps or humaneval), not {args.task!r}")
+            sys.exit("error: passk samples programs: use a code task (--task code, apps or humaneval), not "
+                     f"{args.task!r}")
         if args.samples < max(ks):
             sys.exit(f"error: --samples {args.samples} is smaller than the largest k ({max(ks)})")
         rows = [row for policy in args.policies or ["sft"] for row in passk_samples(ctx, policy, args.samples)]

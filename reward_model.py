@@ -26,6 +26,7 @@ import torch.nn.functional as F
 
 import data
 import harness
+from harness import flag
 import sandbox
 import segment_rewards as sr
 
@@ -33,34 +34,42 @@ import segment_rewards as sr
 @dataclass
 class RMArgs:
     # --- the task and the models --------------------------------------------------------------------
-    task: str = field(default="chitchat", metadata={"help": "chitchat, count, tldr, tldr_carper, hh, webgpt, or a local json/jsonl/parquet file"})
-    sft_path: str = field(default="", metadata={"help": "SFT checkpoint (save_pretrained folder) or HF model id to start from; default runs/<task>/sft"})
-    output_dir: str = field(default="", metadata={"help": "where the reward model + tokenizer are saved; default runs/<task>/rm"})
+    task: str = flag("chitchat", "chitchat, count, tldr, tldr_carper, hh, webgpt, or a local json/jsonl/parquet file")
+    sft_path: str = flag("", "SFT checkpoint (save_pretrained folder) or HF model id to start from; default "
+                             "runs/<task>/sft")
+    output_dir: str = flag("", "where the reward model + tokenizer are saved; default runs/<task>/rm")
     # --- Bradley-Terry training ---------------------------------------------------------------------
-    max_prompt_len: int = field(default=48, metadata={"help": "prompt tokens kept (truncated from the left)", "metavar": "[1, inf)"})
-    max_response_len: int = field(default=0, metadata={"help": "response tokens kept, EOS included; 0 = the task's default (64 for count, else 32)", "metavar": "[0, inf)"})
-    batch_size: int = field(default=32, metadata={"help": "preference pairs per process per micro-step", "metavar": "[1, inf)"})
-    grad_accum: int = field(default=1, metadata={"help": "micro-steps per optimizer step", "metavar": "[1, inf)"})
-    max_grad_norm: float = field(default=0.0, metadata={"help": "clip the gradients' global L2 norm to this (every engine alike); 0 = never", "metavar": "[0, inf)"})
-    lr: float = field(default=1e-3, metadata={"help": "peak learning rate (~5e-6 for Gemma-2B)", "metavar": "[0, inf)"})
-    warmup_ratio: float = field(default=0.05, metadata={"help": "fraction of the steps spent warming up, then cosine decay", "metavar": "[0, 1]"})
-    max_steps: int = field(default=200, metadata={"help": "optimizer steps; 0 = `epochs` passes over the RM split", "metavar": "[0, inf)"})
-    epochs: float = field(default=1.0, metadata={"help": "passes over the RM split when max_steps is 0", "metavar": "(0, inf)"})
-    eval_every: int = field(default=200, metadata={"help": "held-out accuracy every k steps (and at the end)", "metavar": "[1, inf)"})
-    save_every: int = field(default=100, metadata={"help": "resumable checkpoint every k steps", "metavar": "[1, inf)"})
-    n_eval: int = field(default=1024, metadata={"help": "held-out pairs for the pairwise accuracy", "metavar": "[1, inf)"})
-    n_gold_prompts: int = field(default=256, metadata={"help": "held-out prompts whose two SFT samples test RM-gold agreement (chitchat, count); 0 = skip", "metavar": "[0, inf)"})
+    max_prompt_len: int = flag(48, "prompt tokens kept (truncated from the left)", "[1, inf)")
+    max_response_len: int = flag(0, "response tokens kept, EOS included; 0 = the task's default (64 for count, else "
+                                    "32)", "[0, inf)")
+    batch_size: int = flag(32, "preference pairs per process per micro-step", "[1, inf)")
+    grad_accum: int = flag(1, "micro-steps per optimizer step", "[1, inf)")
+    max_grad_norm: float = flag(0.0, "clip the gradients' global L2 norm to this (every engine alike); 0 = never",
+                                     "[0, inf)")
+    lr: float = flag(1e-3, "peak learning rate (~5e-6 for Gemma-2B)", "[0, inf)")
+    warmup_ratio: float = flag(0.05, "fraction of the steps spent warming up, then cosine decay", "[0, 1]")
+    max_steps: int = flag(200, "optimizer steps; 0 = `epochs` passes over the RM split", "[0, inf)")
+    epochs: float = flag(1.0, "passes over the RM split when max_steps is 0", "(0, inf)")
+    eval_every: int = flag(200, "held-out accuracy every k steps (and at the end)", "[1, inf)")
+    save_every: int = flag(100, "resumable checkpoint every k steps", "[1, inf)")
+    n_eval: int = flag(1024, "held-out pairs for the pairwise accuracy", "[1, inf)")
+    n_gold_prompts: int = flag(256, "held-out prompts whose two SFT samples test RM-gold agreement (chitchat, count); "
+                                    "0 = skip", "[0, inf)")
     # --- the run ------------------------------------------------------------------------------------
-    bf16: bool = field(default=False, metadata={"help": "bf16 mixed precision (GPUs)"})
-    gradient_checkpointing: bool = field(default=False, metadata={"help": "recompute activations to save memory (GPUs)"})
-    chat_template: bool = field(default=False, metadata={"help": "render prompts with the tokenizer's chat template (instruct models); same in every stage"})
-    skip_bad_rows: bool = field(default=False, metadata={"help": "drop malformed dataset rows (and report how many) instead of stopping"})
-    seed: int = field(default=1234, metadata={"help": "random seed (data split seed is fixed at 1234)", "metavar": "[0, inf)"})
-    resume: bool = field(default=False, metadata={"help": "continue from <output_dir>/checkpoint"})
+    bf16: bool = flag(False, "bf16 mixed precision (GPUs)")
+    gradient_checkpointing: bool = flag(False, "recompute activations to save memory (GPUs)")
+    chat_template: bool = flag(False, "render prompts with the tokenizer's chat template (instruct models); same in "
+                                      "every stage")
+    skip_bad_rows: bool = flag(False, "drop malformed dataset rows (and report how many) instead of stopping")
+    seed: int = flag(1234, "random seed (data split seed is fixed at 1234)", "[0, inf)")
+    resume: bool = flag(False, "continue from <output_dir>/checkpoint")
     # --- extension: segment-level rewards (Yin et al. 2025) -----------------------------------------
-    unit: str = field(default="sequence", metadata={"help": "what the head scores (Yin et al. 2025): sequence (the ordinary RM) | segment | token", "choices": ("sequence", "segment", "token")})
-    c_ent: float = field(default=6.0, metadata={"help": "--unit segment: a token whose SFT entropy (nats, T=1) exceeds it starts a segment", "metavar": "[0, inf)"})
-    n_calibration: int = field(default=1024, metadata={"help": "--unit segment/token: RM-split pairs (chosen and rejected) the location normalizer is fitted on", "metavar": "[1, inf)"})
+    unit: str = flag("sequence", "what the head scores (Yin et al. 2025): sequence (the ordinary RM) | segment | token",
+                                 choices=("sequence", "segment", "token"))
+    c_ent: float = flag(6.0, "--unit segment: a token whose SFT entropy (nats, T=1) exceeds it starts a segment",
+                             "[0, inf)")
+    n_calibration: int = flag(1024, "--unit segment/token: RM-split pairs (chosen and rejected) the location "
+                                    "normalizer is fitted on", "[1, inf)")
 
 
 SCORE_FILE = "score_norm.json"           # beside an RM: its score's mean and std, fitted by ppo.py --rm_norm
@@ -127,7 +136,8 @@ def score(model, tokenizer, prompts, responses, max_prompt_len=48, max_response_
         ids, mask = b["input_ids"].to(device), b["attention_mask"].to(device)
         values = token_values(model, ids, mask)
         if segmenter:
-            out.append(sr.segment_evaluation(values, segmenter({**b, "input_ids": ids, "attention_mask": mask})[0]).cpu())
+            ends = segmenter({**b, "input_ids": ids, "attention_mask": mask})[0]
+            out.append(sr.segment_evaluation(values, ends).cpu())
         else:
             out.append(last_token(values, mask).cpu())
     return torch.cat(out) if out else torch.zeros(0)

@@ -18,6 +18,7 @@ from transformers import PreTrainedTokenizerFast
 
 import data
 import harness
+from harness import flag
 
 SPECIAL_TOKENS = {"pad_token": "<pad>", "eos_token": "<eos>", "bos_token": "<bos>", "unk_token": "<unk>"}
 
@@ -25,37 +26,43 @@ SPECIAL_TOKENS = {"pad_token": "<pad>", "eos_token": "<eos>", "bos_token": "<bos
 @dataclass
 class SFTArgs:
     # --- the task and the model ---------------------------------------------------------------------
-    task: str = field(default="chitchat", metadata={"help": "chitchat, count, tldr, tldr_carper, hh, webgpt, code, apps, or a local json/jsonl/parquet file"})
-    model: str = field(default="tiny", metadata={"help": "'tiny' (a small Gemma + BPE tokenizer, built offline), an HF model id, a folder, or a .gguf file"})
-    output_dir: str = field(default="", metadata={"help": "where the final model + tokenizer are saved; default runs/<task>/sft"})
+    task: str = flag("chitchat", "chitchat, count, tldr, tldr_carper, hh, webgpt, code, apps, or a local "
+                                 "json/jsonl/parquet file")
+    model: str = flag("tiny", "'tiny' (a small Gemma + BPE tokenizer, built offline), an HF model id, a folder, or a "
+                              ".gguf file")
+    output_dir: str = flag("", "where the final model + tokenizer are saved; default runs/<task>/sft")
     # --- supervised fine-tuning ---------------------------------------------------------------------
-    max_prompt_len: int = field(default=48, metadata={"help": "prompt tokens kept (truncated from the left)", "metavar": "[1, inf)"})
-    max_response_len: int = field(default=0, metadata={"help": "response tokens kept, EOS included; 0 = the task's default (64 for count, else 32)", "metavar": "[0, inf)"})
-    batch_size: int = field(default=32, metadata={"help": "examples per process per micro-step", "metavar": "[1, inf)"})
-    grad_accum: int = field(default=1, metadata={"help": "micro-steps per optimizer step", "metavar": "[1, inf)"})
-    max_grad_norm: float = field(default=0.0, metadata={"help": "clip the gradients' global L2 norm to this (every engine alike); 0 = never", "metavar": "[0, inf)"})
-    lr: float = field(default=2e-3, metadata={"help": "peak learning rate (the tiny model trains from scratch; ~1e-5 for Gemma-2B)", "metavar": "[0, inf)"})
-    warmup_ratio: float = field(default=0.05, metadata={"help": "fraction of the steps spent warming up, then cosine decay", "metavar": "[0, 1]"})
-    weight_decay: float = field(default=0.0, metadata={"help": "AdamW weight decay", "metavar": "[0, inf)"})
-    max_steps: int = field(default=400, metadata={"help": "optimizer steps; 0 = `epochs` passes over the SFT split", "metavar": "[0, inf)"})
-    epochs: float = field(default=1.0, metadata={"help": "passes over the SFT split when max_steps is 0", "metavar": "(0, inf)"})
-    eval_every: int = field(default=200, metadata={"help": "held-out loss / perplexity every k steps", "metavar": "[1, inf)"})
-    save_every: int = field(default=200, metadata={"help": "resumable checkpoint every k steps", "metavar": "[1, inf)"})
-    n_eval: int = field(default=512, metadata={"help": "held-out examples for loss / perplexity", "metavar": "[1, inf)"})
+    max_prompt_len: int = flag(48, "prompt tokens kept (truncated from the left)", "[1, inf)")
+    max_response_len: int = flag(0, "response tokens kept, EOS included; 0 = the task's default (64 for count, else "
+                                    "32)", "[0, inf)")
+    batch_size: int = flag(32, "examples per process per micro-step", "[1, inf)")
+    grad_accum: int = flag(1, "micro-steps per optimizer step", "[1, inf)")
+    max_grad_norm: float = flag(0.0, "clip the gradients' global L2 norm to this (every engine alike); 0 = never",
+                                     "[0, inf)")
+    lr: float = flag(2e-3, "peak learning rate (the tiny model trains from scratch; ~1e-5 for Gemma-2B)", "[0, inf)")
+    warmup_ratio: float = flag(0.05, "fraction of the steps spent warming up, then cosine decay", "[0, 1]")
+    weight_decay: float = flag(0.0, "AdamW weight decay", "[0, inf)")
+    max_steps: int = flag(400, "optimizer steps; 0 = `epochs` passes over the SFT split", "[0, inf)")
+    epochs: float = flag(1.0, "passes over the SFT split when max_steps is 0", "(0, inf)")
+    eval_every: int = flag(200, "held-out loss / perplexity every k steps", "[1, inf)")
+    save_every: int = flag(200, "resumable checkpoint every k steps", "[1, inf)")
+    n_eval: int = flag(512, "held-out examples for loss / perplexity", "[1, inf)")
     # --- the tiny default model (--model tiny) ------------------------------------------------------
-    vocab_size: int = field(default=2048, metadata={"help": "tiny model: BPE vocabulary size", "metavar": "[1, inf)"})
-    hidden_size: int = field(default=128, metadata={"help": "tiny model: hidden size", "metavar": "[1, inf)"})
-    num_layers: int = field(default=4, metadata={"help": "tiny model: transformer layers", "metavar": "[1, inf)"})
+    vocab_size: int = flag(2048, "tiny model: BPE vocabulary size", "[1, inf)")
+    hidden_size: int = flag(128, "tiny model: hidden size", "[1, inf)")
+    num_layers: int = flag(4, "tiny model: transformer layers", "[1, inf)")
     # --- the run ------------------------------------------------------------------------------------
-    bf16: bool = field(default=False, metadata={"help": "bf16 mixed precision (GPUs)"})
-    gradient_checkpointing: bool = field(default=False, metadata={"help": "recompute activations to save memory (GPUs)"})
-    lora_r: int = field(default=0, metadata={"help": "LoRA rank (peft); 0 = train every weight. Needs a pretrained --model", "metavar": "[0, inf)"})
-    lora_alpha: int = field(default=16, metadata={"help": "LoRA scale alpha (the update is scaled by alpha / r)", "metavar": "(0, inf)"})
-    lora_target_modules: str = field(default="all-linear", metadata={"help": "LoRA: all-linear, or module names separated by commas (e.g. q_proj,v_proj)"})
-    chat_template: bool = field(default=False, metadata={"help": "render prompts with the tokenizer's chat template (instruct models); same in every stage"})
-    skip_bad_rows: bool = field(default=False, metadata={"help": "drop malformed dataset rows (and report how many) instead of stopping"})
-    seed: int = field(default=1234, metadata={"help": "random seed (data split seed is fixed at 1234)", "metavar": "[0, inf)"})
-    resume: bool = field(default=False, metadata={"help": "continue from <output_dir>/checkpoint"})
+    bf16: bool = flag(False, "bf16 mixed precision (GPUs)")
+    gradient_checkpointing: bool = flag(False, "recompute activations to save memory (GPUs)")
+    lora_r: int = flag(0, "LoRA rank (peft); 0 = train every weight. Needs a pretrained --model", "[0, inf)")
+    lora_alpha: int = flag(16, "LoRA scale alpha (the update is scaled by alpha / r)", "(0, inf)")
+    lora_target_modules: str = flag("all-linear", "LoRA: all-linear, or module names separated by commas (e.g. "
+                                                  "q_proj,v_proj)")
+    chat_template: bool = flag(False, "render prompts with the tokenizer's chat template (instruct models); same in "
+                                      "every stage")
+    skip_bad_rows: bool = flag(False, "drop malformed dataset rows (and report how many) instead of stopping")
+    seed: int = flag(1234, "random seed (data split seed is fixed at 1234)", "[0, inf)")
+    resume: bool = flag(False, "continue from <output_dir>/checkpoint")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -143,8 +150,9 @@ def sft_loss(model, batch):
     never scored, and the vocabulary projection is a quarter of the tiny model's compute."""
     labels = batch["labels"]
     first = max(1, int((labels != -100).any(0).int().argmax()))   # the first labelled column (the response's)
-    logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], position_ids=batch["position_ids"],
-                   use_cache=False, logits_to_keep=labels.shape[1] - first + 1).logits[:, :-1].float()
+    logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
+                   position_ids=batch["position_ids"], use_cache=False,
+                   logits_to_keep=labels.shape[1] - first + 1).logits[:, :-1].float()
     labels = labels[:, first:]
     n = (labels != -100).sum()
     loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1),
@@ -221,7 +229,8 @@ def main(args):
     if accelerator.is_main_process:
         unwrapped = trainer.final.to(accelerator.device).eval()     # whole weights (merged, if LoRA)
         prompts = data.prompts_of(data.with_chat_template(splits["test"][:8], tokenizer, args.chat_template))[:4]
-        r_ids = data.sample(unwrapped, tokenizer, prompts, args.max_prompt_len, args.max_response_len, temperature=0.8)[2]
+        r_ids = data.sample(unwrapped, tokenizer, prompts, args.max_prompt_len, args.max_response_len,
+                            temperature=0.8)[2]
         for p, r in zip(prompts, tokenizer.batch_decode(r_ids, skip_special_tokens=True)):
             log(f"[sft] sample: ...{p[-80:]!r} -> {r!r}")
     return args.output_dir

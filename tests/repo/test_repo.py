@@ -134,3 +134,20 @@ def test_every_flag_has_a_one_line_help_and_every_ppo_flag_a_row_in_the_training
         assert not too_long, f"{cls.__name__}: help over 100 characters: {too_long}"
     doc = (ROOT / "docs" / "training.md").read_text()
     assert flag_table(doc, "**Flags** (`python ppo.py --help`") == {f.name for c in ppo.ARGS for f in dataclasses.fields(c)}
+
+
+def test_the_files_a_reader_follows_keep_their_lines_and_sizes():
+    """The tutorial core reads in a window: no line over 120 characters in the stage files, macro_actions.py, data.py
+    and evaluate.py; ppo.py at most 450 lines and 36 KB, its main() at most 90 lines, no function over 50 but main,
+    its PPOArgs at most 40 flags (each extension's in a dataclass of its own, ppo.ARGS)."""
+    import ast
+    import dataclasses
+    import ppo
+    for name in ("ppo.py", "macro_actions.py", "sft.py", "reward_model.py", "data.py", "evaluate.py"):
+        long = [n for n, line in enumerate((ROOT / name).read_text().splitlines(), 1) if len(line) > 120]
+        assert not long, f"{name}: lines over 120 characters: {long}"
+    source = (ROOT / "ppo.py").read_text()
+    assert len(source.splitlines()) <= 450 and len(source.encode()) <= 36_000
+    lengths = {f.name: f.end_lineno - f.lineno + 1 for f in ast.parse(source).body if isinstance(f, ast.FunctionDef)}
+    assert lengths.pop("main") <= 90 and max(lengths.values()) <= 50, lengths
+    assert len(dataclasses.fields(ppo.PPOArgs)) <= 40 and ppo.ARGS[0] is ppo.PPOArgs
