@@ -448,8 +448,8 @@ class _Cgroup:
         memory, tasks = str(limits.memory_mb << 20), str(limits.processes)
         if kind == "v1":
             self.dirs = [f"{CGROUP_ROOT}/{c}/{name}" for c in _v1_hierarchies()]
-            settings = [(self.dirs[0], "memory.limit_in_bytes", memory), (self.dirs[0], "memory.memsw.limit_in_bytes", memory),
-                        (self.dirs[1], "pids.max", tasks)]
+            settings = [(self.dirs[0], "memory.limit_in_bytes", memory),
+                        (self.dirs[0], "memory.memsw.limit_in_bytes", memory), (self.dirs[1], "pids.max", tasks)]
         else:
             parent = f"{CGROUP_ROOT}/{CGROUP_PARENT}"
             if not os.path.isdir(parent):
@@ -632,9 +632,13 @@ def isolation():
                    ("" if kind else ", processes (per uid: not for root)"),
                    f"CPU budget decided by the trusted side from the CPU time it measures ({measured})",
                    "wall-clock timeout; the whole process group is killed",
-                   "trusted side reads every channel while the program runs, each capped, and always ends in a verdict; "
-                   f"a trickle of bytes wakes it at most {FREE_SMALL_READS} times, then once per {READ_PACE} s",
-                   f"one report costs the trusted side at most {MAX_REPORT_VALUES} values, counted before it is parsed",
+                   "trusted side reads every channel while the program runs, each capped, and always ends in a "
+                   f"verdict; a trickle of bytes wakes it at most {FREE_SMALL_READS} times, then once per "
+                   f"{READ_PACE} s",
+                   f"one report costs the trusted side at most {MAX_REPORT_VALUES} values a line, counted before it "
+                   "is parsed (a line per test, judged as it arrives: one test's output held at a time); no dict "
+                   "built from the program's keys; its CPU on a run's report at most "
+                   f"{TRUSTED_CPU_SHARE:g} of the run's budget",
                    "the program's view: no trainer pid, run counter or checkout path in its arguments, interpreter "
                    "paths (it runs from the base installation, never a virtual environment), memory (its cgroup is "
                    "joined through fds, not names), modules or frames; environment scrubbed to PATH and LANG; output "
@@ -834,8 +838,8 @@ def _run(program, tests, limits):
     if humaneval:                 # the check's process: calls to the program's process, replies, its verdict
         (calls_r, calls_w), (replies_r, replies_w), (check_r, check_w) = os.pipe(), os.pipe(), os.pipe()
         jobs = [("--serve", {"program": program, "entry_point": tests["entry_point"]}, (result_w, calls_r, replies_w)),
-                ("--check-child", {"prompt": tests.get("prompt", ""), "test": tests["test"], "entry_point": tests["entry_point"]},
-                 (check_w, calls_w, replies_r))]
+                ("--check-child", {"prompt": tests.get("prompt", ""), "test": tests["test"],
+                                   "entry_point": tests["entry_point"]}, (check_w, calls_w, replies_r))]
         reads = {result_r: judge.program_line, check_r: judge.check_line}
     else:
         jobs = [("--run", {"program": program, "inputs": tests["inputs"], "fn_name": tests.get("fn_name")},
@@ -952,7 +956,8 @@ def _decide(judge, over, in_time, code, stderr, limits):
     if not in_time:                           # the wall clock, or the CPU the trusted side measured
         return Result("timeout", detail=f"killed after {limits.timeout} s (wall clock) or {limits.cpu_seconds} s (CPU)")
     if over:
-        return Result("runtime_error", detail=f"output limit exceeded (a report line over {report_bytes(limits)} bytes)")
+        return Result("runtime_error",
+                      detail=f"output limit exceeded (a report line over {report_bytes(limits)} bytes)")
     if judge.result is not None:
         return judge.result
     if "entry_point" in judge.tests:
@@ -1161,7 +1166,8 @@ def _seccomp():
         return False
     lib.seccomp_init.restype = ctypes.c_void_p
     lib.seccomp_syscall_resolve_name.argtypes = [ctypes.c_char_p]
-    lib.seccomp_rule_add_array.argtypes = [ctypes.c_void_p, ctypes.c_uint32, ctypes.c_int, ctypes.c_uint, ctypes.c_void_p]
+    lib.seccomp_rule_add_array.argtypes = [ctypes.c_void_p, ctypes.c_uint32, ctypes.c_int, ctypes.c_uint,
+                                           ctypes.c_void_p]
     lib.seccomp_load.argtypes = [ctypes.c_void_p]
 
     class Compare(ctypes.Structure):                         # struct scmp_arg_cmp
@@ -1242,10 +1248,11 @@ def _guard(scratch, memory_mb=1024, isolated=False):
     import subprocess as subprocess_
     os.environ.clear()                                  # before unsetenv goes
     for module in (os, posix):
-        for name in ("fork", "forkpty", "vfork", "kill", "abort", "killpg", "system", "popen", "execv", "execve", "execvp",
-                     "execvpe", "execl", "execle", "execlp", "execlpe", "spawnv", "spawnve", "spawnvp", "spawnvpe",
-                     "spawnl", "spawnle", "posix_spawn", "posix_spawnp", "chown", "lchown", "fchown",
-                     "setuid", "setgid", "setsid", "setpgrp", "setpgid", "putenv", "unsetenv", "register_at_fork", "symlink", "link"):
+        for name in ("fork", "forkpty", "vfork", "kill", "abort", "killpg", "system", "popen", "execv", "execve",
+                     "execvp", "execvpe", "execl", "execle", "execlp", "execlpe", "spawnv", "spawnve", "spawnvp",
+                     "spawnvpe", "spawnl", "spawnle", "posix_spawn", "posix_spawnp", "chown", "lchown", "fchown",
+                     "setuid", "setgid", "setsid", "setpgrp", "setpgid", "putenv", "unsetenv", "register_at_fork",
+                     "symlink", "link"):
             if hasattr(module, name):          # deleted, not set to None: code that asks hasattr()
                 delattr(module, name)           # (random's register_at_fork) carries on without it
         module._exit = _program_exit
@@ -1517,7 +1524,8 @@ def _run_inputs(code, job, stdin, stdout, report):
         try:
             sys.stdout = sys.__stdout__ = _use_stdout(stdout)     # __stdout__ keeps it alive when the program
                                                                    # wraps sys.stdout.buffer in a file of its own
-            sys.stdin = sys.__stdin__ = _use_stdin(stdin[i], given if isinstance(given, str) else "\n".join(map(str, given)))
+            text = given if isinstance(given, str) else "\n".join(map(str, given))
+            sys.stdin = sys.__stdin__ = _use_stdin(stdin[i], text)
             try:
                 exec(code, namespace)
             except (SystemExit, ProgramExit) as stop:
