@@ -16,22 +16,27 @@
 
 An RL policy learns whatever the reward really measures, so the trusted side decides every verdict and the
 untrusted program never holds an expected output, a test's result or the report channel:
-- stdin/stdout: the program's process sends back what it printed for each input; this process compares;
-- call-based: the program's process receives only the inputs and sends back plain values (None, bool,
+- stdin/stdout: the program runs once per input as its own `__main__` module (as `python program.py < input`),
+  and its process sends back what it printed for each input; this process compares;
+- call-based: the program is imported once as a module of its own and its function called per test (APPS's
+  harness); its process receives only the inputs and sends back plain values (None, bool,
   int, float, str and lists / tuples / dicts of them; a subclass, such as a Counter or a named tuple, as the
   plain value it holds, read through its base type: none of the program's methods, its `==` included,
-  decides what crosses); this process compares. Anything else fails the test;
+  decides what crosses); this process compares. Anything else fails the test; what it prints is discarded;
 - HumanEval: `check(candidate)` runs in a process of its own holding only trusted text (the dataset's
   prompt and test code); `candidate` there is a proxy whose calls go to the program's process over pipes
-  and come back as plain values;
+  and come back as plain values; what the program prints is discarded (HumanEval's harness does so too);
 - an early exit, SystemExit, a crash or a timeout is never a pass.
 
 The trusted side is total: whatever bytes the program writes on whatever channel it can reach, `run`
 returns a verdict, never an exception. Every channel is read while the program runs under a byte cap
 (a channel over its cap is closed and the run fails; a trickle of small writes wakes this process a bounded
-number of times), and only a report's last line is parsed, once, after its values are counted on its bytes (at
-most MAX_REPORT_VALUES: one report costs this process little). The CPU budget is decided here, from the CPU time
-this process measures (the run's cgroup, wait4), not by a limit the program's process could stretch.
+number of times). A report is one line per test, each parsed once as it arrives, after its values are counted on
+its bytes (at most MAX_REPORT_VALUES a line), and compared at once: this process holds one test's output at a time,
+builds no dict from the program's keys (their hashes are the program's to choose; a dict stays a list of pairs,
+Pairs) and compares outputs a piece at a time; its CPU on one run's report is measured and capped
+(TRUSTED_CPU_SHARE of the run's budget). The CPU budget is decided here, from the CPU time this process measures
+(the run's cgroup, wait4), not by a limit the program's process could stretch.
 
 Isolation of the program's process, where the machine allows it (Linux as root; `--check` lists what holds):
 - a per-run cgroup (v1 memory / pids / cpuacct / freezer, or v2): memory (tmpfs, memfd and page cache
@@ -39,7 +44,7 @@ Isolation of the program's process, where the machine allows it (Linux as root; 
   killed and the cgroup removed at the end;
 - namespaces: network (no network, not even 127.0.0.1), PID (its processes die with its first), IPC,
   UTS (host name "sandbox") and mount, with a new root: a read-only tmpfs holding only the standard
-  library (site-packages hidden) and the shared libraries the interpreter maps, /dev/null, /dev/zero,
+  library (site-packages hidden) and the folders of the shared libraries the interpreter maps, /dev/null, /dev/zero,
   /dev/urandom and a private tmpfs /tmp; nothing else of the host;
 - a fresh session keyring; an unprivileged uid of its own (drawn at random from RUN_UIDS: per-user
   counts of the kernel are not shared between runs) with no_new_privs, the parent-death signal re-armed;
@@ -66,7 +71,8 @@ reaches fd 1 counts, read back after the flushes CPython does at exit), stderr o
 exit() and quit(), os._exit ending the input with its output kept, tempfile and /tmp, fileinput on stdin, in a
 thread with a large stack (deep recursion works; `signal.signal` raises ValueError there, as in any thread).
 The kernel is still shared and the filter is a denylist: for untrusted code at scale, run the trainer in a
-container or VM as well.
+container or VM as well. Timing is not closed: the host's page cache of the files every run can read carries
+hundreds of bits from one run to a concurrent or later one (bench/sandbox_page_cache.py; docs/code_track.md).
 """
 import marshal
 import os
