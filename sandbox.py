@@ -1442,7 +1442,11 @@ def _program_child(argv):
 def _report(report, record, limits):
     """One report line (a test's output or error, or a compile error), sent at once; a line past the trusted side's
     cap on it is sent as an error instead. False when the trusted side wants no more (it has its verdict)."""
-    line = _line(record).encode("utf-8", "surrogateescape")
+    text = _line(record)
+    try:                                  # bytes printed that were not UTF-8 go back as they were
+        line = text.encode("utf-8", "surrogateescape")
+    except UnicodeEncodeError:            # a str value with a lone surrogate: a wrong answer, not a crash
+        line = text.encode("utf-8", "surrogatepass")
     if len(line) > 6 * limits["output_bytes"] + (1 << 16):   # report_bytes: a value the child could send whole
         line = _line({"error": f"RuntimeError: output limit exceeded ({len(line)} bytes of report for one test)"})
         line = line.encode()

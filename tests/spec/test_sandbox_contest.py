@@ -115,3 +115,14 @@ def test_what_a_humaneval_completion_prints_is_discarded():
     check = {"entry_point": "inc", "test": "def check(candidate):\n    assert candidate(1) == 2\n", "prompt": ""}
     r = sandbox.run(program, check, PATIENT)
     assert r.outcome == "passed", r
+
+
+def test_text_that_is_not_utf8_is_a_wrong_answer_not_a_crash():
+    """A call-based answer holding a lone surrogate, or bytes printed that are not UTF-8: the child's report crashed
+    on them (a runtime error, every test lost); they are outputs like any other, compared with the expected text."""
+    r = sandbox.run("def f(x):\n    return '\\ud800' + x\n", {"fn_name": "f", "inputs": [["a"], ["b"]],
+                                                               "outputs": ["a", "b"]}, PATIENT)
+    assert (r.outcome, r.passed, r.failed) == ("failed", 0, 2), r
+    program = "import sys\nsys.stdout.buffer.write(b'\\xff' + input().encode() + b'\\n')\n"
+    r = sandbox.run(program, {"inputs": ["a", "b"], "outputs": ["a", "b"]}, PATIENT)
+    assert (r.outcome, r.passed, r.failed) == ("failed", 0, 2), r
