@@ -1,5 +1,5 @@
-"""What a run's untrusted data costs the trusted side (the trainer): its CPU and peak memory on the worst cases of the
-fifth hostile round, beside honest twins.
+"""What a run's untrusted data costs the trusted side (the trainer): its CPU and peak memory on worst cases, beside
+honest twins.
 
     python bench/sandbox_trusted_cost.py [--keys 15000] [--against OTHER/sandbox.py]
 

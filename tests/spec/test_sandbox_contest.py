@@ -73,7 +73,7 @@ def test_a_call_based_program_is_a_module_of_its_own():
 def test_a_call_based_program_is_imported_once_and_called_per_test():
     """APPS's call-based harness imports the program once and calls its function per test: a module-level count of
     calls reads 1, 2, ..., 40 (the program was run again for every test: 1 each time). A table precomputed at import
-    is built once, not forty times (0.12 s each: the 4 s budget timed out)."""
+    is built once, not forty times."""
     program = ("calls = 0\nTABLE = [i * i for i in range(300000)]\ndef f(n):\n    global calls\n    calls += 1\n"
                "    return [calls, TABLE[n]]\n")
     tests = {"fn_name": "f", "inputs": [[i] for i in range(40)], "outputs": [[i + 1, i * i] for i in range(40)]}
