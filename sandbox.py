@@ -380,7 +380,7 @@ def _same(got, expected):
         for key, value in got.pairs:
             try:
                 i = where.get(_key(key))
-            except TypeError:                                  # an unhashable key: a list holding a dict
+            except TypeError:                                  # a key holding a record (a plain dict)
                 return False
             if i is None or seen[i] or not _same(value, values[i]):
                 return False
@@ -390,7 +390,8 @@ def _same(got, expected):
 
 
 def _key(x):
-    """A key the program sent, as the key it was: lists (tuples on its side) as tuples; a dict stays unhashable."""
+    """A key the program sent, as the key it was: lists (tuples on its side) as tuples. A Pairs (a dict: no key on
+    its side) hashes by identity and so matches no expected key."""
     return tuple(map(_key, x)) if type(x) is list else x
 
 
@@ -940,7 +941,9 @@ class _Judge:
             self.result = Result("runtime_error", self.passed, self.failed, "an unreadable report line")
         elif "compile_error" in record and i == 0:
             self.result = Result("compile_error", detail=str(record["compile_error"])[:2000])
-        elif "entry_point" in self.tests or i >= len(self.tests["outputs"]):
+        elif "entry_point" in self.tests:                   # the program's process reports only a compile error
+            self.result = Result("runtime_error", detail="a report line that is not a compile error")
+        elif i >= len(self.tests["outputs"]):
             self.result = Result("runtime_error", self.passed, self.failed, "more report lines than tests")
         elif "error" in record or "out" not in record:
             self.result = Result("runtime_error", self.passed, self.failed, str(record.get("error", ""))[:2000])
