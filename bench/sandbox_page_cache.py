@@ -33,6 +33,30 @@ RECEIVER = ("import os, time\ni = int(input())\nif i == 0:\n    time.sleep(WAIT)
             "print(1 if first < again + 15000 else 0)\n")
 
 
+# What a child shows a run, worked out as _isolate does it: the standard library's folder and the folders of the
+# shared libraries its interpreter has mapped by then (the child has loaded ctypes, for its filter)
+SHOWN = ("import ctypes, os, sys\nsys.path.insert(0, sys.argv[1])\nimport sandbox\n"
+         "print('\\n'.join(sorted({os.path.dirname(os.path.realpath(os.__file__)), *sandbox._mounted_library_dirs()})))")
+
+
+def readable():
+    """(files, bytes) a run can read: the regular files under the folders a child shows, site-packages left out."""
+    import subprocess
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    folders = subprocess.run([sandbox._interpreter(), "-I", "-S", "-c", SHOWN, root], capture_output=True, text=True,
+                             check=True).stdout.split()
+    shown = [f for f in folders if not any(f.startswith(other + os.sep) for other in folders)]
+    files = size = 0
+    for folder in shown:
+        for where, subfolders, names in os.walk(folder):
+            subfolders[:] = [d for d in subfolders if d not in ("site-packages", "dist-packages")]
+            for name in names:
+                path = os.path.join(where, name)
+                if os.path.isfile(path) and not os.path.islink(path):
+                    files, size = files + 1, size + os.path.getsize(path)
+    return shown, files, size
+
+
 def codebook(n):
     """n standard-library files no sandbox child imports (the largest .py files of its test folders), sorted."""
     stdlib = os.path.dirname(os.__file__)
@@ -86,6 +110,8 @@ def main():
     args = parser.parse_args()
     layers = sandbox.isolation()[4]
     paths, rng = codebook(args.bits), random.Random(args.seed)
+    shown, files, size = readable()
+    print(f"A run can read {files} files, {size / 2 ** 20:.0f} MiB, under {', '.join(shown)}")
     print(f"{len(layers)} sandbox layers hold; {args.bits} bits a round, codebook in {os.path.dirname(paths[0])}; "
           f"load average {os.getloadavg()[0]:.1f}\n")
     print("| setting | round | bits right | seconds |\n|---|---|---|---|")
