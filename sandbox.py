@@ -16,22 +16,27 @@
 
 An RL policy learns whatever the reward really measures, so the trusted side decides every verdict and the
 untrusted program never holds an expected output, a test's result or the report channel:
-- stdin/stdout: the program's process sends back what it printed for each input; this process compares;
-- call-based: the program's process receives only the inputs and sends back plain values (None, bool,
+- stdin/stdout: the program runs once per input as its own `__main__` module (as `python program.py < input`),
+  and its process sends back what it printed for each input; this process compares;
+- call-based: the program is imported once as a module of its own and its function called per test (APPS's
+  harness); its process receives only the inputs and sends back plain values (None, bool,
   int, float, str and lists / tuples / dicts of them; a subclass, such as a Counter or a named tuple, as the
   plain value it holds, read through its base type: none of the program's methods, its `==` included,
-  decides what crosses); this process compares. Anything else fails the test;
+  decides what crosses); this process compares. Anything else fails the test; what it prints is discarded;
 - HumanEval: `check(candidate)` runs in a process of its own holding only trusted text (the dataset's
   prompt and test code); `candidate` there is a proxy whose calls go to the program's process over pipes
-  and come back as plain values;
+  and come back as plain values; what the program prints is discarded (HumanEval's harness does so too);
 - an early exit, SystemExit, a crash or a timeout is never a pass.
 
 The trusted side is total: whatever bytes the program writes on whatever channel it can reach, `run`
 returns a verdict, never an exception. Every channel is read while the program runs under a byte cap
 (a channel over its cap is closed and the run fails; a trickle of small writes wakes this process a bounded
-number of times), and only a report's last line is parsed, once, after its values are counted on its bytes (at
-most MAX_REPORT_VALUES: one report costs this process little). The CPU budget is decided here, from the CPU time
-this process measures (the run's cgroup, wait4), not by a limit the program's process could stretch.
+number of times). A report is one line per test, each parsed once as it arrives, after its values are counted on
+its bytes (at most MAX_REPORT_VALUES a line), and compared at once: this process holds one test's output at a time,
+builds no dict from the program's keys (their hashes are the program's to choose; a dict stays a list of pairs,
+Pairs) and compares outputs a piece at a time; its CPU on one run's report is measured and capped
+(TRUSTED_CPU_SHARE of the run's budget). The CPU budget is decided here, from the CPU time this process measures
+(the run's cgroup, wait4), not by a limit the program's process could stretch.
 
 Isolation of the program's process, where the machine allows it (Linux as root; `--check` lists what holds):
 - a per-run cgroup (v1 memory / pids / cpuacct / freezer, or v2): memory (tmpfs, memfd and page cache
@@ -39,7 +44,7 @@ Isolation of the program's process, where the machine allows it (Linux as root; 
   killed and the cgroup removed at the end;
 - namespaces: network (no network, not even 127.0.0.1), PID (its processes die with its first), IPC,
   UTS (host name "sandbox") and mount, with a new root: a read-only tmpfs holding only the standard
-  library (site-packages hidden) and the shared libraries the interpreter maps, /dev/null, /dev/zero,
+  library (site-packages hidden) and the folders of the shared libraries the interpreter maps, /dev/null, /dev/zero,
   /dev/urandom and a private tmpfs /tmp; nothing else of the host;
 - a fresh session keyring; an unprivileged uid of its own (drawn at random from RUN_UIDS: per-user
   counts of the kernel are not shared between runs) with no_new_privs, the parent-death signal re-armed;
@@ -66,7 +71,8 @@ reaches fd 1 counts, read back after the flushes CPython does at exit), stderr o
 exit() and quit(), os._exit ending the input with its output kept, tempfile and /tmp, fileinput on stdin, in a
 thread with a large stack (deep recursion works; `signal.signal` raises ValueError there, as in any thread).
 The kernel is still shared and the filter is a denylist: for untrusted code at scale, run the trainer in a
-container or VM as well.
+container or VM as well. Timing is not closed: the host's page cache of the files every run can read carries
+hundreds of bits from one run to a concurrent or later one (bench/sandbox_page_cache.py; docs/code_track.md).
 """
 import marshal
 import os
@@ -171,10 +177,21 @@ def report_values(line):
     return separators(b"".join(bare.split(b'"')[::2]))
 
 
+class Pairs:
+    """A dict the program sent, kept as its list of [key, value] pairs: never hashed on the trusted side (a
+    program picks its keys' hashes: 15,000 int keys that are multiples of 2**61 - 1 share one, and rebuilding that
+    dict cost the trainer 1.25 s of CPU against 0.04 s for an honest one). `_same_value` looks each key up in the
+    expected dict, whose keys are trusted. Equal to nothing by `==` (identity), so no C-level comparison passes it."""
+    __slots__ = ("pairs",)
+
+    def __init__(self, pairs):
+        self.pairs = pairs
+
+
 def _plain_object(pairs):
     """json.loads' object hook: an encoded tuple, non-finite float or dict becomes that value as it is parsed
-    (no second walk over the value; a tuple stays a list, as the verdict reads tuples); any other object is a
-    dict with string keys (a record)."""
+    (no second walk over the value; a tuple stays a list, as the verdict reads tuples; a dict becomes Pairs); any
+    other object is a record, a dict with string keys (hashed with this process's secret SipHash key)."""
     if len(pairs) == 1:
         (tag, value), = pairs
         if tag == "float" and value in ("nan", "inf", "-inf"):
@@ -184,15 +201,8 @@ def _plain_object(pairs):
         if tag == "tuple" and type(value) is list:
             return value
         if tag == "dict" and type(value) is list and all(type(kv) is list and len(kv) == 2 for kv in value):
-            try:                                             # keys that were tuples are tuples again
-                return {_key(k): v for k, v in value}
-            except TypeError:
-                raise NotPlain("an unhashable key") from None
+            return Pairs(value)
     return dict(pairs)
-
-
-def _key(x):
-    return tuple(map(_key, x)) if type(x) is list else x
 
 
 def parse_report(line):
@@ -306,30 +316,83 @@ def decode(x):
     raise NotPlain(f"not an encoded plain value: {str(x)[:80]}")
 
 
-def _same_output(got, expected):
-    """Line by line, trailing whitespace ignored; an expected output stored as a list of lines is those lines."""
-    def lines(text):
-        return [line.rstrip() for line in str(text).strip().splitlines()]
+# splitlines' line boundaries: the output is compared a piece at a time, each cut just after one of them
+LINE_BOUNDARY = "[\n\r\v\f\x1c\x1d\x1e\x85\u2028\u2029]"
+
+
+def _pieces(text, piece=1 << 14):
+    """The lines of text.strip().splitlines(), each right-stripped, as lists of about `piece` characters' lines:
+    never more than a piece's lines at once (one string of 700,000 lines, split whole, peaked at 54 MiB)."""
+    import re
+    boundary = re.compile(LINE_BOUNDARY)
+    text, start = text.strip(), 0
+    while start < len(text):
+        cut = boundary.search(text, start + piece)
+        end = len(text) if cut is None else cut.end() + text.startswith("\r\n", cut.start())
+        yield list(map(str.rstrip, text[start:end].splitlines()))
+        start = end
+
+
+def _same_output(got, expected, piece=1 << 14):
+    """Line by line, trailing whitespace ignored; an expected output stored as a list of lines is those lines.
+    Streamed a piece at a time, the pieces' lines compared in C, stopping at the first difference: the work is
+    bounded by the expected output (trusted), not by what the program printed."""
     if isinstance(expected, list):
         expected = "\n".join(line[:-1] if line.endswith("\n") else line for line in map(str, expected))
-    return lines(got) == lines(expected)
+    got, expected = str(got), str(expected)
+    if got.strip() == expected.strip():                      # the common case, in C
+        return True
+    a_pieces, b_pieces, a, b = _pieces(got, piece), _pieces(expected, piece), [], []
+    while True:
+        a, b = a or next(a_pieces, None), b or next(b_pieces, None)
+        if a is None or b is None:
+            return a is b
+        n = min(len(a), len(b))
+        if a[:n] != b[:n]:
+            return False
+        a, b = a[n:], b[n:]
 
 
 def _same_value(got, expected):
-    """Equal as values, tuples read as lists. The program's value comes from parse_report, tuples already lists:
-    one C-level comparison decides, unless the expected value (trusted) holds tuples."""
+    """Equal as values, tuples read as lists. The program's value comes from parse_report: tuples already lists,
+    dicts as Pairs. One C-level comparison decides unless the expected value (trusted) holds a tuple or a dict;
+    then a walk bounded by the expected value, in which the program's keys are only looked up in dicts built from
+    the expected keys."""
     if got == expected or [got] == expected:
         return True
-    def plain(x):
-        if type(x) is dict:
-            return {k: plain(v) for k, v in x.items()}
-        return [plain(v) for v in x] if isinstance(x, (list, tuple)) else x
-    def has_tuple(x):
-        return type(x) is tuple or type(x) in (list, dict) and any(map(has_tuple, x.values() if type(x) is dict else x))
-    if not has_tuple(expected):
+    if not _has_container(expected):
         return False
-    got, expected = plain(got), plain(expected)
-    return got == expected or [got] == expected
+    return _same(got, expected) or _same([got], expected)
+
+
+def _has_container(x):
+    return type(x) in (tuple, dict) or type(x) is list and any(map(_has_container, x))
+
+
+def _same(got, expected):
+    if type(expected) in (list, tuple):
+        return type(got) is list and len(got) == len(expected) and all(map(_same, got, expected))
+    if type(expected) is dict:
+        if type(got) is not Pairs or len(got.pairs) != len(expected):
+            return False
+        where = {key: i for i, key in enumerate(expected)}     # trusted keys
+        values, seen = list(expected.values()), bytearray(len(expected))
+        for key, value in got.pairs:
+            try:
+                i = where.get(_key(key))
+            except TypeError:                                  # a key holding a record (a plain dict)
+                return False
+            if i is None or seen[i] or not _same(value, values[i]):
+                return False
+            seen[i] = 1
+        return True
+    return type(got) not in (list, Pairs) and got == expected
+
+
+def _key(x):
+    """A key the program sent, as the key it was: lists (tuples on its side) as tuples. A Pairs (a dict: no key on
+    its side) hashes by identity and so matches no expected key."""
+    return tuple(map(_key, x)) if type(x) is list else x
 
 
 # ---------------------------------------------------------------- the trusted side
@@ -392,8 +455,8 @@ class _Cgroup:
         memory, tasks = str(limits.memory_mb << 20), str(limits.processes)
         if kind == "v1":
             self.dirs = [f"{CGROUP_ROOT}/{c}/{name}" for c in _v1_hierarchies()]
-            settings = [(self.dirs[0], "memory.limit_in_bytes", memory), (self.dirs[0], "memory.memsw.limit_in_bytes", memory),
-                        (self.dirs[1], "pids.max", tasks)]
+            settings = [(self.dirs[0], "memory.limit_in_bytes", memory),
+                        (self.dirs[0], "memory.memsw.limit_in_bytes", memory), (self.dirs[1], "pids.max", tasks)]
         else:
             parent = f"{CGROUP_ROOT}/{CGROUP_PARENT}"
             if not os.path.isdir(parent):
@@ -576,9 +639,13 @@ def isolation():
                    ("" if kind else ", processes (per uid: not for root)"),
                    f"CPU budget decided by the trusted side from the CPU time it measures ({measured})",
                    "wall-clock timeout; the whole process group is killed",
-                   "trusted side reads every channel while the program runs, each capped, and always ends in a verdict; "
-                   f"a trickle of bytes wakes it at most {FREE_SMALL_READS} times, then once per {READ_PACE} s",
-                   f"one report costs the trusted side at most {MAX_REPORT_VALUES} values, counted before it is parsed",
+                   "trusted side reads every channel while the program runs, each capped, and always ends in a "
+                   f"verdict; a trickle of bytes wakes it at most {FREE_SMALL_READS} times, then once per "
+                   f"{READ_PACE} s",
+                   f"one report costs the trusted side at most {MAX_REPORT_VALUES} values a line, counted before it "
+                   "is parsed (a line per test, judged as it arrives: one test's output held at a time); no dict "
+                   "built from the program's keys; its CPU on a run's report at most "
+                   f"{TRUSTED_CPU_SHARE:g} of the run's budget",
                    "the program's view: no trainer pid, run counter or checkout path in its arguments, interpreter "
                    "paths (it runs from the base installation, never a virtual environment), memory (its cgroup is "
                    "joined through fds, not names), modules or frames; environment scrubbed to PATH and LANG; output "
@@ -649,10 +716,13 @@ def _read(fd):
     return os.read(fd, 1 << 16)
 
 
-def _collect(caps, closers, deadline, over_budget=None):
+def _collect(caps, closers, deadline, over_budget=None, lines=None):
     """Read every channel ({fd: byte cap}) while the children run, until each ends, the deadline, or over_budget()
-    (checked every CPU_CHECK s), paced (above). A channel over its cap is closed at once (closers[fd]; its writer
-    gets EPIPE). Returns ({fd: bytes}, in time and budget?, the fds over their cap)."""
+    (checked every CPU_CHECK s), paced (above). A channel in `lines` ({fd: consumer}) is handed each complete line
+    as it arrives and keeps only the line in progress, its cap a cap per line; a consumer returning False wants no
+    more (its channel is closed). A channel over its cap is closed at once (closers[fd]; its writer gets EPIPE).
+    Returns ({fd: bytes}, in time and budget?, the fds over their cap)."""
+    lines = lines or {}
     import selectors
     import time
     data, over, small = {fd: bytearray() for fd in caps}, set(), 0
@@ -679,17 +749,36 @@ def _collect(caps, closers, deadline, over_budget=None):
                 except BlockingIOError:
                     continue
                 brought += len(chunk)
-                if chunk and len(data[key.fd]) + len(chunk) <= caps[key.fd]:
+                wanted = True
+                if chunk and key.fd in lines:
+                    wanted = _hand_over(data[key.fd], chunk, lines[key.fd])
+                    if wanted and len(data[key.fd]) <= caps[key.fd]:
+                        continue
+                elif chunk and len(data[key.fd]) + len(chunk) <= caps[key.fd]:
                     data[key.fd] += chunk
                     continue
                 selector.unregister(key.fd)
                 if chunk:
-                    over.add(key.fd)
+                    if wanted:
+                        over.add(key.fd)
                     closers[key.fd]()
             small += brought < SMALL_READ
             if small > FREE_SMALL_READS:
                 time.sleep(max(0.0, min(READ_PACE, deadline - time.monotonic())))
     return data, True, over
+
+
+def _hand_over(line, chunk, consumer):
+    """Append `chunk` to the line in progress and hand every complete line to `consumer`, which says whether it
+    wants more; returns that. Each byte is searched once."""
+    start, search = 0, len(line)
+    line += chunk
+    wanted = True
+    while wanted and (end := line.find(b"\n", search)) >= 0:
+        wanted = consumer(bytes(line[start:end]))
+        start = search = end + 1
+    del line[:start]
+    return wanted
 
 
 def _reap(proc, deadline, over_budget=None):
@@ -736,14 +825,6 @@ def _end(started):
         raise failure
 
 
-def _last_record(data):
-    """The last line of a channel as a dict, its plain values decoded, or None: one parse, whatever came before
-    it, at a bounded cost (parse_report)."""
-    line = bytes(data).rstrip(b"\n").rpartition(b"\n")[2]
-    record = parse_report(line) if line else None
-    return record if isinstance(record, dict) else None
-
-
 def run(program, tests, limits=None):
     """Run one program against its tests; never raises. A failure of the sandbox itself (a cgroup that
     cannot be made or killed, a process that cannot start) fails the run too, and is printed to stderr."""
@@ -759,17 +840,18 @@ def _run(program, tests, limits):
     import time
     limits = limits or Limits()
     humaneval = "entry_point" in tests
+    judge = _Judge(tests, limits)
     result_r, result_w = os.pipe()                           # the program's process -> this one
     if humaneval:                 # the check's process: calls to the program's process, replies, its verdict
         (calls_r, calls_w), (replies_r, replies_w), (check_r, check_w) = os.pipe(), os.pipe(), os.pipe()
         jobs = [("--serve", {"program": program, "entry_point": tests["entry_point"]}, (result_w, calls_r, replies_w)),
-                ("--check-child", {"prompt": tests.get("prompt", ""), "test": tests["test"], "entry_point": tests["entry_point"]},
-                 (check_w, calls_w, replies_r))]
-        reads = [result_r, check_r]
+                ("--check-child", {"prompt": tests.get("prompt", ""), "test": tests["test"],
+                                   "entry_point": tests["entry_point"]}, (check_w, calls_w, replies_r))]
+        reads = {result_r: judge.program_line, check_r: judge.check_line}
     else:
         jobs = [("--run", {"program": program, "inputs": tests["inputs"], "fn_name": tests.get("fn_name")},
                  (result_w,))]
-        reads = [result_r]
+        reads = {result_r: judge.program_line}
     started, closed = [], set()
     deadline = time.monotonic() + limits.timeout
     try:
@@ -780,7 +862,7 @@ def _run(program, tests, limits):
             for _, _, fds in jobs:                          # the children hold their ends
                 for fd in fds:
                     os.close(fd)
-        caps = {fd: report_bytes(limits) for fd in reads}
+        caps = {fd: report_bytes(limits) for fd in reads}  # per line
         closers = {fd: lambda fd=fd: (closed.add(fd), os.close(fd)) for fd in reads}
         for proc, _, _ in started:                          # what the children print: kept up to output_bytes
             for stream in (proc.stdout, proc.stderr):
@@ -791,14 +873,14 @@ def _run(program, tests, limits):
         def spent():                          # a child's cgroup has used the CPU budget
             return any((group.cpu_seconds() or 0.0) >= limits.cpu_seconds for group in groups)
         over_budget = spent if groups else None
-        data, in_time, over = _collect(caps, closers, deadline, over_budget)
+        data, in_time, over = _collect(caps, closers, deadline, over_budget, reads)
         cpu = 0.0                             # the most CPU time one child used, measured here: no limit the
         for proc, group, _ in started:        # child can touch decides its budget
             reaped = _reap(proc, deadline if in_time else 0, over_budget)   # else killed in _end
             in_time = in_time and reaped is not None
             measured = [m for m in (reaped, group.cpu_seconds() if group else None) if m is not None]
             cpu = max([cpu, *measured])
-        codes = [proc.returncode for proc, _, _ in started]
+        code = started[0][0].returncode
         stderr = bytes(data[stderr_fd][:4000]).decode(errors="replace")
     finally:
         try:
@@ -807,44 +889,92 @@ def _run(program, tests, limits):
             for fd in set(reads) - closed:
                 os.close(fd)
     try:                                      # whatever bytes came back, a verdict and never an exception
-        return _decide(data, reads, over, in_time and cpu < limits.cpu_seconds, codes[0], stderr, tests, limits)
+        return _decide(judge, bool(over & set(reads)), in_time and cpu < limits.cpu_seconds, code, stderr, limits)
     except Exception as err:  # noqa: BLE001
         return Result("runtime_error", detail=f"unreadable report: {_error(err)}")
 
 
 def report_bytes(limits):
-    """The cap on a report channel: every output of a run, JSON-escaped (at most 6 bytes a character)."""
+    """The cap on one line of a report channel: one test's output, JSON-escaped (at most 6 bytes a character)."""
     return 6 * limits.output_bytes + (1 << 16)
 
 
-def _decide(data, reads, over, in_time, code, stderr, tests, limits):
-    record = _last_record(data[reads[0]])
-    if isinstance(record, dict) and "compile_error" in record:
-        return Result("compile_error", detail=str(record["compile_error"])[:2000])
+# The trusted side's CPU on one run's report lines (parsing, comparing), measured on this thread and capped at this
+# share of the run's CPU budget: past it, the run fails. Each line is bounded (report_bytes, MAX_REPORT_VALUES) and
+# the lines are at most the tests, so the cap is passed by at most one line's work.
+TRUSTED_CPU_SHARE = 0.25
+
+
+class _Judge:
+    """Reads a run's report lines as they arrive, one line per test (parse_report), compares each output with
+    the expected one at once and keeps only the counts: the trusted side holds one test's output at a time,
+    whatever the run's number of tests. Stops (wants no more lines) once a verdict is decided."""
+
+    def __init__(self, tests, limits):
+        self.tests, self.cap = tests, TRUSTED_CPU_SHARE * limits.cpu_seconds
+        self.cpu, self.lines, self.passed, self.failed = 0.0, 0, 0, 0
+        self.result = self.check = None                     # a decided Result; the HumanEval check's record
+
+    def _timed(self, read, line):
+        import time
+        start = time.thread_time()
+        try:
+            read(line)
+        except (ValueError, TypeError, RecursionError, MemoryError) as err:
+            self.result = Result("runtime_error", self.passed, self.failed, f"unreadable report: {_error(err)}")
+        self.cpu += time.thread_time() - start
+        if self.result is None and self.cpu > self.cap:
+            self.result = Result("runtime_error", self.passed, self.failed, "the report cost the trusted side over "
+                                 f"{self.cap:g} s of CPU ({TRUSTED_CPU_SHARE:g} of the run's budget)")
+        return self.result is None
+
+    def program_line(self, line):
+        return self._timed(self._program_line, line)
+
+    def check_line(self, line):
+        return self._timed(self._check_line, line)
+
+    def _program_line(self, line):
+        record, i = parse_report(line), self.lines
+        self.lines += 1
+        if not isinstance(record, dict):
+            self.result = Result("runtime_error", self.passed, self.failed, "an unreadable report line")
+        elif "compile_error" in record and i == 0:
+            self.result = Result("compile_error", detail=str(record["compile_error"])[:2000])
+        elif "entry_point" in self.tests:                   # the program's process reports only a compile error
+            self.result = Result("runtime_error", detail="a report line that is not a compile error")
+        elif i >= len(self.tests["outputs"]):
+            self.result = Result("runtime_error", self.passed, self.failed, "more report lines than tests")
+        elif "error" in record or "out" not in record:
+            self.result = Result("runtime_error", self.passed, self.failed, str(record.get("error", ""))[:2000])
+        else:
+            expected = self.tests["outputs"][i]
+            same = _same_value if "fn_name" in self.tests else _same_output
+            ok = same(record["out"], expected)
+            self.passed, self.failed = self.passed + ok, self.failed + (not ok)
+
+    def _check_line(self, line):
+        if self.check is not None:
+            self.result = Result("runtime_error", detail="more than one verdict line from the check")
+        self.check = parse_report(line)
+
+
+def _decide(judge, over, in_time, code, stderr, limits):
+    if judge.result is not None and judge.result.outcome == "compile_error":
+        return judge.result
     if not in_time:                           # the wall clock, or the CPU the trusted side measured
         return Result("timeout", detail=f"killed after {limits.timeout} s (wall clock) or {limits.cpu_seconds} s (CPU)")
-    if over & set(reads):
-        return Result("runtime_error", detail=f"output limit exceeded (report over {report_bytes(limits)} bytes)")
-    if "entry_point" in tests:
-        return _check_verdict(_last_record(data[reads[1]]))
-    return _verdict(record, tests, f"the program died (exit {code}): {stderr[-500:]}")
-
-
-def _verdict(record, tests, died):
-    """Compare what the program's process sent back with the expected outputs, which it never saw."""
-    results = record.get("results") if record else None
-    if not isinstance(results, list):
-        return Result("runtime_error", detail=died)
-    passed = failed = 0
-    for i, expected in enumerate(tests["outputs"]):
-        got = results[i] if i < len(results) else None
-        if not isinstance(got, dict) or "error" in got or "out" not in got:
-            detail = str(got.get("error", "")) if isinstance(got, dict) else "no result"
-            return Result("runtime_error", passed, failed, detail if i < len(results) else died)
-        value = got["out"]                                  # decoded as it was parsed (parse_report)
-        ok = _same_value(value, expected) if "fn_name" in tests else _same_output(value, expected)
-        passed, failed = passed + ok, failed + (not ok)
-    return Result("passed" if failed == 0 else "failed", passed, failed)
+    if over:
+        return Result("runtime_error",
+                      detail=f"output limit exceeded (a report line over {report_bytes(limits)} bytes)")
+    if judge.result is not None:
+        return judge.result
+    if "entry_point" in judge.tests:
+        return _check_verdict(judge.check if isinstance(judge.check, dict) else None)
+    if judge.lines < len(judge.tests["outputs"]):
+        died = f"the program died (exit {code}): {stderr[-500:]}"
+        return Result("runtime_error", judge.passed, judge.failed, died)
+    return Result("passed" if judge.failed == 0 else "failed", judge.passed, judge.failed)
 
 
 def _check_verdict(check):
@@ -1045,7 +1175,8 @@ def _seccomp():
         return False
     lib.seccomp_init.restype = ctypes.c_void_p
     lib.seccomp_syscall_resolve_name.argtypes = [ctypes.c_char_p]
-    lib.seccomp_rule_add_array.argtypes = [ctypes.c_void_p, ctypes.c_uint32, ctypes.c_int, ctypes.c_uint, ctypes.c_void_p]
+    lib.seccomp_rule_add_array.argtypes = [ctypes.c_void_p, ctypes.c_uint32, ctypes.c_int, ctypes.c_uint,
+                                           ctypes.c_void_p]
     lib.seccomp_load.argtypes = [ctypes.c_void_p]
 
     class Compare(ctypes.Structure):                         # struct scmp_arg_cmp
@@ -1126,10 +1257,11 @@ def _guard(scratch, memory_mb=1024, isolated=False):
     import subprocess as subprocess_
     os.environ.clear()                                  # before unsetenv goes
     for module in (os, posix):
-        for name in ("fork", "forkpty", "vfork", "kill", "abort", "killpg", "system", "popen", "execv", "execve", "execvp",
-                     "execvpe", "execl", "execle", "execlp", "execlpe", "spawnv", "spawnve", "spawnvp", "spawnvpe",
-                     "spawnl", "spawnle", "posix_spawn", "posix_spawnp", "chown", "lchown", "fchown",
-                     "setuid", "setgid", "setsid", "setpgrp", "setpgid", "putenv", "unsetenv", "register_at_fork", "symlink", "link"):
+        for name in ("fork", "forkpty", "vfork", "kill", "abort", "killpg", "system", "popen", "execv", "execve",
+                     "execvp", "execvpe", "execl", "execle", "execlp", "execlpe", "spawnv", "spawnve", "spawnvp",
+                     "spawnvpe", "spawnl", "spawnle", "posix_spawn", "posix_spawnp", "chown", "lchown", "fchown",
+                     "setuid", "setgid", "setsid", "setpgrp", "setpgid", "putenv", "unsetenv", "register_at_fork",
+                     "symlink", "link"):
             if hasattr(module, name):          # deleted, not set to None: code that asks hasattr()
                 delattr(module, name)           # (random's register_at_fork) carries on without it
         module._exit = _program_exit
@@ -1218,9 +1350,10 @@ def _start(argv):
         _isolate(setup["uid"], setup["cgroup"], job["limits"]["memory_mb"])
     else:
         _join(setup["cgroup"])
-    stdin = ([_stdin_file(given if isinstance(given, str) else "\n".join(map(str, given)), folder)
-              for given in job["inputs"]] if argv[0] == "--run" and not job.get("fn_name") else [])
-    stdout = _scratch_file("stdout", folder) if argv[0] == "--run" else None   # both before the file size limit
+    printing = argv[0] == "--run" and not job.get("fn_name")           # stdin / stdout: both files, made
+    stdin = ([_stdin_file(given if isinstance(given, str) else "\n".join(map(str, given)), folder)   # before the
+              for given in job["inputs"]] if printing else [])                                    # file size limit
+    stdout = _scratch_file("stdout", folder) if printing else None
     _set_limits(job["limits"], rlimit_nproc=not setup["cgroup"], open_already=len(stdin))
     if sys.platform.startswith("linux"):
         ctypes, libc = _libc()
@@ -1280,39 +1413,60 @@ def _with_a_large_stack(limits, fn, *args):
 
 def _program_child(argv):
     """--run: the program against each input; --serve: the program's function called over pipes. Only
-    outputs and plain values leave this process; the verdict is not decided here."""
+    outputs and plain values leave this process, one report line per test as it ends; the verdict is not
+    decided here."""
     import _json  # noqa: F401 - the report's encoder, loaded before the program can use up every fd
     job, fds, stdin, stdout = _start(argv)
-    report = os.fdopen(fds[0], "w", encoding="utf-8")
+    report = os.fdopen(fds[0], "wb")
     try:
         code = compile(job["program"], "<program>", "exec")
     except (SyntaxError, ValueError, OverflowError, MemoryError, RecursionError) as err:
-        report.write(_line({"compile_error": _error(err)}))
-        report.flush()
+        _report(report, {"compile_error": _error(err)}, job["limits"])
         return
     channels = [os.fdopen(fd, mode) for fd, mode in zip(fds[1:], ("rb", "w"))]
     isolated = argv[1] == "ns"
     stderr = _quiet_stderr()
+    if argv[0] == "--serve" or job.get("fn_name"):        # what a function prints is nobody's output
+        null = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(null, 1)
+        os.close(null)
     _guard("/tmp" if isolated else os.path.realpath(os.getcwd()), job["limits"]["memory_mb"], isolated)
-    if argv[0] == "--serve":
-        _with_a_large_stack(job["limits"], _serve, code, job, *channels)
-        os.dup2(stderr, 2)
-        return
-    results = []
     import gc
     gc.freeze()                           # the collection after each input walks the program's objects only
-    _with_a_large_stack(job["limits"], _run_inputs, code, job, stdin, stdout, results)
+    if argv[0] == "--serve":
+        _with_a_large_stack(job["limits"], _serve, code, job, *channels)
+    elif job["fn_name"]:
+        _with_a_large_stack(job["limits"], _call_each, code, job, report)
+    else:
+        _with_a_large_stack(job["limits"], _run_inputs, code, job, stdin, stdout, report)
     os.dup2(stderr, 2)                    # this process's own errors from here on reach the trusted side
-    room, pieces = 6 * job["limits"]["output_bytes"], []      # within the trusted side's cap on this channel
-    for result in results:
-        piece = _json_text(result)
-        room -= len(piece.encode("utf-8", "surrogateescape"))
-        if room < 0:
-            pieces.append(_json_text({"error": "RuntimeError: output limit exceeded (all outputs of the run)"}))
-            break
-        pieces.append(piece)
-    report.write('{"results":[' + ",".join(pieces) + "]}\n")
-    report.flush()
+
+
+def _report(report, record, limits):
+    """One report line (a test's output or error, or a compile error), sent at once; a line past the trusted side's
+    cap on it is sent as an error instead. False when the trusted side wants no more (it has its verdict)."""
+    text = _line(record)
+    try:                                  # bytes printed that were not UTF-8 go back as they were
+        line = text.encode("utf-8", "surrogateescape")
+    except UnicodeEncodeError:            # a str value with a lone surrogate: a wrong answer, not a crash
+        line = text.encode("utf-8", "surrogatepass")
+    if len(line) > 6 * limits["output_bytes"] + (1 << 16):   # report_bytes: a value the child could send whole
+        line = _line({"error": f"RuntimeError: output limit exceeded ({len(line)} bytes of report for one test)"})
+        line = line.encode()
+    try:
+        report.write(line)
+        report.flush()
+        return True
+    except (BrokenPipeError, ValueError):                   # closed by the trusted side, or by the program
+        return False
+
+
+def _module(name):
+    """A fresh module for the program, registered in sys.modules as a program run by `python` is: pickle of its
+    classes, dataclasses (ClassVar under `from __future__ import annotations`), sys.modules[__name__] work."""
+    module = type(sys)(name)
+    sys.modules[name] = module
+    return module
 
 
 def _scratch_file(name, folder=None):
@@ -1375,46 +1529,67 @@ def _printed(fd, namespace):
     return os.pread(fd, os.fstat(fd).st_size, 0).decode("utf-8", "surrogateescape")
 
 
-def _run_inputs(code, job, stdin, stdout, results):
-    real = sys.stdout, sys.stdin, sys.__stdout__, sys.__stdin__
+def _run_inputs(code, job, stdin, stdout, report):
+    """stdin/stdout: the program run as its own `__main__` once per input, as `python program.py < input` would."""
+    real = sys.stdout, sys.stdin, sys.__stdout__, sys.__stdin__, sys.modules.get("__main__")
     for i, given in enumerate(job["inputs"]):
-        namespace = {"__name__": "__main__" if not job["fn_name"] else "program"}
+        namespace = _module("__main__").__dict__
         try:
             sys.stdout = sys.__stdout__ = _use_stdout(stdout)     # __stdout__ keeps it alive when the program
                                                                    # wraps sys.stdout.buffer in a file of its own
-            if job["fn_name"]:
+            text = given if isinstance(given, str) else "\n".join(map(str, given))
+            sys.stdin = sys.__stdin__ = _use_stdin(stdin[i], text)
+            try:
                 exec(code, namespace)
-                fn = namespace.get(job["fn_name"])
-                if fn is None and "Solution" in namespace:
-                    fn = getattr(namespace["Solution"](), job["fn_name"])
-                if fn is None:
-                    raise NameError(f"no function {job['fn_name']!r}")
-                value = fn(*given)
-                sys.stdout = real[0]
-                try:
-                    results.append({"out": encode(value)})
-                except NotPlain as err:                      # compared as a wrong answer by the parent
-                    results.append({"out": {"not_plain": str(err)}})
-            else:
-                sys.stdin = sys.__stdin__ = _use_stdin(stdin[i], given if isinstance(given, str) else "\n".join(map(str, given)))
-                try:
-                    exec(code, namespace)
-                except (SystemExit, ProgramExit) as stop:
-                    status = stop.code if isinstance(stop, SystemExit) else stop.args[0] if stop.args else None
-                    if status not in (None, 0):
-                        raise
-                results.append({"out": _printed(stdout, namespace)})
+            except (SystemExit, ProgramExit) as stop:
+                status = stop.code if isinstance(stop, SystemExit) else stop.args[0] if stop.args else None
+                if status not in (None, 0):
+                    raise
+            record = {"out": _printed(stdout, namespace)}
         except BaseException as err:  # noqa: BLE001 - the program's own failure, whatever it is
-            sys.stdout, sys.stdin, sys.__stdout__, sys.__stdin__ = real
-            results.append({"error": _error(err)})
+            record = {"error": _error(err)}
+        sys.stdout, sys.stdin, sys.__stdout__, sys.__stdin__, sys.modules["__main__"] = real
+        if not _report(report, record, job["limits"]) or "error" in record:
             break
-        sys.stdout, sys.stdin, sys.__stdout__, sys.__stdin__ = real
+
+
+def _call_each(code, job, report):
+    """Call-based (APPS's harness): the program imported once as a module of its own, its function (or the method
+    of one `Solution()`) called once per test under what is left of the run's budget; what it prints goes to
+    /dev/null (fd 1 is there), as APPS's harness ignores it."""
+    import io
+    sys.stdout = sys.__stdout__ = io.open(1, "w", encoding="utf-8", errors="surrogateescape", closefd=False)
+    namespace = _module("program").__dict__
+    try:
+        exec(code, namespace)
+        fn = namespace.get(job["fn_name"])
+        if fn is None and "Solution" in namespace:
+            fn = getattr(namespace["Solution"](), job["fn_name"])
+        if fn is None:
+            raise NameError(f"no function {job['fn_name']!r}")
+    except BaseException as err:  # noqa: BLE001
+        _report(report, {"error": _error(err)}, job["limits"])
+        return
+    for given in job["inputs"]:
+        try:
+            value = fn(*given)
+            try:
+                record = {"out": encode(value)}
+            except NotPlain as err:                      # compared as a wrong answer by the parent
+                record = {"out": {"not_plain": str(err)}}
+        except BaseException as err:  # noqa: BLE001 - SystemExit included: never a normal return
+            record = {"error": _error(err)}
+        if not _report(report, record, job["limits"]) or "error" in record:
+            break
 
 
 def _serve(code, job, calls, replies):
-    """HumanEval: define the program, then answer the check's calls (plain arguments in, a plain value
-    or an error out) until the check hangs up."""
-    namespace = {"__name__": "program"}
+    """HumanEval: define the program (a module of its own; what it prints goes to /dev/null, as HumanEval's harness
+    discards it), then answer the check's calls (plain arguments in, a plain value or an error out) until the
+    check hangs up."""
+    import io
+    sys.stdout = sys.__stdout__ = io.open(1, "w", encoding="utf-8", errors="surrogateescape", closefd=False)
+    namespace = _module("program").__dict__
     try:
         exec(code, namespace)
         fn = namespace[job["entry_point"]]
