@@ -104,12 +104,6 @@ class PPOArgs:
 # Helpers, in the order of the steps they serve
 # ---------------------------------------------------------------------------------------------
 
-def masked_whiten(x, mask):
-    mean = ma.masked_mean(x, mask)
-    var = ma.masked_mean((x - mean) ** 2, mask)
-    return (x - mean) * torch.rsqrt(var + 1e-8) * mask
-
-
 def response_logprobs(model, ids, attention_mask, prompt_width, temperature, with_entropy=False, t1_entropy=False):
     """2, 6. (log pi(y_t | x, y_<t) of every response token under the sampling distribution (logits /
     temperature), the entropy there or None): both [B, R]. The entropy is computed without a graph,
@@ -210,12 +204,13 @@ def advantages_of(args, token_rewards, response_mask, starts, values, points=Non
 
 
 def ppo_losses(logp, old_logp, values, old_values, advantages, returns, response_mask, starts, *,
-               clip=0.2, value_clip=0.2, ratio="token", ref_logp=None, kl_coef=0.0):
+               clip=0.2, value_clip=0.2, ratio="token", ref_logp=None, kl_coef=0.0, budget=0):
     """6. The clipped policy loss (token, macro or sequence ratio: `macro_actions.clipped_policy_loss`; with
     `ref_logp`, --kl_penalty loss: plus `kl_coef` times the mean k3 to the reference) and the clipped value loss
     (`value_loss`; None without a critic: `values` None), and their stats. Every tensor [B, R]; `response_mask` 1.0
     on real response tokens, `starts` where macro actions begin."""
-    pg_loss, ratios, log_ratio = ma.clipped_policy_loss(logp, old_logp, advantages, response_mask, starts, clip, ratio)
+    pg_loss, ratios, log_ratio = ma.clipped_policy_loss(logp, old_logp, advantages, response_mask, starts, clip, ratio,
+                                                        budget)
     vf_loss = None if values is None else value_loss(values, old_values, returns, response_mask, value_clip)
     stats = {"policy/clipfrac": ma.masked_mean(((ratios - 1).abs() > clip).float(), response_mask),
              "policy/approxkl": ma.masked_mean(0.5 * log_ratio ** 2, response_mask),
@@ -246,6 +241,7 @@ class UpdateSettings:
     temperature: float = 0.8
     max_grad_norm: float = 0.0
 
+    budget: int = 0             # > 0: Dr. GRPO's policy loss, the token sum divided by rows x this budget
 
 def ppo_update(policy, critic, batch, hp, *, train_policy, reused, generator, prompt_width, step, output_dir,
                kl_coef=0.0):
@@ -289,7 +285,7 @@ def ppo_update(policy, critic, batch, hp, *, train_policy, reused, generator, pr
                 harness.release_freed_memory(b["ids"].device)        # the forward's temporaries
                 pg_loss, _, s = ppo_losses(logp, b["old_logp"], None, None, b["advantages"], None, b["response_mask"],
                                            b["starts"], clip=hp.clip, ratio=hp.ratio, ref_logp=b.get("ref_logp"),
-                                           kl_coef=kl_coef)
+                                           kl_coef=kl_coef, budget=hp.budget)
                 losses = {"policy": checked_backward(policy, "policy", pg_loss, scale)}
                 if critic is not None:
                     values = reused[1][mb] if reused else critic.model(b["ids"], b["attention_mask"], prompt_width)
@@ -541,9 +537,11 @@ def main(args):
                 agg = "mean" if args.reward_agg == "released" else args.reward_agg
                 token_rewards = sr.token_rewards(kl_rewards, score, response_mask, starts, agg, dense, penalty,
                                                   args.reward_clip)
+                agg = "sum" if args.advantage == "group" else agg       # R_i = score - beta sum_t KL_t, always
                 advantages, returns = advantages_of(args, token_rewards, response_mask, starts, old_values, points)
                 raw_adv = advantages        # logged as they are; the update reads them normalised over the batch
-                advantages = masked_whiten(advantages, response_mask) if args.whiten_advantages else advantages
+                if args.whiten_advantages:      # a critic-free estimator's advantages scaled, never shifted
+                    advantages = ma.whiten(advantages, response_mask, shift=args.advantage == "gae")
             with clock.phase("update", release=acc.device):
                 # 6. PPO update: epochs over minibatches; value-only while the critic warms up
                 batch = {"ids": ids, "attention_mask": attention_mask, "old_logp": old_logp, "advantages": advantages,

@@ -162,3 +162,58 @@ def test_a_critics_advantages_under_the_sequence_ratio(tiny_models, tmp_path):
     assert all(v == v for row in rows["sequence"] for v in row.values())
     assert rows["sequence"][1]["value/grad_norm"] > 0 and rows["sequence"][1]["policy/grad_norm"] > 0
     assert rows["sequence"][0]["loss/policy"] != pytest.approx(rows["token"][0]["loss/policy"], abs=1e-7)
+
+
+def run_capturing(tiny_models, out, monkeypatch, **flags):
+    """ppo.main for 2 iterations (the second's KL not 0), the advantages of each: as the estimator gave them
+    (advantages_of) and as the update received them, with the response mask and the update's settings."""
+    import ppo
+    seen = []
+    advantages_of, ppo_update = ppo.advantages_of, ppo.ppo_update
+
+    def spy(*a, **k):
+        out = advantages_of(*a, **k)
+        seen.append({"raw": out[0]})
+        return out
+    monkeypatch.setattr(ppo, "advantages_of", spy)
+    monkeypatch.setattr(ppo, "ppo_update", lambda policy, critic, batch, hp, **k: seen[-1].update(
+        sent=batch["advantages"], mask=batch["response_mask"], hp=hp) or ppo_update(policy, critic, batch, hp, **k))
+    ppo.main(ppo_args(tiny_models, out, steps=2, policy_lr=0.05, beta=0.5, **flags))
+    return seen
+
+
+@pytest.mark.launch
+@pytest.mark.parametrize("flags", [{"advantage": "group", "group_size": 2}, {"advantage": "group", "group_norm": "none",
+                                   "group_size": 2}, {"advantage": "mc", "mc_rollouts": 2, "mc_points": 2}])
+def test_whitening_scales_the_critic_free_advantages_and_never_shifts_them(tiny_models, tmp_path, monkeypatch, flags):
+    """Issue 66: what the update reads is the estimator's advantages times one positive number per iteration (a zero
+    stays zero, a sign stays), where the full whitening subtracted the batch's mean. --group_norm none divides its
+    policy loss by rows x --max_response_len (Dr. GRPO); the others by the tokens."""
+    for it in run_capturing(tiny_models, tmp_path, monkeypatch, **flags):
+        raw, sent, tokens = it["raw"], it["sent"], it["mask"].bool()
+        scale = (sent[tokens] / raw[tokens])[raw[tokens] != 0]
+        assert scale.numel() and (scale > 0).all() and torch.allclose(scale, scale[0].expand_as(scale), rtol=1e-4)
+        assert (sent[tokens][raw[tokens] == 0] == 0).all() and (sent[~tokens] == 0).all()
+        assert it["hp"].budget == (8 if flags.get("group_norm") == "none" else 0)
+
+
+@pytest.mark.launch
+def test_gae_advantages_are_still_whitened_to_mean_zero(tiny_models, tmp_path, monkeypatch):
+    for it in run_capturing(tiny_models, tmp_path, monkeypatch):
+        tokens = it["mask"].bool()
+        assert abs(it["sent"][tokens].mean().item()) < 1e-5 and it["hp"].budget == 0
+
+
+@pytest.mark.launch
+def test_a_groups_rewards_are_score_minus_beta_times_the_summed_kl_under_every_reward_agg(tiny_models, tmp_path,
+                                                                                         monkeypatch):
+    """Issue 66: under --reward_agg mean / released R_i summed each macro action's averaged KL; R_i is the documented
+    score - beta sum_t KL_t whatever --reward_agg says (it aggregates macro rewards: a group has one per sample), so
+    the three give the same advantages, at iteration 2 where the KL is not 0 (at n = 5, beta 0.5)."""
+    got = {agg: run_capturing(tiny_models, tmp_path / agg, monkeypatch, advantage="group", group_size=2, reward_agg=agg,
+                              whiten_advantages=False)
+           for agg in ("sum", "mean", "released")}
+    assert metrics_of(tmp_path / "sum")[1]["kl"] != 0
+    for agg in ("mean", "released"):
+        for a, b in zip(got["sum"], got[agg]):
+            assert torch.equal(a["raw"], b["raw"]), agg

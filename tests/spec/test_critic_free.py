@@ -91,6 +91,67 @@ def test_group_size_that_does_not_divide_the_batch_or_is_one_is_refused():
         ma.group_advantages(torch.zeros(8), 4, "mean")
 
 
+# --- what reaches the loss: whitening scales, never shifts; Dr. GRPO's constant divisor -----------
+
+AUDIT_LENGTHS, AUDIT_SCORES = [16, 3, 9, 5, 16, 2, 2, 2], [0.25] * 4 + [1.0, 0.0, 0.6, 0.5]     # issue 66's example
+
+
+def audit_batch():
+    mask = (torch.arange(16) < torch.tensor(AUDIT_LENGTHS)[:, None]).float()
+    raw = ma.group_advantages(torch.tensor(AUDIT_SCORES), 4, "std").unsqueeze(-1) * mask
+    return raw, mask
+
+
+def test_whitening_shifted_the_audits_tied_group_and_flipped_a_sign():
+    """The fault, pinned: the full whitening (gae's) moves the tied group to -0.4885 per token and gives the 7th sample,
+    above its group's mean (+0.182), a negative advantage."""
+    raw, mask = audit_batch()
+    assert raw[6, 0].item() == pytest.approx(0.1823, abs=1e-4) and (raw[:4] == 0).all()
+    shifted = ma.whiten(raw, mask)
+    assert shifted[0, 0].item() == pytest.approx(-0.4885, abs=1e-4) and shifted[6, 0].item() == pytest.approx(-0.185, abs=1e-3)
+
+
+def test_scale_only_whitening_leaves_a_tied_group_at_zero_and_every_sign_as_the_estimator_gave_it():
+    """--advantage group / mc: the batch's std divides, nothing is subtracted: the audit's tied group stays exactly 0
+    on every token, and every advantage is the estimator's times one positive number (1 / the batch's token std)."""
+    raw, mask = audit_batch()
+    scaled = ma.whiten(raw, mask, shift=False)
+    assert (scaled[:4] == 0).all() and (scaled[mask == 0] == 0).all()
+    tokens = mask.bool()
+    mean = raw[tokens].mean()
+    std = ((raw[tokens] - mean) ** 2).mean().sqrt()                  # the biased token std, as the full whitening's
+    assert torch.allclose(scaled[tokens], raw[tokens] / std, atol=1e-5)
+    assert (torch.sign(scaled) == torch.sign(raw)).all()
+
+
+def dr_grpo_loop(logp, old_logp, adv, mask, clip, budget):
+    """Dr. GRPO (Liu et al. 2025, §3.1, Listing 1): sum_i sum_t of the clipped terms, divided by B x the budget."""
+    total = 0.0
+    for b in range(len(mask)):
+        for t in range(int(mask[b].sum())):
+            w = torch.exp(logp[b, t] - old_logp[b, t])
+            total = total - torch.min(w * adv[b, t], w.clamp(1 - clip, 1 + clip) * adv[b, t])
+    return total / (len(mask) * budget)
+
+
+def test_dr_grpos_loss_is_the_token_sum_over_a_constant_and_a_short_responses_tokens_weigh_as_a_long_ones():
+    logp, old, adv, mask = ratio_batch()
+    starts = mask.bool()
+    loss, _, _ = ma.clipped_policy_loss(logp, old, adv, mask, starts, 0.2, "token", budget=16)
+    assert torch.allclose(loss, dr_grpo_loop(logp, old, adv, mask, 0.2, 16), atol=1e-6)
+    loss.backward()
+    grad = logp.grad.clone()
+    # at ratio 1 every token's gradient is -A / (B x 16), a 1-token response's as a 12-token one's (GRPO: -A / (B L_i))
+    at_one = logp.detach().clone().requires_grad_()
+    ma.clipped_policy_loss(at_one, at_one.detach(), adv, mask, starts, 0.2, "token", budget=16)[0].backward()
+    assert torch.allclose(at_one.grad, -adv * mask / (4 * 16), atol=1e-7)
+    assert not torch.allclose(grad, at_one.grad)
+    # budget 0: the token mean, as before
+    plain, _, _ = ma.clipped_policy_loss(logp, old, adv, mask, starts, 0.2, "token")
+    assert torch.allclose(plain, -(torch.min(torch.exp(logp - old) * adv, torch.exp(logp - old).clamp(0.8, 1.2) * adv)
+                                   * mask).sum() / mask.sum(), atol=1e-6)
+
+
 # --- Monte Carlo values at macro starts (SPO-chain) --------------------------------------------
 
 def test_mc_points_keep_every_start_without_a_cap_and_evenly_spaced_ones_under_it():
