@@ -396,6 +396,19 @@ def same_on_every_rank(accelerator, value):
     return bool((every == every[0]).all())
 
 
+def in_chunks(accelerator, forward, n_rows, chunk):
+    """`forward(rows)` (a tensor, rows first) over rows 0 .. n_rows - 1 in slices of at most `chunk` rows, concatenated:
+    the memory of one slice's forward, not of all rows at once. Every process runs the same number of forwards, the
+    most slices any process has (a sharded model's forward is a collective): one with fewer runs its last slice again
+    and drops the result."""
+    count = -(-n_rows // chunk)
+    most = int(accelerator.gather(torch.tensor([count], device=accelerator.device)).max())
+    out = [forward(slice(i * chunk, min(n_rows, (i + 1) * chunk))) for i in range(count)]
+    for _ in range(most - count):
+        forward(slice((count - 1) * chunk, n_rows))
+    return torch.cat(out)
+
+
 def all_finite(accelerator, *tensors):
     """True when every tensor is finite on every process. One reduction over the processes, so that all
     of them stop together: a process that raised alone would leave the others waiting for it in their

@@ -177,14 +177,15 @@ def monte_carlo_values(s, args, prompt_ids, prompt_mask, response_ids, starts, r
     with harness.generation_model(acc, s.policy.model, args.gather_for_generation) as (model, synced):
         p_ids, p_mask, c_ids, c_mask = data.sample_continuations(
             model, s.tokenizer, prompt_ids, prompt_mask, response_ids, points, args.mc_rollouts, args.temperature,
-            args.top_k, args.top_p, synced_gpus=synced)
+            args.top_k, args.top_p, max_len=args.max_response_len, synced_gpus=synced)
     which = points.nonzero()[:, 0].repeat_interleave(args.mc_rollouts).tolist()     # the row of each continuation
     ids, mask, P = torch.cat([p_ids, c_ids], 1), torch.cat([p_mask, c_mask], 1), p_ids.shape[1]
     with torch.no_grad():
         seg_starts = inside = None
         if s.scorer.reads_segments:     # a segment / token RM's e(x, y): each continuation on its own SFT segments
-            _, sft_entropy = reference_logprobs(s.ref, acc, s.policy.model, ids, mask, P, args.temperature,
-                                                t1_entropy=True)
+            sft_entropy = harness.in_chunks(acc, lambda rows: reference_logprobs(
+                s.ref, acc, s.policy.model, ids[rows], mask[rows], P, args.temperature, t1_entropy=True)[1],
+                len(ids), args.rollout_batch_size)
             seg_starts, inside = s.scorer.segments(c_ids, c_mask, sft_entropy)
         score = s.scorer(ids, mask, P, [rows[i] for i in which], seg_starts, inside)[0]
     has_eos = ((c_ids == s.tokenizer.eos_token_id) & c_mask.bool()).any(-1)

@@ -239,27 +239,91 @@ def test_macro_ratio_with_n_at_least_the_length_is_the_unnormalised_sequence_rat
 
 # --- continuations from macro starts (data.sample_continuations) -------------------------------
 
+def greedy_alone(tiny_lm, tokenizer, prefix, max_new_tokens):
+    """The greedy continuation of one prefix alone (no padding, no batch), cut after its EOS."""
+    import data
+    alone = tiny_lm.generate(input_ids=prefix, attention_mask=torch.ones_like(prefix), max_new_tokens=max_new_tokens,
+                             do_sample=False, pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
+    tail, tail_mask = data.cut_after_eos(alone[:, prefix.shape[1]:], tokenizer.eos_token_id, tokenizer.pad_token_id)
+    return tail[0][tail_mask[0].bool()].tolist()
+
+
 def test_continuations_keep_their_prefix_and_continue_it_as_one_prompt_would(tiny_lm, tokenizer):
     """top_k 1 makes sampling greedy: each continuation, batched with prefixes of every length (left-padded), equals
-    the greedy continuation of its own prefix alone, and its response keeps the first t tokens and R tokens at most."""
+    the greedy continuation of its own prefix alone, and its response keeps the first t tokens and max_len at most."""
     import data
     prompts = ["\n\nHuman: how are you\n\nAssistant:", "hi", "\n\nHuman: tell me about the quick brown fox\n\nAssistant:"]
     torch.manual_seed(2)
     p_ids, p_mask, r_ids, r_mask, _ = data.sample(tiny_lm, tokenizer, prompts, 32, 10, temperature=1.0)
-    R = r_ids.shape[1]
+    L = 14                                          # --max_response_len above the rollout's width
     points = ma.mc_points(ma.fixed_ngram_starts(r_mask, 3), r_mask, 3)
     cp_ids, cp_mask, c_ids, c_mask = data.sample_continuations(tiny_lm, tokenizer, p_ids, p_mask, r_ids, points, 2,
-                                                               temperature=1.0, top_k=1)
-    assert c_ids.shape == (int(points.sum()) * 2, R) and torch.equal(cp_ids, p_ids[points.nonzero()[:, 0].repeat_interleave(2)])
+                                                               temperature=1.0, top_k=1, max_len=L)
+    assert c_ids.shape[1] <= L and torch.equal(cp_ids, p_ids[points.nonzero()[:, 0].repeat_interleave(2)])
     for i, (b, t) in enumerate(points.nonzero().repeat_interleave(2, dim=0).tolist()):
         prefix = torch.cat([p_ids[b][p_mask[b].bool()], r_ids[b, :t]]).unsqueeze(0)
-        alone = tiny_lm.generate(input_ids=prefix, attention_mask=torch.ones_like(prefix), max_new_tokens=R - t,
-                                 do_sample=False, pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
-        tail, tail_mask = data.cut_after_eos(alone[:, prefix.shape[1]:], tokenizer.eos_token_id, tokenizer.pad_token_id)
-        expected = tail[0][tail_mask[0].bool()].tolist()
         n = int(c_mask[i].sum())
         assert torch.equal(c_ids[i, :t], r_ids[b, :t]) and c_mask[i, :n].all() and not c_mask[i, n:].any()
-        assert c_ids[i, t:n].tolist() == expected and 0 < n - t <= R - t
+        assert c_ids[i, t:n].tolist() == greedy_alone(tiny_lm, tokenizer, prefix, L - t) and 0 < n - t <= L - t
+
+
+def test_continuations_run_to_max_response_len_whatever_the_batchs_longest_rollout(tiny_lm, tokenizer):
+    """The audit's case: rollouts of 6, 4, 5 and 2 tokens, --max_response_len 10. Each continuation runs until EOS or
+    until its whole response holds 10 tokens (not 6, the batch's longest: a continuation cut there was counted as
+    missing its EOS), the greedy continuation of its prefix alone; without EOS it is exactly 10 tokens long."""
+    import data
+    p_ids, p_mask, _ = data.encode_prompts(tokenizer, ["hi", "the quick brown fox", "def add(a, b):", "I think"], 16)
+    lengths, L, eos = [6, 4, 5, 2], 10, tokenizer.eos_token_id
+    words = tokenizer("quick brown fox jumped over the lazy dog", add_special_tokens=False)["input_ids"]
+    assert eos not in words and len(words) >= 6
+    r_ids = torch.full((4, 6), tokenizer.pad_token_id)
+    for b, n in enumerate(lengths):
+        r_ids[b, :n] = torch.tensor(words[:n])
+    r_mask = (torch.arange(6) < torch.tensor(lengths)[:, None]).long()
+    points = ma.fixed_ngram_starts(r_mask, 2)
+    _, _, c_ids, c_mask = data.sample_continuations(tiny_lm, tokenizer, p_ids, p_mask, r_ids, points, 1,
+                                                    temperature=1.0, top_k=1, max_len=L)
+    cut = 0
+    for i, (b, t) in enumerate(points.nonzero().tolist()):
+        n = int(c_mask[i].sum())
+        prefix = torch.cat([p_ids[b][p_mask[b].bool()], r_ids[b, :t]]).unsqueeze(0)
+        expected = greedy_alone(tiny_lm, tokenizer, prefix, L - t)
+        assert c_ids[i, :t].tolist() == words[:t] and c_ids[i, t:n].tolist() == expected
+        has_eos = bool((c_ids[i, :n] == eos).any())
+        assert n == L or has_eos                   # a continuation without EOS holds --max_response_len tokens
+        cut += not has_eos
+    assert cut > 0                                 # the random model seldom says EOS: most run to 10 tokens
+
+
+def test_continuations_refuse_a_limit_below_the_rollouts_width(tiny_lm, tokenizer):
+    import data
+    p_ids, p_mask, _ = data.encode_prompts(tokenizer, ["hi"], 8)
+    r_ids, r_mask = torch.tensor([[5, 6, 7]]), torch.ones(1, 3, dtype=torch.long)
+    with pytest.raises(ValueError, match="max_len 2: below the rollout's 3 response tokens"):
+        data.sample_continuations(tiny_lm, tokenizer, p_ids, p_mask, r_ids, r_mask.bool(), 1, max_len=2)
+
+
+def test_a_reference_forward_in_chunks_equals_it_at_once(tiny_lm, tokenizer):
+    """harness.in_chunks (the Monte Carlo continuations' reference forward under a segment RM): slices of 2 rows give
+    the entropies of all rows at once; one process runs ceil(n / chunk) forwards."""
+    import data
+    import harness
+    import ppo
+    from accelerate import Accelerator
+    texts = ["hi there", "the quick brown fox jumped", "def add(a, b):", "I think", "naive cafe"]
+    p_ids, p_mask, _ = data.encode_prompts(tokenizer, texts, 12)
+    r_ids, r_mask = data.encode_responses(tokenizer, texts[::-1], 8)
+    ids, mask, P = torch.cat([p_ids, r_ids], 1), torch.cat([p_mask, r_mask], 1), p_ids.shape[1]
+    acc, calls = Accelerator(cpu=True), []
+
+    def entropy_of(rows):
+        calls.append(rows)
+        return ppo.response_logprobs(tiny_lm, ids[rows], mask[rows], P, 1.0, t1_entropy=True)[1]
+    with torch.no_grad():
+        whole = entropy_of(slice(0, 5))
+        chunked = harness.in_chunks(acc, entropy_of, 5, 2)
+    assert calls[1:] == [slice(0, 2), slice(2, 4), slice(4, 5)]
+    assert chunked.shape == whole.shape and torch.allclose(chunked, whole, atol=1e-5)
 
 
 # --- the objective: token, macro and sequence ratios -------------------------------------------
