@@ -710,9 +710,11 @@ def encode_prompts(tokenizer, prompts, max_len):
     """Left-padded prompt ids [B, P] and mask; a long prompt keeps its *end* (the question is
     last). BOS, when the tokenizer has one, stays first. Returns (ids, mask, n_truncated)."""
     bos = [tokenizer.bos_token_id] if tokenizer.bos_token_id is not None else []
+    keep = max_len - len(bos)
+    if keep < 1:        # ids[-0:] would keep the whole prompt
+        raise ValueError(f"max_len {max_len}: keeps no prompt token after BOS; 2 at least (--max_prompt_len)")
     rows, truncated = [], 0
     for ids in tokenizer(list(prompts), add_special_tokens=False)["input_ids"]:
-        keep = max_len - len(bos)
         truncated += len(ids) > keep
         rows.append(bos + ids[-keep:])
     width = max(map(len, rows))

@@ -507,18 +507,20 @@ def check_ranges(args):
         if interval is None:
             continue
         numbers = value.split(",") if isinstance(value, str) else [value]     # a list flag: "1,4,8"
-        try:
-            inside = all(in_range(float(x), interval) for x in numbers)
-        except ValueError:
+        try:        # a number as it is: Python compares an int with a float bound exactly, however large the int
+            inside = all(in_range(float(x) if isinstance(x, str) else x, interval) for x in numbers)
+        except (ValueError, TypeError):
             inside = False
         if not inside:
             sys.exit(f"error: --{f.name} {value!r}: outside its range {interval}")
 
 
-def check_flags(args):
-    """A stage's first call: its choice flags (check_choices) and numeric flags (check_ranges)."""
-    check_choices(args)
-    check_ranges(args)
+def check_flags(*args):
+    """A stage's first call: the choice flags (check_choices) and numeric flags (check_ranges) of its arguments
+    dataclass, or of each of several (a stage whose flags are grouped in more than one): every field by its metadata."""
+    for group in args:
+        check_choices(group)
+        check_ranges(group)
 
 
 def start(name, args, accelerator, final="config.json"):

@@ -37,7 +37,7 @@ class RMArgs:
     sft_path: str = field(default="", metadata={"help": "SFT checkpoint (save_pretrained folder) or HF model id to start from; default runs/<task>/sft"})
     output_dir: str = field(default="", metadata={"help": "where the reward model + tokenizer are saved; default runs/<task>/rm"})
     # --- Bradley-Terry training ---------------------------------------------------------------------
-    max_prompt_len: int = field(default=48, metadata={"help": "prompt tokens kept (truncated from the left)", "metavar": "[1, inf)"})
+    max_prompt_len: int = field(default=48, metadata={"help": "prompt tokens kept (truncated from the left)", "metavar": "[2, inf)"})
     max_response_len: int = field(default=0, metadata={"help": "response tokens kept, EOS included; 0 = the task's default (64 for count, else 32)", "metavar": "[0, inf)"})
     batch_size: int = field(default=32, metadata={"help": "preference pairs per process per micro-step", "metavar": "[1, inf)"})
     grad_accum: int = field(default=1, metadata={"help": "micro-steps per optimizer step", "metavar": "[1, inf)"})
@@ -55,7 +55,7 @@ class RMArgs:
     gradient_checkpointing: bool = field(default=False, metadata={"help": "recompute activations to save memory (GPUs)"})
     chat_template: bool = field(default=False, metadata={"help": "render prompts with the tokenizer's chat template (instruct models); same in every stage"})
     skip_bad_rows: bool = field(default=False, metadata={"help": "drop malformed dataset rows (and report how many) instead of stopping"})
-    seed: int = field(default=1234, metadata={"help": "random seed (data split seed is fixed at 1234)", "metavar": "[0, inf)"})
+    seed: int = field(default=1234, metadata={"help": "random seed (data split seed is fixed at 1234)", "metavar": "[0, 4294967295]"})
     resume: bool = field(default=False, metadata={"help": "continue from <output_dir>/checkpoint"})
     # --- extension: segment-level rewards (Yin et al. 2025) -----------------------------------------
     unit: str = field(default="sequence", metadata={"help": "what the head scores (Yin et al. 2025): sequence (the ordinary RM) | segment | token", "choices": ("sequence", "segment", "token")})

@@ -29,7 +29,7 @@ class SFTArgs:
     model: str = field(default="tiny", metadata={"help": "'tiny' (a small Gemma + BPE tokenizer, built offline), an HF model id, a folder, or a .gguf file"})
     output_dir: str = field(default="", metadata={"help": "where the final model + tokenizer are saved; default runs/<task>/sft"})
     # --- supervised fine-tuning ---------------------------------------------------------------------
-    max_prompt_len: int = field(default=48, metadata={"help": "prompt tokens kept (truncated from the left)", "metavar": "[1, inf)"})
+    max_prompt_len: int = field(default=48, metadata={"help": "prompt tokens kept (truncated from the left)", "metavar": "[2, inf)"})
     max_response_len: int = field(default=0, metadata={"help": "response tokens kept, EOS included; 0 = the task's default (64 for count, else 32)", "metavar": "[0, inf)"})
     batch_size: int = field(default=32, metadata={"help": "examples per process per micro-step", "metavar": "[1, inf)"})
     grad_accum: int = field(default=1, metadata={"help": "micro-steps per optimizer step", "metavar": "[1, inf)"})
@@ -44,7 +44,7 @@ class SFTArgs:
     n_eval: int = field(default=512, metadata={"help": "held-out examples for loss / perplexity", "metavar": "[1, inf)"})
     # --- the tiny default model (--model tiny) ------------------------------------------------------
     vocab_size: int = field(default=2048, metadata={"help": "tiny model: BPE vocabulary size", "metavar": "[1, inf)"})
-    hidden_size: int = field(default=128, metadata={"help": "tiny model: hidden size", "metavar": "[1, inf)"})
+    hidden_size: int = field(default=128, metadata={"help": "tiny model: hidden size (4 heads of hidden // 4 dimensions)", "metavar": "[4, inf)"})
     num_layers: int = field(default=4, metadata={"help": "tiny model: transformer layers", "metavar": "[1, inf)"})
     # --- the run ------------------------------------------------------------------------------------
     bf16: bool = field(default=False, metadata={"help": "bf16 mixed precision (GPUs)"})
@@ -54,7 +54,7 @@ class SFTArgs:
     lora_target_modules: str = field(default="all-linear", metadata={"help": "LoRA: all-linear, or module names separated by commas (e.g. q_proj,v_proj)"})
     chat_template: bool = field(default=False, metadata={"help": "render prompts with the tokenizer's chat template (instruct models); same in every stage"})
     skip_bad_rows: bool = field(default=False, metadata={"help": "drop malformed dataset rows (and report how many) instead of stopping"})
-    seed: int = field(default=1234, metadata={"help": "random seed (data split seed is fixed at 1234)", "metavar": "[0, inf)"})
+    seed: int = field(default=1234, metadata={"help": "random seed (data split seed is fixed at 1234)", "metavar": "[0, 4294967295]"})
     resume: bool = field(default=False, metadata={"help": "continue from <output_dir>/checkpoint"})
 
 
