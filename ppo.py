@@ -241,8 +241,8 @@ class UpdateSettings:
     ratio: str = "token"
     temperature: float = 0.8
     max_grad_norm: float = 0.0
-
     budget: int = 0             # > 0: Dr. GRPO's policy loss, the token sum divided by rows x this budget
+
 
 def ppo_update(policy, critic, batch, hp, *, train_policy, reused, generator, prompt_width, step, output_dir,
                kl_coef=0.0):
@@ -448,7 +448,8 @@ def setup(args, code_task, accelerators):
                     segment_settings=settings, segment_rm=own is not None, seg_norm=args.seg_norm,
                     seg_interp=args.seg_interp, score_norm=score_norm)
     update = UpdateSettings(args.ppo_epochs, args.mini_batch_size, args.grad_accum, args.clip, args.value_clip,
-                            args.ratio, args.temperature, args.max_grad_norm)
+                            args.ratio, args.temperature, args.max_grad_norm,
+                            args.max_response_len if args.advantage == "group" and args.group_norm == "none" else 0)
     sampling = evaluate.Sampling(args.task, args.max_prompt_len, args.max_response_len, args.temperature, args.top_k,
                                  args.top_p, args.seed)
     return Setup(tokenizer, harness.Trained(policy, acc, policy_opt, scheds[0]),
@@ -536,9 +537,9 @@ def main(args):
                 # 5. Advantages (§3.3, Eq. 4-5): macro rewards R_tau, sigma-weighted macro values, macro GAE (or
                 # --advantage group / mc: a group baseline, SPO-chain)
                 agg = "mean" if args.reward_agg == "released" else args.reward_agg
+                agg = "sum" if args.advantage == "group" else agg       # R_i = score - beta sum_t KL_t, always
                 token_rewards = sr.token_rewards(kl_rewards, score, response_mask, starts, agg, dense, penalty,
                                                   args.reward_clip)
-                agg = "sum" if args.advantage == "group" else agg       # R_i = score - beta sum_t KL_t, always
                 advantages, returns = advantages_of(args, token_rewards, response_mask, starts, old_values, points)
                 raw_adv = advantages        # logged as they are; the update reads them normalised over the batch
                 if args.whiten_advantages:      # a critic-free estimator's advantages scaled, never shifted
