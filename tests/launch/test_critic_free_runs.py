@@ -186,7 +186,7 @@ def run_capturing(tiny_models, out, monkeypatch, **flags):
 @pytest.mark.parametrize("flags", [{"advantage": "group", "group_size": 2}, {"advantage": "group", "group_norm": "none",
                                    "group_size": 2}, {"advantage": "mc", "mc_rollouts": 2, "mc_points": 2}])
 def test_whitening_scales_the_critic_free_advantages_and_never_shifts_them(tiny_models, tmp_path, monkeypatch, flags):
-    """Issue 66: what the update reads is the estimator's advantages times one positive number per iteration (a zero
+    """What the update reads is the estimator's advantages times one positive number per iteration (a zero
     stays zero, a sign stays), where the full whitening subtracted the batch's mean. --group_norm none divides its
     policy loss by rows x --max_response_len (Dr. GRPO); the others by the tokens."""
     for it in run_capturing(tiny_models, tmp_path, monkeypatch, **flags):
@@ -207,7 +207,7 @@ def test_gae_advantages_are_still_whitened_to_mean_zero(tiny_models, tmp_path, m
 @pytest.mark.launch
 def test_a_groups_rewards_are_score_minus_beta_times_the_summed_kl_under_every_reward_agg(tiny_models, tmp_path,
                                                                                          monkeypatch):
-    """Issue 66: under --reward_agg mean / released R_i summed each macro action's averaged KL; R_i is the documented
+    """Under --reward_agg mean / released R_i used to sum each macro action's averaged KL; R_i is the documented
     score - beta sum_t KL_t whatever --reward_agg says (it aggregates macro rewards: a group has one per sample), so
     the three give the same advantages, at iteration 2 where the KL is not 0 (at n = 5, beta 0.5)."""
     got = {agg: run_capturing(tiny_models, tmp_path / agg, monkeypatch, advantage="group", group_size=2, reward_agg=agg,

@@ -93,7 +93,7 @@ def test_group_size_that_does_not_divide_the_batch_or_is_one_is_refused():
 
 # --- what reaches the loss: whitening scales, never shifts; Dr. GRPO's constant divisor -----------
 
-AUDIT_LENGTHS, AUDIT_SCORES = [16, 3, 9, 5, 16, 2, 2, 2], [0.25] * 4 + [1.0, 0.0, 0.6, 0.5]     # issue 66's example
+AUDIT_LENGTHS, AUDIT_SCORES = [16, 3, 9, 5, 16, 2, 2, 2], [0.25] * 4 + [1.0, 0.0, 0.6, 0.5]     # an audit's example
 
 
 def audit_batch():
