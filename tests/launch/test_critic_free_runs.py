@@ -217,3 +217,20 @@ def test_a_groups_rewards_are_score_minus_beta_times_the_summed_kl_under_every_r
     for agg in ("mean", "released"):
         for a, b in zip(got["sum"], got[agg]):
             assert torch.equal(a["raw"], b["raw"]), agg
+
+
+@pytest.mark.launch
+def test_a_chunked_forward_runs_as_many_times_on_every_rank(tmp_path):
+    """harness.in_chunks under 2 processes, 5 rows on one and 2 on the other, slices of 2: both run 3 forwards (the one
+    with fewer rows repeats its last slice), so a collective forward never waits for a rank that stopped; each gets
+    its own rows' result whole."""
+    import json
+    import subprocess
+    from stages import LAUNCH
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    proc = subprocess.run([*LAUNCH, "tests/launch/in_chunks_ranks.py", str(tmp_path)], cwd=root, capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    ranks = [json.loads((tmp_path / f"{r}.json").read_text()) for r in (0, 1)]
+    assert ranks[0] == {"calls": [[0, 2], [2, 4], [4, 5]], "equal": True}
+    assert ranks[1] == {"calls": [[0, 2], [0, 2], [0, 2]], "equal": True}
