@@ -68,7 +68,7 @@ class PPOArgs:
     critic_lr: float = field(default=1e-3, metadata={"help": "critic learning rate", "metavar": "[0, inf)"})
     warmup_steps: int = field(default=5, metadata={"help": "linear warmup iterations for both optimizers", "metavar": "[0, inf)"})
     critic_warmup: int = field(default=0, metadata={"help": "value-only updates for the first k iterations (the policy is not stepped)", "metavar": "[0, inf)"})
-    whiten_advantages: bool = field(default=True, metadata={"help": "normalise advantages over the batch"})
+    whiten_advantages: bool = field(default=True, metadata={"help": "normalise advantages over the batch (group / mc: divided by its std, never shifted)"})
     missing_eos_penalty: float = field(default=0.0, metadata={"help": "added to the score of a response without EOS (e.g. -1)", "metavar": "(-inf, inf)"})
     # --- extensions: other scores, segment rewards (Yin et al. 2025) -------------------------
     reward: str = field(default="rm", metadata={"help": "the score: rm | gold (the task's judge) | segment (a segment RM's); code tasks run the program", "choices": ("rm", "gold", "segment")})
