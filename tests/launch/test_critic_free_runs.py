@@ -164,6 +164,26 @@ def test_a_critics_advantages_under_the_sequence_ratio(tiny_models, tmp_path):
     assert rows["sequence"][0]["loss/policy"] != pytest.approx(rows["token"][0]["loss/policy"], abs=1e-7)
 
 
+@pytest.fixture(scope="module")
+def stopper(tiny_models, tmp_path_factory):
+    """The tiny SFT model with its EOS logit raised (the EOS row of the tied embeddings moved along the mean final
+    hidden state): its responses end at many lengths, as a trained model's do, where the random model's all run to
+    --max_response_len. A batch of equal lengths hides a re-centring: each group's advantages sum to 0, and so the
+    batch's token mean is 0."""
+    import harness
+    from transformers import AutoModelForCausalLM
+    import data
+    tokenizer = data.load_tokenizer(str(tiny_models / "sft"))
+    model = AutoModelForCausalLM.from_pretrained(tiny_models / "sft").eval()
+    batch = tokenizer(["\n\nHuman: how are you\n\nAssistant:", "hi", "Then it ran"], return_tensors="pt", padding=True)
+    with torch.no_grad():
+        direction = model.model(**batch).last_hidden_state[batch.attention_mask.bool()].mean(0)
+        model.get_output_embeddings().weight[tokenizer.eos_token_id] += 3 * direction / direction.norm() ** 2
+    path = tmp_path_factory.mktemp("stopper") / "sft"
+    harness.atomic_save(str(path), model, tokenizer)
+    return path
+
+
 def run_capturing(tiny_models, out, monkeypatch, **flags):
     """ppo.main for 2 iterations (the second's KL not 0), the advantages of each: as the estimator gave them
     (advantages_of) and as the update received them, with the response mask and the update's settings."""
@@ -185,16 +205,22 @@ def run_capturing(tiny_models, out, monkeypatch, **flags):
 @pytest.mark.launch
 @pytest.mark.parametrize("flags", [{"advantage": "group", "group_size": 2}, {"advantage": "group", "group_norm": "none",
                                    "group_size": 2}, {"advantage": "mc", "mc_rollouts": 2, "mc_points": 2}])
-def test_whitening_scales_the_critic_free_advantages_and_never_shifts_them(tiny_models, tmp_path, monkeypatch, flags):
+def test_whitening_scales_the_critic_free_advantages_and_never_shifts_them(tiny_models, stopper, tmp_path, monkeypatch,
+                                                                           flags):
     """What the update reads is the estimator's advantages times one positive number per iteration (a zero
-    stays zero, a sign stays), where the full whitening subtracted the batch's mean. --group_norm none divides its
-    policy loss by rows x --max_response_len (Dr. GRPO); the others by the tokens."""
-    for it in run_capturing(tiny_models, tmp_path, monkeypatch, **flags):
+    stays zero, a sign stays), where the full whitening subtracted the batch's mean: responses of many lengths
+    (`stopper`), so that the mean is not 0. --group_norm none divides its policy loss by rows x --max_response_len
+    (Dr. GRPO); the others by the tokens."""
+    shifted = 0
+    for it in run_capturing(tiny_models, tmp_path, monkeypatch, sft_path=str(stopper), rollout_batch_size=8,
+                            mini_batch_size=4, **flags):
         raw, sent, tokens = it["raw"], it["sent"], it["mask"].bool()
-        scale = (sent[tokens] / raw[tokens])[raw[tokens] != 0]
-        assert scale.numel() and (scale > 0).all() and torch.allclose(scale, scale[0].expand_as(scale), rtol=1e-4)
+        shifted += abs(raw[tokens].mean().item()) > 1e-3          # a mean the full whitening would subtract
+        scale = (sent[tokens] / raw[tokens])[raw[tokens] != 0]      # none when every group ties
+        assert (scale > 0).all() and torch.allclose(scale, scale[:1].expand_as(scale), rtol=1e-4)
         assert (sent[tokens][raw[tokens] == 0] == 0).all() and (sent[~tokens] == 0).all()
         assert it["hp"].budget == (8 if flags.get("group_norm") == "none" else 0)
+    assert shifted
 
 
 @pytest.mark.launch
