@@ -62,9 +62,11 @@ def test_sft_and_the_reward_model_run_at_the_bounds_of_every_numeric_flag(tiny_m
     assert ran(tmp_path / "rm", "rm")
 
 
-PPO_RUNS = {      # each numeric flag at its bounds where the code reads it: its termination, advantage, LoRA, controller
+# each numeric flag at its bounds where the code reads it: under its termination, advantage, LoRA, KL controller
+PPO_RUNS = {
     "gae": {},
-    "group": {"advantage": "group", "group_norm": "none", "group_size": 2, "rollout_batch_size": 2, "mini_batch_size": 1},
+    "group": {"advantage": "group", "group_norm": "none", "group_size": 2, "rollout_batch_size": 2,
+              "mini_batch_size": 1},
     "mc": {"advantage": "mc", "termination": "parsing"},
     "entropy_lora_kl_target": {"termination": "entropy", "lora_r": 1, "kl_target": 1.0, "beta": 0.05},
 }

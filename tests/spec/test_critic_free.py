@@ -108,7 +108,8 @@ def test_whitening_shifted_the_audits_tied_group_and_flipped_a_sign():
     raw, mask = audit_batch()
     assert raw[6, 0].item() == pytest.approx(0.1823, abs=1e-4) and (raw[:4] == 0).all()
     shifted = ma.whiten(raw, mask)
-    assert shifted[0, 0].item() == pytest.approx(-0.4885, abs=1e-4) and shifted[6, 0].item() == pytest.approx(-0.185, abs=1e-3)
+    assert shifted[0, 0].item() == pytest.approx(-0.4885, abs=1e-4)
+    assert shifted[6, 0].item() == pytest.approx(-0.185, abs=1e-3)
 
 
 def test_scale_only_whitening_leaves_a_tied_group_at_zero_and_every_sign_as_the_estimator_gave_it():
