@@ -76,7 +76,7 @@ def monte_carlo_values(s, credit, args, gather, prompt_ids, prompt_mask, respons
     with harness.generation_model(policy.accelerator, policy.model, gather) as (model, synced):
         p_ids, p_mask, c_ids, c_mask = data.sample_continuations(
             model, s.tokenizer, prompt_ids, prompt_mask, response_ids, points, credit.mc_rollouts, args.temperature,
-            args.top_k, args.top_p, synced_gpus=synced)
+            args.top_k, args.top_p, max_len=args.max_response_len, synced_gpus=synced)
     which = points.nonzero()[:, 0].repeat_interleave(credit.mc_rollouts).tolist()   # the row of each continuation
     ids, mask, P = torch.cat([p_ids, c_ids], 1), torch.cat([p_mask, c_mask], 1), p_ids.shape[1]
     with torch.no_grad():

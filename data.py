@@ -728,9 +728,11 @@ def encode_prompts(tokenizer, prompts, max_len):
     """Left-padded prompt ids [B, P] and mask; a long prompt keeps its *end* (the question is
     last). BOS, when the tokenizer has one, stays first. Returns (ids, mask, n_truncated)."""
     bos = [tokenizer.bos_token_id] if tokenizer.bos_token_id is not None else []
+    keep = max_len - len(bos)
+    if keep < 1:        # ids[-0:] would keep the whole prompt
+        raise ValueError(f"max_len {max_len}: keeps no prompt token after BOS; 2 at least (--max_prompt_len)")
     rows, truncated = [], 0
     for ids in tokenizer(list(prompts), add_special_tokens=False)["input_ids"]:
-        keep = max_len - len(bos)
         truncated += len(ids) > keep
         rows.append(bos + ids[-keep:])
     width = max(map(len, rows))
@@ -850,26 +852,36 @@ def sample(model, tokenizer, prompts, max_prompt_len, max_new_tokens, temperatur
 
 @torch.no_grad()
 def sample_continuations(model, tokenizer, prompt_ids, prompt_mask, response_ids, points, rollouts, temperature=1.0,
-                         top_k=0, top_p=1.0, synced_gpus=False):
+                         top_k=0, top_p=1.0, *, max_len, synced_gpus=False):
     """Monte Carlo continuations (SPO, Guo et al. 2025, §4), in one generate call: `rollouts` samples from each point
     (b, t) of `points` [B, R] (the order of points.nonzero()), from prompt b and the first t tokens of its response,
-    each cut where its response would have been (R tokens in all). Returns (prompt ids, prompt mask [N, P],
-    response ids, response mask [N, R]), N = points x rollouts: `sample`'s layout, the prefix in the response."""
+    each run until EOS or until its whole response holds `max_len` tokens (--max_response_len, the rollout's own
+    limit: not the batch's longest rollout R). Returns (prompt ids, prompt mask [N, P], response ids, response mask
+    [N, W]), N = points x rollouts, W <= max_len the longest continued response: `sample`'s layout, the prefix in the
+    response."""
+    if response_ids.shape[1] > max_len:
+        raise ValueError(f"max_len {max_len}: below the rollout's {response_ids.shape[1]} response tokens")
     b, t = (i.repeat_interleave(rollouts) for i in points.nonzero(as_tuple=True))
     P, R, pad = prompt_ids.shape[1], response_ids.shape[1], tokenizer.pad_token_id
-    j = torch.arange(R, device=t.device).unsqueeze(0)                      # [1, R] response positions
-    ids, mask = torch.cat([prompt_ids[b], response_ids[b]], 1), torch.cat([prompt_mask[b], (j < t[:, None]).long()], 1)
+    ids = torch.cat([prompt_ids[b], response_ids[b]], 1)
+    mask = torch.cat([prompt_mask[b], (torch.arange(R, device=t.device) < t[:, None]).long()], 1)
     # prefixes of different lengths left-padded to the longest: row i shifted right by max(t) - t_i
     src = torch.arange(P + int(t.max()), device=t.device).unsqueeze(0) - (t.max() - t).unsqueeze(1)
     x_mask = mask.gather(1, src.clamp(min=0)) * (src >= 0)
     x_ids = ids.gather(1, src.clamp(min=0)).masked_fill(x_mask == 0, pad)
-    config = generation_config(model, R - int(t.min()), temperature, top_k, top_p, False, pad, tokenizer.eos_token_id)
+    config = generation_config(model, max_len - int(t.min()), temperature, top_k, top_p, False, pad,
+                               tokenizer.eos_token_id)
     with saved_generation_config_off(model):
         out = model.generate(input_ids=x_ids, attention_mask=x_mask, generation_config=config, synced_gpus=synced_gpus)
     cont, cont_mask = cut_after_eos(out[:, x_ids.shape[1]:], tokenizer.eos_token_id, pad)
-    cont = torch.nn.functional.pad(cont, (0, R), value=pad)                # at least R wide, so every gather reads
-    cont_mask = torch.nn.functional.pad(cont_mask, (0, R))
+    # each row's own limit: a prefix of t tokens continues for max_len - t at most (generate ran to the shortest's)
+    cont_mask = cont_mask * (torch.arange(cont.shape[1], device=t.device) < (max_len - t)[:, None])
+    W = max(R, int((t + cont_mask.sum(-1)).max()))                         # the longest continued response
+    j = torch.arange(W, device=t.device).unsqueeze(0)                      # [1, W] response positions
+    cont = torch.nn.functional.pad(cont, (0, W), value=pad)                # at least W wide, so every gather reads
+    cont_mask = torch.nn.functional.pad(cont_mask, (0, W))
+    prefix = torch.nn.functional.pad(response_ids[b], (0, W - R), value=pad)
     at = (j - t[:, None]).clamp(min=0)                                     # continuation token of response position j
     r_mask = torch.where(j < t[:, None], 1, cont_mask.gather(1, at))
-    r_ids = torch.where(j < t[:, None], response_ids[b], cont.gather(1, at)).masked_fill(r_mask == 0, pad)
+    r_ids = torch.where(j < t[:, None], prefix, cont.gather(1, at)).masked_fill(r_mask == 0, pad)
     return prompt_ids[b], prompt_mask[b], r_ids, r_mask

@@ -70,15 +70,15 @@ class EvalArgs:
                                           "(exit 1)", "[0, 1]")
     # --- sampling -----------------------------------------------------------------------------------
     n_prompts: int = flag(256, "held-out prompts evaluated", "[1, inf)")
-    max_prompt_len: int = flag(48, "prompt tokens kept", "[1, inf)")
+    max_prompt_len: int = flag(48, "prompt tokens kept", "[2, inf)")
     max_response_len: int = flag(0, "generated tokens at most; 0 = the task's default (64 for count, else 32)",
                                     "[0, inf)")
     chat_template: bool = flag(False, "render prompts with the tokenizer's chat template (instruct models); same in "
                                       "every stage")
-    temperature: float = flag(0.8, "sampling temperature", "(0, inf)")
+    temperature: float = flag(0.8, "sampling temperature", "[1e-06, inf)")
     # --- the commands: best_of_n, curves, passk -----------------------------------------------------
     ns: str = flag("1,4,8,16", "best_of_n: values of N", "[1, inf)")
-    temperatures: str = flag("0.4,0.8,1.2", "best_of_n: sampling temperatures", "(0, inf)")
+    temperatures: str = flag("0.4,0.8,1.2", "best_of_n: sampling temperatures", "[1e-06, inf)")
     runs: list[str] = field(default_factory=list, metadata={
         "help": "curves: LABEL=GLOB items, one run folder (metrics.jsonl) per seed"})
     metrics: str = flag("eval/rm,eval/gold", "curves: metrics plotted (adv/l2,q/l2 for Fig. 11)")
@@ -86,7 +86,7 @@ class EvalArgs:
     samples: int = flag(10, "passk: samples per problem (the estimator's n; at least the largest k)", "[1, inf)")
     ks: str = flag("1,5", "passk: values of k", "[1, inf)")
     # --- the run ------------------------------------------------------------------------------------
-    seed: int = flag(1234, "sampling and response-order seed", "[0, inf)")
+    seed: int = flag(1234, "sampling and response-order seed", "[0, 4294967295]")
     output_dir: str = flag("runs/eval", "where results are written")
 
 

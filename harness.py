@@ -415,6 +415,19 @@ def same_on_every_rank(accelerator, value):
     return bool((every == every[0]).all())
 
 
+def in_chunks(accelerator, forward, n_rows, chunk):
+    """`forward(rows)` (a tensor, rows first) over rows 0 .. n_rows - 1 in slices of at most `chunk` rows, concatenated:
+    the memory of one slice's forward, not of all rows at once. Every process runs the same number of forwards, the
+    most slices any process has (a sharded model's forward is a collective): one with fewer runs its last slice again
+    and drops the result."""
+    count = -(-n_rows // chunk)
+    most = int(accelerator.gather(torch.tensor([count], device=accelerator.device)).max())
+    out = [forward(slice(i * chunk, min(n_rows, (i + 1) * chunk))) for i in range(count)]
+    for _ in range(most - count):
+        forward(slice((count - 1) * chunk, n_rows))
+    return torch.cat(out)
+
+
 def all_finite(accelerator, *tensors):
     """True when every tensor is finite on every process. One reduction over the processes, so that all
     of them stop together: a process that raised alone would leave the others waiting for it in their
@@ -555,18 +568,20 @@ def check_ranges(args):
         if interval is None:
             continue
         numbers = value.split(",") if isinstance(value, str) else [value]     # a list flag: "1,4,8"
-        try:
-            inside = all(in_range(float(x), interval) for x in numbers)
-        except ValueError:
+        try:        # a number as it is: Python compares an int with a float bound exactly, however large the int
+            inside = all(in_range(float(x) if isinstance(x, str) else x, interval) for x in numbers)
+        except (ValueError, TypeError):
             inside = False
         if not inside:
             sys.exit(f"error: --{f.name} {value!r}: outside its range {interval}")
 
 
-def check_flags(args):
-    """A stage's first call: its choice flags (check_choices) and numeric flags (check_ranges)."""
-    check_choices(args)
-    check_ranges(args)
+def check_flags(*args):
+    """A stage's first call: the choice flags (check_choices) and numeric flags (check_ranges) of its arguments
+    dataclass, or of each of several (a stage whose flags are grouped in more than one): every field by its metadata."""
+    for group in args:
+        check_choices(group)
+        check_ranges(group)
 
 
 def start(name, args, accelerator, final="config.json", config=None):

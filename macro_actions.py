@@ -463,12 +463,14 @@ def masked_mean(x, mask):
     return (x * mask).sum() / mask.sum().clamp(min=1)
 
 
-def clipped_policy_loss(logp, old_logp, advantages, mask, starts, clip=0.2, ratio="token"):
+def clipped_policy_loss(logp, old_logp, advantages, mask, starts, clip=0.2, ratio="token", budget=0):
     """The clipped surrogate (Schulman et al. 2017, Eq. 7), negated to a loss, and (ratios, log-ratios) [B, T].
     `ratio="token"`: per-token ratios with the macro advantages, a mean over tokens (the released code);
     `"macro"`: each token carries its macro action's ratio, the product of its token ratios (§3.3), and the
     loss is a mean over macro actions (each weighs the same, whatever its length); `"sequence"`: each token
-    carries its response's length-normalised ratio (GSPO, `sequence_log_ratio`), the loss a mean over responses."""
+    carries its response's length-normalised ratio (GSPO, `sequence_log_ratio`), the loss a mean over responses.
+    `budget` L > 0: Dr. GRPO's sum over every token's term (with its ratio) divided by the constant B x L, the
+    rows times the generation budget (Liu et al. 2025, §3.1, Listing 1), not by a count of tokens or macros."""
     log_ratio = (logp - old_logp) * mask
     weights = mask                                       # token ratios: a mean over tokens
     if ratio == "macro":
@@ -482,7 +484,18 @@ def clipped_policy_loss(logp, old_logp, advantages, mask, starts, clip=0.2, rati
     ratios = log_ratio.exp()
     # max of the two negated terms = min of the two objectives
     loss = torch.max(-advantages * ratios, -advantages * ratios.clamp(1 - clip, 1 + clip))
+    if budget:      # a constant divisor: a short response's tokens weigh what a long one's do (no 1/L_i)
+        return (loss * mask).sum() / (len(mask) * budget), ratios, log_ratio
     return masked_mean(loss, weights), ratios, log_ratio
+
+
+def whiten(x, mask, shift=True):
+    """x normalised over the batch's real tokens: (x - mean) / std; `shift=False` only divides by the std, so an
+    advantage of 0 (a tied group, equal Monte Carlo values) stays 0 and no sign flips (the critic-free estimators
+    give baseline-centred advantages already)."""
+    mean = masked_mean(x, mask)
+    var = masked_mean((x - mean) ** 2, mask)
+    return ((x - mean) if shift else x) * torch.rsqrt(var + 1e-8) * mask
 
 
 # ---------------------------------------------------------------------------------------------

@@ -32,7 +32,7 @@ class PPOArgs:
                                  "file")
     sft_path: str = flag("", "SFT model: policy init and frozen reference (default runs/<task>/sft, built if missing)")
     rm_path: str = flag("", "reward model: the score, the critic's init (default runs/<task>/rm, built if missing)")
-    max_prompt_len: int = flag(48, "prompt tokens kept (cut from the left, counted)", "[1, inf)")
+    max_prompt_len: int = flag(48, "prompt tokens kept (cut from the left, counted)", "[2, inf)")
     max_response_len: int = flag(0, "generated tokens at most; 0 = the task's default (64 for count, else 32)",
                                  "[0, inf)")
     # --- the paper: macro actions (§3.2-3.3) -----------------------------------------------------------------
@@ -59,7 +59,8 @@ class PPOArgs:
     value_clip: float = flag(0.2, "value clip range", "(0, inf)")
     gamma: float = flag(1.0, "discount", "[0, 1]")
     lam: float = flag(0.95, "GAE lambda", "[0, 1]")
-    temperature: float = flag(0.8, "sampling temperature (the logprobs are taken at the same temperature)", "(0, inf)")
+    temperature: float = flag(0.8, "sampling temperature (the logprobs are taken at the same temperature)",
+                              "[1e-06, inf)")
     top_k: int = flag(0, "top-k sampling, 0 = off (on: the logprobs no longer follow the sampling distribution)",
                       "[0, inf)")
     top_p: float = flag(1.0, "nucleus sampling, 1 = off (on: the logprobs no longer follow the sampling "
@@ -77,14 +78,15 @@ class PPOArgs:
     warmup_steps: int = flag(5, "linear warmup iterations for both optimizers", "[0, inf)")
     critic_warmup: int = flag(0, "value-only updates for the first k iterations (the policy is not stepped)",
                               "[0, inf)")
-    whiten_advantages: bool = flag(True, "normalise advantages over the batch")
+    whiten_advantages: bool = flag(True, "normalise advantages over the batch (group / mc: divided by its std, never "
+                                   "shifted)")
     missing_eos_penalty: float = flag(0.0, "added to the score of a response without EOS (e.g. -1)", "(-inf, inf)")
     reward: str = flag("rm", "the score: rm | gold (the task's judge) | segment (a segment RM's); code tasks run the "
                        "program", choices=("rm", "gold", "segment"))
     # --- the run ---------------------------------------------------------------------------------------------
     output_dir: str = flag("", "default runs/<task>/ppo_n<n>_fixed, or runs/<task>/ppo_<termination>")
     save_every: int = flag(40, "checkpoint every k iterations (also on Ctrl-C and SIGTERM)", "[1, inf)")
-    seed: int = flag(1234, "random seed", "[0, inf)")
+    seed: int = flag(1234, "random seed", "[0, 4294967295]")
     resume: bool = flag(False, "continue from <output_dir>/checkpoint")
 
 
@@ -127,18 +129,13 @@ def reusable_forwards(accelerator, policy, critic, args):
             and not any(harness.has_dropout(m) for m in (policy, critic) if m is not None))
 
 
-def whiten(x, mask):
-    """The advantages normalised over the batch's real tokens (mean 0, std 1), 0 on padding."""
-    mean = ma.masked_mean(x, mask)
-    return (x - mean) * torch.rsqrt(ma.masked_mean((x - mean) ** 2, mask) + 1e-8) * mask
-
-
-def policy_loss(logp, b, clip=0.2, ratio="token", kl_coef=0.0):
-    """6. The clipped policy loss of minibatch `b` at its new logprobs `logp` (token, macro or sequence ratio, §3.3),
-    and its stats; with b["ref_logp"] (--kl_penalty loss) plus kl_coef x the mean k3 (GRPO, Shao et al. 2024, Eq. 4)."""
+def policy_loss(logp, b, clip=0.2, ratio="token", kl_coef=0.0, budget=0):
+    """6. The clipped policy loss of minibatch `b` at its new logprobs `logp` (token, macro or sequence ratio, §3.3;
+    `budget` > 0: Dr. GRPO's constant divisor) and its stats; with b["ref_logp"] (--kl_penalty loss) plus kl_coef x
+    the mean k3 (GRPO, Shao et al. 2024, Eq. 4)."""
     mask = b["response_mask"]
     loss, ratios, log_ratio = ma.clipped_policy_loss(logp, b["old_logp"], b["advantages"], mask, b["starts"], clip,
-                                                     ratio)
+                                                     ratio, budget)
     stats = {"policy/clipfrac": ma.masked_mean(((ratios - 1).abs() > clip).float(), mask),
              "policy/approxkl": ma.masked_mean(0.5 * log_ratio ** 2, mask),
              "policy/ratio": ma.masked_mean(ratios, mask)}
@@ -171,12 +168,13 @@ def backward(model, loss, scale, where):
     return loss.detach()
 
 
-def ppo_update(policy, critic, batch, args, *, train_policy, generator, prompt_width, beta, step):
+def ppo_update(policy, critic, batch, args, credit, *, train_policy, generator, prompt_width, beta, step):
     """6. PPO epochs over minibatches of the rollout `batch` (tensors by name, rows first): the policy loss steps the
     policy (not while the critic warms up: `train_policy`), the value loss the critic (None: none). --grad_accum
     minibatches make one step; the remainder steps alone. Returns each minibatch's stats, with its step's norms."""
     trained, stepping = [t for t in (policy, critic) if t], [t for t in (train_policy and policy, critic) if t]
     where = (policy.accelerator, step, args.output_dir)     # a non-finite loss stops every process, naming these
+    budget = args.max_response_len if credit.advantage == "group" and credit.group_norm == "none" else 0  # Dr. GRPO
     for t in trained:
         t.model.train()
     order, stats = minibatches(len(batch["ids"]), args.mini_batch_size, args.ppo_epochs, generator), []
@@ -189,7 +187,7 @@ def ppo_update(policy, critic, batch, args, *, train_policy, generator, prompt_w
                 # the policy, then the critic: the policy's graph is gone before the critic's forward builds one
                 logp = b["reused_logp"] if "reused_logp" in b else response_logprobs(
                     policy.model, b["ids"], b["attention_mask"], prompt_width, args.temperature)[0]
-                loss, s = policy_loss(logp, b, args.clip, args.ratio, beta)
+                loss, s = policy_loss(logp, b, args.clip, args.ratio, beta, budget)
                 s["loss/policy"] = backward(train_policy and policy or None, loss, args.grad_accum / len(group), where)
                 if critic:
                     values = b["reused_values"] if "reused_values" in b else critic.model(
@@ -317,7 +315,8 @@ def setup(args, seg, credit, models, report, code_task):
     for frozen in [m for m in (ref, reward_model) if m is not None]:
         frozen.to(acc.device)
     scorer = rm.ppo_scorer("exec" if code_task else args.reward, tokenizer, args, seg, models, acc, reward_model, own,
-                           segmenter, functools.partial(sr.sft_entropy, ref, acc, policy))
+                           segmenter, functools.partial(sr.sft_entropy, ref, acc, policy,
+                                                        chunk=args.rollout_batch_size))
     sampling = evaluate.Sampling(args.task, args.max_prompt_len, args.max_response_len, args.temperature, args.top_k,
                                  args.top_p, args.seed)
     return Setup(tokenizer, trained, ref, reward_model, scorer, rows, eval_rows, segmenter, sampling, config)
@@ -378,6 +377,7 @@ def main(args, *extensions):
                     starts = ma.final_token_apart(starts, mask)
                 # 5. Advantages (§3.3, Eq. 4-5): macro rewards R_tau, sigma-weighted macro values, macro GAE
                 agg = "mean" if args.reward_agg == "released" else args.reward_agg
+                agg = "sum" if credit.advantage == "group" else agg     # a group's R_i = score - beta * sum_t KL_t
                 rewards = ma.macro_rewards(kl_rewards, score, mask, starts, agg)
                 if dense is not None:       # segment rewards (Yin et al. 2025) on their tokens
                     rewards = sr.token_rewards(kl_rewards, score, mask, starts, agg, dense, penalty, seg.reward_clip)
@@ -387,14 +387,14 @@ def main(args, *extensions):
             if credit.advantage != "gae":   # credit without a critic: a group baseline, or Monte Carlo values
                 advantages, returns = cf.advantages(credit, s, clock, rewards, mask, starts,
                                                     (p_ids, p_mask, r_ids, rows), args, models, stats)
-            with clock.phase("update"):
-                # 6. PPO update: epochs over minibatches (value-only while the critic warms up)
+            with clock.phase("update"):     # 6. PPO update: epochs over minibatches (value-only while the critic warms)
                 batch = {"ids": ids, "attention_mask": attention_mask, "old_logp": old_logp, "response_mask": mask,
-                         "advantages": whiten(advantages, mask) if args.whiten_advantages else advantages,
+                         "advantages": ma.whiten(advantages, mask, shift=credit.advantage == "gae")
+                         if args.whiten_advantages else advantages,      # group / mc: scaled, never shifted
                          "starts": starts, **({"old_values": old_values, "returns": returns} if critic else {}),
                          **({"ref_logp": ref_logp} if credit.kl_penalty == "loss" else {}),
                          **({"reused_logp": logp, "reused_values": values} if reuse else {})}
-                update_stats = ppo_update(policy, critic, batch, args, train_policy=step >= args.critic_warmup,
+                update_stats = ppo_update(policy, critic, batch, args, credit, train_policy=step >= args.critic_warmup,
                                           generator=generator, prompt_width=P, beta=beta, step=step)
                 logp = values = batch = None        # step 2's graphs (if reused) not kept into the next rollout
             # 7. Log (means over every process), evaluate on held-out prompts, checkpoint

@@ -39,7 +39,7 @@ class RMArgs:
                              "runs/<task>/sft")
     output_dir: str = flag("", "where the reward model + tokenizer are saved; default runs/<task>/rm")
     # --- Bradley-Terry training ---------------------------------------------------------------------
-    max_prompt_len: int = flag(48, "prompt tokens kept (truncated from the left)", "[1, inf)")
+    max_prompt_len: int = flag(48, "prompt tokens kept (truncated from the left)", "[2, inf)")
     max_response_len: int = flag(0, "response tokens kept, EOS included; 0 = the task's default (64 for count, else "
                                     "32)", "[0, inf)")
     batch_size: int = flag(32, "preference pairs per process per micro-step", "[1, inf)")
@@ -61,7 +61,7 @@ class RMArgs:
     chat_template: bool = flag(False, "render prompts with the tokenizer's chat template (instruct models); same in "
                                       "every stage")
     skip_bad_rows: bool = flag(False, "drop malformed dataset rows (and report how many) instead of stopping")
-    seed: int = flag(1234, "random seed (data split seed is fixed at 1234)", "[0, inf)")
+    seed: int = flag(1234, "random seed (data split seed is fixed at 1234)", "[0, 4294967295]")
     resume: bool = flag(False, "continue from <output_dir>/checkpoint")
     # --- extension: segment-level rewards (Yin et al. 2025) -----------------------------------------
     unit: str = flag("sequence", "what the head scores (Yin et al. 2025): sequence (the ordinary RM) | segment | token",
@@ -268,19 +268,20 @@ class ExecScorer(Scorer):
 
 
 class SegmentScorer(Scorer):
-    """Yin et al. 2025 around a score of `inner` kind (rm or gold): the rollout's segments, cut as the RM's training
-    cut its own from the SFT entropy at temperature 1 (`settings`, segment_rewards.segment_settings; None: none),
-    which --termination segment reads; a segment / token RM (`reads_segments`) read at each segment's end: under
-    --reward segment its normalized rewards spread over their tokens as `dense` rewards, under --reward rm their mean
-    e(x, y) as the score; `score_norm` (--rm_norm): (mean, std) that standardize the score. `sft_entropy_of(ids,
-    mask, P)`: the SFT entropy of other sequences than step 2's (Monte Carlo continuations)."""
+    """Yin et al. 2025, a score of `kind` (rm, segment or gold; `inner`: the plain scorer of rm or gold): the rollout's
+    segments, cut as the RM's training cut its own from the SFT entropy at temperature 1 (`settings`,
+    segment_rewards.segment_settings; None: none), which --termination segment reads; a segment / token RM
+    (`reads_segments`) read at each segment's end: under --reward segment its normalized rewards spread over their
+    tokens as `dense` rewards, under --reward rm their mean e(x, y) as the score; `score_norm` (--rm_norm): (mean,
+    std) that standardize the score. `sft_entropy_of(ids, mask, P)`: the SFT entropy of other sequences than step
+    2's (Monte Carlo continuations)."""
     reads_sft_entropy = True
 
-    def __init__(self, inner, settings, reads_segments, seg_norm, seg_interp, score_norm, sft_entropy_of):
+    def __init__(self, kind, inner, settings, reads_segments, seg_norm, seg_interp, score_norm, sft_entropy_of):
         super().__init__(inner.tokenizer, task=inner.task, reward_model=inner.reward_model)
-        self.inner, self.name, self.settings, self.reads_segments = inner, inner.name, settings, reads_segments
+        self.name, self.inner, self.settings, self.reads_segments = kind, inner, settings, reads_segments
         self.seg_norm, self.score_norm, self.sft_entropy_of = seg_norm, score_norm, sft_entropy_of
-        self.seg_interp = "bandit" if inner.name == "rm" else seg_interp      # e(x, y) as one reward at the last token
+        self.seg_interp = "bandit" if kind == "rm" else seg_interp      # e(x, y) as one reward at the last token
         self.reads_sft_entropy = settings is not None
 
     def __call__(self, ids, attention_mask, prompt_width, rows, sft_entropy=None):
@@ -311,7 +312,8 @@ def make_scorer(kind, tokenizer, *, task, reward_model, settings=None, own=None,
     if settings is None and score_norm is None:
         return inner
     reads_segments = kind == "segment" or (kind == "rm" and own is not None)
-    return SegmentScorer(inner, settings, reads_segments, seg.seg_norm, seg.seg_interp, score_norm, sft_entropy_of)
+    return SegmentScorer(kind, inner, settings, reads_segments, seg.seg_norm, seg.seg_interp, score_norm,
+                         sft_entropy_of)
 
 
 def ppo_scorer(kind, tokenizer, args, seg, models, accelerator, reward_model, own, segmenter, sft_entropy_of):

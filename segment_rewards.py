@@ -136,12 +136,13 @@ def reference_logprobs_and_entropy(ref, accelerator, policy, ids, attention_mask
     return logp, entropy
 
 
-def sft_entropy(ref, accelerator, policy, ids, attention_mask, prompt_width, temperature=1.0):
+def sft_entropy(ref, accelerator, policy, ids, attention_mask, prompt_width, chunk):
     """The SFT model's next-token entropy at temperature 1 on the response tokens [B, R] of other sequences than a
-    rollout (ppo.py's Monte Carlo continuations), without a graph."""
+    rollout (ppo.py's Monte Carlo continuations: rollouts x continuations of them), without a graph, in forwards of
+    `chunk` rows (as many on every rank: harness.in_chunks)."""
     with torch.no_grad():
-        return reference_logprobs_and_entropy(ref, accelerator, policy, ids, attention_mask, prompt_width,
-                                              temperature)[1]
+        return harness.in_chunks(accelerator, lambda rows: reference_logprobs_and_entropy(
+            ref, accelerator, policy, ids[rows], attention_mask[rows], prompt_width, 1.0)[1], len(ids), chunk)
 
 
 # ---------------------------------------------------------------------------------------------

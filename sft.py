@@ -32,7 +32,7 @@ class SFTArgs:
                               ".gguf file")
     output_dir: str = flag("", "where the final model + tokenizer are saved; default runs/<task>/sft")
     # --- supervised fine-tuning ---------------------------------------------------------------------
-    max_prompt_len: int = flag(48, "prompt tokens kept (truncated from the left)", "[1, inf)")
+    max_prompt_len: int = flag(48, "prompt tokens kept (truncated from the left)", "[2, inf)")
     max_response_len: int = flag(0, "response tokens kept, EOS included; 0 = the task's default (64 for count, else "
                                     "32)", "[0, inf)")
     batch_size: int = flag(32, "examples per process per micro-step", "[1, inf)")
@@ -49,7 +49,7 @@ class SFTArgs:
     n_eval: int = flag(512, "held-out examples for loss / perplexity", "[1, inf)")
     # --- the tiny default model (--model tiny) ------------------------------------------------------
     vocab_size: int = flag(2048, "tiny model: BPE vocabulary size", "[1, inf)")
-    hidden_size: int = flag(128, "tiny model: hidden size", "[1, inf)")
+    hidden_size: int = flag(128, "tiny model: hidden size (4 heads of hidden // 4 dimensions)", "[4, inf)")
     num_layers: int = flag(4, "tiny model: transformer layers", "[1, inf)")
     # --- the run ------------------------------------------------------------------------------------
     bf16: bool = flag(False, "bf16 mixed precision (GPUs)")
@@ -61,7 +61,7 @@ class SFTArgs:
     chat_template: bool = flag(False, "render prompts with the tokenizer's chat template (instruct models); same in "
                                       "every stage")
     skip_bad_rows: bool = flag(False, "drop malformed dataset rows (and report how many) instead of stopping")
-    seed: int = flag(1234, "random seed (data split seed is fixed at 1234)", "[0, inf)")
+    seed: int = flag(1234, "random seed (data split seed is fixed at 1234)", "[0, 4294967295]")
     resume: bool = flag(False, "continue from <output_dir>/checkpoint")
 
 

@@ -162,3 +162,107 @@ def test_a_critics_advantages_under_the_sequence_ratio(tiny_models, tmp_path):
     assert all(v == v for row in rows["sequence"] for v in row.values())
     assert rows["sequence"][1]["value/grad_norm"] > 0 and rows["sequence"][1]["policy/grad_norm"] > 0
     assert rows["sequence"][0]["loss/policy"] != pytest.approx(rows["token"][0]["loss/policy"], abs=1e-7)
+
+
+@pytest.fixture(scope="module")
+def stopper(tiny_models, tmp_path_factory):
+    """The tiny SFT model with its EOS logit raised (the EOS row of the tied embeddings moved along the mean final
+    hidden state): its responses end at many lengths, as a trained model's do, where the random model's all run to
+    --max_response_len. A batch of equal lengths hides a re-centring: each group's advantages sum to 0, and so the
+    batch's token mean is 0."""
+    import harness
+    from transformers import AutoModelForCausalLM
+    import data
+    tokenizer = data.load_tokenizer(str(tiny_models / "sft"))
+    model = AutoModelForCausalLM.from_pretrained(tiny_models / "sft").eval()
+    batch = tokenizer(["\n\nHuman: how are you\n\nAssistant:", "hi", "Then it ran"], return_tensors="pt", padding=True)
+    with torch.no_grad():
+        direction = model.model(**batch).last_hidden_state[batch.attention_mask.bool()].mean(0)
+        model.get_output_embeddings().weight[tokenizer.eos_token_id] += 3 * direction / direction.norm() ** 2
+    path = tmp_path_factory.mktemp("stopper") / "sft"
+    harness.atomic_save(str(path), model, tokenizer)
+    return path
+
+
+def run_capturing(tiny_models, out, monkeypatch, **flags):
+    """ppo.main for 2 iterations (the second's KL not 0), the advantages of each: as the estimator gave them
+    (macro_actions.macro_advantages under gae, critic_free.advantages without a critic) and as the update received
+    them, with the response mask and the policy loss's Dr. GRPO budget."""
+    import critic_free
+    import macro_actions
+    import ppo
+    seen = []
+    estimator = critic_free if flags.get("advantage", "gae") != "gae" else macro_actions
+    name = "advantages" if estimator is critic_free else "macro_advantages"
+    estimate, ppo_update, policy_loss = getattr(estimator, name), ppo.ppo_update, ppo.policy_loss
+
+    def spy(*a, **k):
+        out = estimate(*a, **k)
+        seen.append({"raw": out[0]})
+        return out
+    monkeypatch.setattr(estimator, name, spy)
+    monkeypatch.setattr(ppo, "ppo_update", lambda policy, critic, batch, *a, **k: seen[-1].update(
+        sent=batch["advantages"], mask=batch["response_mask"]) or ppo_update(policy, critic, batch, *a, **k))
+    monkeypatch.setattr(ppo, "policy_loss", lambda *a: seen[-1].update(budget=a[-1]) or policy_loss(*a))
+    ppo.main(*ppo_args(tiny_models, out, steps=2, policy_lr=0.05, beta=0.5, **flags))
+    return seen
+
+
+@pytest.mark.launch
+@pytest.mark.parametrize("flags", [{"advantage": "group", "group_size": 2}, {"advantage": "group", "group_norm": "none",
+                                   "group_size": 2}, {"advantage": "mc", "mc_rollouts": 2, "mc_points": 2}])
+def test_whitening_scales_the_critic_free_advantages_and_never_shifts_them(tiny_models, stopper, tmp_path, monkeypatch,
+                                                                           flags):
+    """What the update reads is the estimator's advantages times one positive number per iteration (a zero
+    stays zero, a sign stays), where the full whitening subtracted the batch's mean: responses of many lengths
+    (`stopper`), so that the mean is not 0. --group_norm none divides its policy loss by rows x --max_response_len
+    (Dr. GRPO); the others by the tokens."""
+    shifted = 0
+    for it in run_capturing(tiny_models, tmp_path, monkeypatch, sft_path=str(stopper), rollout_batch_size=8,
+                            mini_batch_size=4, **flags):
+        raw, sent, tokens = it["raw"], it["sent"], it["mask"].bool()
+        shifted += abs(raw[tokens].mean().item()) > 1e-3          # a mean the full whitening would subtract
+        scale = (sent[tokens] / raw[tokens])[raw[tokens] != 0]      # none when every group ties
+        assert (scale > 0).all() and torch.allclose(scale, scale[:1].expand_as(scale), rtol=1e-4)
+        assert (sent[tokens][raw[tokens] == 0] == 0).all() and (sent[~tokens] == 0).all()
+        assert it["budget"] == (8 if flags.get("group_norm") == "none" else 0)
+    assert shifted
+
+
+@pytest.mark.launch
+def test_gae_advantages_are_still_whitened_to_mean_zero(tiny_models, tmp_path, monkeypatch):
+    for it in run_capturing(tiny_models, tmp_path, monkeypatch):
+        tokens = it["mask"].bool()
+        assert abs(it["sent"][tokens].mean().item()) < 1e-5 and it["budget"] == 0
+
+
+@pytest.mark.launch
+def test_a_groups_rewards_are_score_minus_beta_times_the_summed_kl_under_every_reward_agg(tiny_models, tmp_path,
+                                                                                         monkeypatch):
+    """Under --reward_agg mean / released R_i used to sum each macro action's averaged KL; R_i is the documented
+    score - beta sum_t KL_t whatever --reward_agg says (it aggregates macro rewards: a group has one per sample), so
+    the three give the same advantages, at iteration 2 where the KL is not 0 (at n = 5, beta 0.5)."""
+    got = {agg: run_capturing(tiny_models, tmp_path / agg, monkeypatch, advantage="group", group_size=2, reward_agg=agg,
+                              whiten_advantages=False)
+           for agg in ("sum", "mean", "released")}
+    assert metrics_of(tmp_path / "sum")[1]["kl"] != 0
+    for agg in ("mean", "released"):
+        for a, b in zip(got["sum"], got[agg]):
+            assert torch.equal(a["raw"], b["raw"]), agg
+
+
+@pytest.mark.launch
+def test_a_chunked_forward_runs_as_many_times_on_every_rank(tmp_path):
+    """harness.in_chunks under 2 processes, 5 rows on one and 2 on the other, slices of 2: both run 3 forwards (the one
+    with fewer rows repeats its last slice), so a collective forward never waits for a rank that stopped; each gets
+    its own rows' result whole."""
+    import json
+    import subprocess
+    from stages import LAUNCH
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    proc = subprocess.run([*LAUNCH, "tests/launch/in_chunks_ranks.py", str(tmp_path)], cwd=root, capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    ranks = [json.loads((tmp_path / f"{r}.json").read_text()) for r in (0, 1)]
+    assert ranks[0] == {"calls": [[0, 2], [2, 4], [4, 5]], "equal": True}
+    assert ranks[1] == {"calls": [[0, 2], [0, 2], [0, 2]], "equal": True}

@@ -89,3 +89,94 @@ def test_unknown_unit_and_judges_are_refused_at_start(tiny_models, tmp_path):
     with pytest.raises(SystemExit, match="--judges 'rm,bogus': 'bogus' is not a judge; choose from rm, gold, llm"):
         evaluate.main(["agreement", "--judges", "rm,bogus", "--sft_path", str(tiny_models / "sft"),
                        "--rm_path", str(tiny_models / "rm"), "--output_dir", str(tmp_path)])
+
+
+# ---------------------------------------------------------------------------------------------
+# Every numeric flag's range, walked at its boundaries
+# ---------------------------------------------------------------------------------------------
+
+RANGED = {"sft.py": (sft.SFTArgs,), "reward_model.py": (reward_model.RMArgs,), "ppo.py": ppo.ARGS}   # seed: the first's
+
+
+def boundaries(interval, kind):
+    """(inside, outside): at each finite bound of `interval` ("[2, inf)", "(0, 1]"), the value of type `kind` nearest
+    to it on each side: the bound itself where it is included, else the next int or float past it."""
+    import math
+    inside, outside = [], []
+    for bound, closed, inward in ((interval[1:-1].split(",")[0], interval[0] == "[", 1),
+                                  (interval[1:-1].split(",")[1], interval[-1] == "]", -1)):
+        bound = float(bound)
+        if not math.isfinite(bound):
+            continue
+        if kind is int:
+            first = int(bound) if closed else int(bound) + inward
+            inside.append(first)
+            outside.append(first - inward)
+        else:
+            toward = bound + inward
+            inside.append(bound if closed else math.nextafter(bound, toward))
+            outside.append(math.nextafter(bound, bound - inward) if closed else bound)
+    return inside, outside
+
+
+def numeric_flags():
+    return [(stage, cls, f) for stage, classes in RANGED.items() for cls in classes for f in dataclasses.fields(cls)
+            if f.type in (int, float)]
+
+
+def test_every_numeric_flag_of_every_stage_is_accepted_at_its_bounds_and_refused_just_past_them():
+    """Each finite bound walked from both sides (the ints next to it, the floats next to it), with the refusal's exact
+    message; a flag without a finite bound still takes a huge int (compared exactly, no float overflow)."""
+    walked = 0
+    for stage, cls, f in numeric_flags():
+        interval = f.metadata["metavar"]
+        inside, outside = boundaries(interval, f.type)
+        for value in inside:
+            harness.check_flags(cls(**{f.name: value}))
+        for value in outside:
+            with pytest.raises(SystemExit) as stopped:
+                harness.check_flags(cls(**{f.name: value}))
+            assert str(stopped.value) == f"error: --{f.name} {value!r}: outside its range {interval}", (stage, f.name)
+        walked += len(inside) + len(outside)
+    assert walked > 120
+
+
+@pytest.mark.parametrize("stage", sorted(RANGED))
+def test_the_seed_takes_what_torch_and_numpy_take_with_seed_plus_one(stage):
+    """--seed, seed + 1 (the final report's) and seed + epoch (the batch order's) are torch seeds, and a numpy
+    seed is 32 bits: 2^32 - 1 at most; 2^64 - 1 used to train and then crash at seed + 1, 2^64 to crash at start."""
+    import numpy
+    import torch
+    cls = RANGED[stage][0]
+    harness.check_flags(cls(seed=2 ** 32 - 1))
+    for seed in (2 ** 32 - 1, 2 ** 32 - 1 + 1):
+        torch.Generator().manual_seed(seed)
+    numpy.random.RandomState(2 ** 32 - 1)
+    for seed in (2 ** 32, 2 ** 64 - 1, 2 ** 64, -1):
+        with pytest.raises(SystemExit, match=rf"--seed {seed}: outside its range \[0, 4294967295\]"):
+            harness.check_flags(cls(seed=seed))
+
+
+@pytest.mark.parametrize("stage", sorted(RANGED))
+def test_max_prompt_len_keeps_a_token_after_bos(stage, tokenizer):
+    """--max_prompt_len 1 kept every prompt whole (ids[-0:]) and counted it as cut: refused at start in every stage;
+    encode_prompts (which serves them all) refuses a length that leaves no token after BOS."""
+    import data
+    with pytest.raises(SystemExit, match=r"--max_prompt_len 1: outside its range \[2, inf\)"):
+        harness.check_flags(RANGED[stage][0](max_prompt_len=1))
+    assert tokenizer.bos_token_id is not None                       # the tiny tokenizer's BOS, as sft.py's
+    ids, mask, cut = data.encode_prompts(tokenizer, ["the quick brown fox", "the lazy dog"], 2)
+    assert ids.shape == (2, 2) and cut == 2 and (ids[:, 0] == tokenizer.bos_token_id).all()
+    assert ids[:, 1].tolist() == [i[-1] for i in tokenizer(["the quick brown fox", "the lazy dog"],
+                                                           add_special_tokens=False)["input_ids"]]
+    with pytest.raises(ValueError, match="max_len 1: keeps no prompt token after BOS"):
+        data.encode_prompts(tokenizer, ["the quick brown fox"], 1)
+
+
+def test_check_flags_checks_every_field_of_several_dataclasses():
+    """A stage whose flags are grouped in several dataclasses hands them all: each one's fields by their metadata."""
+    harness.check_flags(ppo.PPOArgs(), sft.SFTArgs())
+    with pytest.raises(SystemExit, match=r"--seed -1: outside its range"):
+        harness.check_flags(ppo.PPOArgs(), sft.SFTArgs(seed=-1))
+    with pytest.raises(SystemExit, match="--sigma 'bogus': choose from"):
+        harness.check_flags(sft.SFTArgs(), ppo.PPOArgs(sigma="bogus"))

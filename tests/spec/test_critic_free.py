@@ -92,6 +92,68 @@ def test_group_size_that_does_not_divide_the_batch_or_is_one_is_refused():
         ma.group_advantages(torch.zeros(8), 4, "mean")
 
 
+# --- what reaches the loss: whitening scales, never shifts; Dr. GRPO's constant divisor -----------
+
+AUDIT_LENGTHS, AUDIT_SCORES = [16, 3, 9, 5, 16, 2, 2, 2], [0.25] * 4 + [1.0, 0.0, 0.6, 0.5]     # an audit's example
+
+
+def audit_batch():
+    mask = (torch.arange(16) < torch.tensor(AUDIT_LENGTHS)[:, None]).float()
+    raw = ma.group_advantages(torch.tensor(AUDIT_SCORES), 4, "std").unsqueeze(-1) * mask
+    return raw, mask
+
+
+def test_whitening_shifted_the_audits_tied_group_and_flipped_a_sign():
+    """The fault, pinned: the full whitening (gae's) moves the tied group to -0.4885 per token and gives the 7th sample,
+    above its group's mean (+0.182), a negative advantage."""
+    raw, mask = audit_batch()
+    assert raw[6, 0].item() == pytest.approx(0.1823, abs=1e-4) and (raw[:4] == 0).all()
+    shifted = ma.whiten(raw, mask)
+    assert shifted[0, 0].item() == pytest.approx(-0.4885, abs=1e-4)
+    assert shifted[6, 0].item() == pytest.approx(-0.185, abs=1e-3)
+
+
+def test_scale_only_whitening_leaves_a_tied_group_at_zero_and_every_sign_as_the_estimator_gave_it():
+    """--advantage group / mc: the batch's std divides, nothing is subtracted: the audit's tied group stays exactly 0
+    on every token, and every advantage is the estimator's times one positive number (1 / the batch's token std)."""
+    raw, mask = audit_batch()
+    scaled = ma.whiten(raw, mask, shift=False)
+    assert (scaled[:4] == 0).all() and (scaled[mask == 0] == 0).all()
+    tokens = mask.bool()
+    mean = raw[tokens].mean()
+    std = ((raw[tokens] - mean) ** 2).mean().sqrt()                  # the biased token std, as the full whitening's
+    assert torch.allclose(scaled[tokens], raw[tokens] / std, atol=1e-5)
+    assert (torch.sign(scaled) == torch.sign(raw)).all()
+
+
+def dr_grpo_loop(logp, old_logp, adv, mask, clip, budget):
+    """Dr. GRPO (Liu et al. 2025, §3.1, Listing 1): sum_i sum_t of the clipped terms, divided by B x the budget."""
+    total = 0.0
+    for b in range(len(mask)):
+        for t in range(int(mask[b].sum())):
+            w = torch.exp(logp[b, t] - old_logp[b, t])
+            total = total - torch.min(w * adv[b, t], w.clamp(1 - clip, 1 + clip) * adv[b, t])
+    return total / (len(mask) * budget)
+
+
+def test_dr_grpos_loss_is_the_token_sum_over_a_constant_and_a_short_responses_tokens_weigh_as_a_long_ones():
+    logp, old, adv, mask = ratio_batch()
+    starts = mask.bool()
+    loss, _, _ = ma.clipped_policy_loss(logp, old, adv, mask, starts, 0.2, "token", budget=16)
+    assert torch.allclose(loss, dr_grpo_loop(logp, old, adv, mask, 0.2, 16), atol=1e-6)
+    loss.backward()
+    grad = logp.grad.clone()
+    # at ratio 1 every token's gradient is -A / (B x 16), a 1-token response's as a 12-token one's (GRPO: -A / (B L_i))
+    at_one = logp.detach().clone().requires_grad_()
+    ma.clipped_policy_loss(at_one, at_one.detach(), adv, mask, starts, 0.2, "token", budget=16)[0].backward()
+    assert torch.allclose(at_one.grad, -adv * mask / (4 * 16), atol=1e-7)
+    assert not torch.allclose(grad, at_one.grad)
+    # budget 0: the token mean, as before
+    plain, _, _ = ma.clipped_policy_loss(logp, old, adv, mask, starts, 0.2, "token")
+    assert torch.allclose(plain, -(torch.min(torch.exp(logp - old) * adv, torch.exp(logp - old).clamp(0.8, 1.2) * adv)
+                                   * mask).sum() / mask.sum(), atol=1e-6)
+
+
 # --- Monte Carlo values at macro starts (SPO-chain) --------------------------------------------
 
 def test_mc_points_keep_every_start_without_a_cap_and_evenly_spaced_ones_under_it():
@@ -179,27 +241,92 @@ def test_macro_ratio_with_n_at_least_the_length_is_the_unnormalised_sequence_rat
 
 # --- continuations from macro starts (data.sample_continuations) -------------------------------
 
+def greedy_alone(tiny_lm, tokenizer, prefix, max_new_tokens):
+    """The greedy continuation of one prefix alone (no padding, no batch), cut after its EOS."""
+    import data
+    alone = tiny_lm.generate(input_ids=prefix, attention_mask=torch.ones_like(prefix), max_new_tokens=max_new_tokens,
+                             do_sample=False, pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
+    tail, tail_mask = data.cut_after_eos(alone[:, prefix.shape[1]:], tokenizer.eos_token_id, tokenizer.pad_token_id)
+    return tail[0][tail_mask[0].bool()].tolist()
+
+
 def test_continuations_keep_their_prefix_and_continue_it_as_one_prompt_would(tiny_lm, tokenizer):
     """top_k 1 makes sampling greedy: each continuation, batched with prefixes of every length (left-padded), equals
-    the greedy continuation of its own prefix alone, and its response keeps the first t tokens and R tokens at most."""
+    the greedy continuation of its own prefix alone, and its response keeps the first t tokens and max_len at most."""
     import data
     prompts = ["\n\nHuman: how are you\n\nAssistant:", "hi", "\n\nHuman: tell me about the quick brown fox\n\nAssistant:"]
     torch.manual_seed(2)
     p_ids, p_mask, r_ids, r_mask, _ = data.sample(tiny_lm, tokenizer, prompts, 32, 10, temperature=1.0)
-    R = r_ids.shape[1]
+    L = 14                                          # --max_response_len above the rollout's width
     points = ma.mc_points(ma.fixed_ngram_starts(r_mask, 3), r_mask, 3)
     cp_ids, cp_mask, c_ids, c_mask = data.sample_continuations(tiny_lm, tokenizer, p_ids, p_mask, r_ids, points, 2,
-                                                               temperature=1.0, top_k=1)
-    assert c_ids.shape == (int(points.sum()) * 2, R) and torch.equal(cp_ids, p_ids[points.nonzero()[:, 0].repeat_interleave(2)])
+                                                               temperature=1.0, top_k=1, max_len=L)
+    assert c_ids.shape[1] <= L and torch.equal(cp_ids, p_ids[points.nonzero()[:, 0].repeat_interleave(2)])
     for i, (b, t) in enumerate(points.nonzero().repeat_interleave(2, dim=0).tolist()):
         prefix = torch.cat([p_ids[b][p_mask[b].bool()], r_ids[b, :t]]).unsqueeze(0)
-        alone = tiny_lm.generate(input_ids=prefix, attention_mask=torch.ones_like(prefix), max_new_tokens=R - t,
-                                 do_sample=False, pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
-        tail, tail_mask = data.cut_after_eos(alone[:, prefix.shape[1]:], tokenizer.eos_token_id, tokenizer.pad_token_id)
-        expected = tail[0][tail_mask[0].bool()].tolist()
         n = int(c_mask[i].sum())
         assert torch.equal(c_ids[i, :t], r_ids[b, :t]) and c_mask[i, :n].all() and not c_mask[i, n:].any()
-        assert c_ids[i, t:n].tolist() == expected and 0 < n - t <= R - t
+        assert c_ids[i, t:n].tolist() == greedy_alone(tiny_lm, tokenizer, prefix, L - t) and 0 < n - t <= L - t
+
+
+def test_continuations_run_to_max_response_len_whatever_the_batchs_longest_rollout(tiny_lm, tokenizer):
+    """The audit's case: rollouts of 6, 4, 5 and 2 tokens, --max_response_len 10. Each continuation runs until EOS or
+    until its whole response holds 10 tokens (not 6, the batch's longest: a continuation cut there was counted as
+    missing its EOS), the greedy continuation of its prefix alone; without EOS it is exactly 10 tokens long."""
+    import data
+    p_ids, p_mask, _ = data.encode_prompts(tokenizer, ["hi", "the quick brown fox", "def add(a, b):", "I think"], 16)
+    lengths, L, eos = [6, 4, 5, 2], 10, tokenizer.eos_token_id
+    words = tokenizer("quick brown fox jumped over the lazy dog", add_special_tokens=False)["input_ids"]
+    assert eos not in words and len(words) >= 6
+    r_ids = torch.full((4, 6), tokenizer.pad_token_id)
+    for b, n in enumerate(lengths):
+        r_ids[b, :n] = torch.tensor(words[:n])
+    r_mask = (torch.arange(6) < torch.tensor(lengths)[:, None]).long()
+    points = ma.fixed_ngram_starts(r_mask, 2)
+    _, _, c_ids, c_mask = data.sample_continuations(tiny_lm, tokenizer, p_ids, p_mask, r_ids, points, 1,
+                                                    temperature=1.0, top_k=1, max_len=L)
+    cut = 0
+    for i, (b, t) in enumerate(points.nonzero().tolist()):
+        n = int(c_mask[i].sum())
+        prefix = torch.cat([p_ids[b][p_mask[b].bool()], r_ids[b, :t]]).unsqueeze(0)
+        expected = greedy_alone(tiny_lm, tokenizer, prefix, L - t)
+        assert c_ids[i, :t].tolist() == words[:t] and c_ids[i, t:n].tolist() == expected
+        has_eos = bool((c_ids[i, :n] == eos).any())
+        assert n == L or has_eos                   # a continuation without EOS holds --max_response_len tokens
+        cut += not has_eos
+    assert cut > 0                                 # the random model seldom says EOS: most run to 10 tokens
+
+
+def test_continuations_refuse_a_limit_below_the_rollouts_width(tiny_lm, tokenizer):
+    import data
+    p_ids, p_mask, _ = data.encode_prompts(tokenizer, ["hi"], 8)
+    r_ids, r_mask = torch.tensor([[5, 6, 7]]), torch.ones(1, 3, dtype=torch.long)
+    with pytest.raises(ValueError, match="max_len 2: below the rollout's 3 response tokens"):
+        data.sample_continuations(tiny_lm, tokenizer, p_ids, p_mask, r_ids, r_mask.bool(), 1, max_len=2)
+
+
+def test_a_reference_forward_in_chunks_equals_it_at_once(tiny_lm, tokenizer):
+    """harness.in_chunks (the Monte Carlo continuations' reference forward under a segment RM): slices of 2 rows give
+    the entropies of all rows at once; one process runs ceil(n / chunk) forwards."""
+    import data
+    import harness
+    import segment_rewards as sr
+    from accelerate import Accelerator
+    texts = ["hi there", "the quick brown fox jumped", "def add(a, b):", "I think", "naive cafe"]
+    p_ids, p_mask, _ = data.encode_prompts(tokenizer, texts, 12)
+    r_ids, r_mask = data.encode_responses(tokenizer, texts[::-1], 8)
+    ids, mask, P = torch.cat([p_ids, r_ids], 1), torch.cat([p_mask, r_mask], 1), p_ids.shape[1]
+    acc, calls = Accelerator(cpu=True), []
+
+    def entropy_of(rows):
+        calls.append(rows)
+        return sr.reference_logprobs_and_entropy(tiny_lm, acc, None, ids[rows], mask[rows], P, 1.0)[1]
+    with torch.no_grad():
+        whole = entropy_of(slice(0, 5))
+        chunked = harness.in_chunks(acc, entropy_of, 5, 2)
+    assert calls[1:] == [slice(0, 2), slice(2, 4), slice(4, 5)]
+    assert chunked.shape == whole.shape and torch.allclose(chunked, whole, atol=1e-5)
+    assert torch.allclose(sr.sft_entropy(tiny_lm, acc, None, ids, mask, P, chunk=2), whole, atol=1e-5)  # MC's own
 
 
 # --- the objective: token, macro and sequence ratios -------------------------------------------

@@ -631,7 +631,8 @@ def test_mc_values_score_each_continuation_with_the_segment_rms_e(tiny_models, s
     # step 2 on the very continuations: its reference entropy, its segments, its scorer
     torch.manual_seed(1)
     c_p_ids, c_p_mask, c_ids, c_mask = data.sample_continuations(policy.model, s.tokenizer, p_ids, p_mask, r_ids,
-                                                                 points, 2, args.temperature)
+                                                                 points, 2, args.temperature,
+                                                                 max_len=args.max_response_len)
     ids, mask, P = torch.cat([c_p_ids, c_ids], 1), torch.cat([c_p_mask, c_mask], 1), c_p_ids.shape[1]
     with torch.no_grad():
         _, entropy = ppo.reference_logprobs(s.ref, policy.accelerator, policy.model, ids, mask, P,
