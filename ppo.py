@@ -109,6 +109,18 @@ def response_logprobs(model, ids, attention_mask, prompt_width, temperature, wit
     return logp, entropy
 
 
+def scoring_forwards(accelerator, policy, critic, ids, attention_mask, prompt_width, args):
+    """2. The policy's logprobs and entropy, the critic's values V(s_t) (None: no critic), [B, R] each, and whether
+    they keep their graphs for the update (`reusable_forwards`: then in train mode, as in the update)."""
+    reuse = reusable_forwards(accelerator, policy, critic, args)
+    policy.train(reuse)
+    with torch.set_grad_enabled(reuse):
+        logp, entropy = response_logprobs(policy, ids, attention_mask, prompt_width, args.temperature, True)
+        values = critic(ids, attention_mask, prompt_width) if critic is not None else None
+    policy.eval()
+    return logp, entropy, values, reuse
+
+
 def reference_logprobs(ref, accelerator, policy, ids, attention_mask, prompt_width, temperature, t1_entropy=False):
     """2. log pi_ref of the response tokens [B, R] (the frozen SFT model; under LoRA, `ref` None, the policy with its
     adapters off), and with `t1_entropy` the SFT entropy at temperature 1 that segments read, else None."""
@@ -120,19 +132,16 @@ def reference_logprobs(ref, accelerator, policy, ids, attention_mask, prompt_wid
 
 
 def reusable_forwards(accelerator, policy, critic, args):
-    """2, 6. Graph reuse, a speed-up: with one epoch over one minibatch, no accumulation, unsharded models without
-    dropout, step 2's policy and critic forwards keep their graphs for the update, which then runs no forward of its
-    own (docs/training.md: about 10% of a tiny iteration). The same numbers: a row's forward depends neither on the
-    other rows nor, without dropout, on train() / eval()."""
+    """2, 6. Graph reuse, a speed-up, the same numbers: one epoch over one minibatch, no accumulation, unsharded models
+    without dropout (a row's forward then depends on no other row, nor on train() / eval()); docs/training.md."""
     return (args.ppo_epochs == 1 and args.mini_batch_size >= args.rollout_batch_size and args.grad_accum == 1
             and not harness.is_sharded(accelerator)
             and not any(harness.has_dropout(m) for m in (policy, critic) if m is not None))
 
 
 def policy_loss(logp, b, clip=0.2, ratio="token", kl_coef=0.0, budget=0):
-    """6. The clipped policy loss of minibatch `b` at its new logprobs `logp` (token, macro or sequence ratio, §3.3;
-    `budget` > 0: Dr. GRPO's constant divisor) and its stats; with b["ref_logp"] (--kl_penalty loss) plus kl_coef x
-    the mean k3 (GRPO, Shao et al. 2024, Eq. 4)."""
+    """6. The clipped policy loss of minibatch `b` at its new `logp` (token, macro or sequence ratio, §3.3; `budget`:
+    Dr. GRPO's divisor) and its stats; with b["ref_logp"] plus kl_coef x the mean k3 (GRPO, Shao et al. 2024, Eq. 4)."""
     mask = b["response_mask"]
     loss, ratios, log_ratio = ma.clipped_policy_loss(logp, b["old_logp"], b["advantages"], mask, b["starts"], clip,
                                                      ratio, budget)
@@ -169,9 +178,8 @@ def backward(model, loss, scale, where):
 
 
 def ppo_update(policy, critic, batch, args, credit, *, train_policy, generator, prompt_width, beta, step):
-    """6. PPO epochs over minibatches of the rollout `batch` (tensors by name, rows first): the policy loss steps the
-    policy (not while the critic warms up: `train_policy`), the value loss the critic (None: none). --grad_accum
-    minibatches make one step; the remainder steps alone. Returns each minibatch's stats, with its step's norms."""
+    """6. PPO epochs over minibatches of the rollout `batch`: the policy loss steps the policy (unless the critic warms
+    up: `train_policy`), the value loss the critic; --grad_accum minibatches a step. Each minibatch's stats, norms."""
     trained, stepping = [t for t in (policy, critic) if t], [t for t in (train_policy and policy, critic) if t]
     where = (policy.accelerator, step, args.output_dir)     # a non-finite loss stops every process, naming these
     budget = args.max_response_len if credit.advantage == "group" and credit.group_norm == "none" else 0  # Dr. GRPO
@@ -182,7 +190,7 @@ def ppo_update(policy, critic, batch, args, credit, *, train_policy, generator, 
         group, grouped = order[g:g + args.grad_accum], []
         harness.start_accumulation([t.accelerator for t in trained], len(group))
         for rows in group:
-            b = {name: tensor[rows] for name, tensor in batch.items()}
+            b = {name: tensor[rows] for name, tensor in batch.items() if tensor is not None}
             with harness.accumulate(trained):       # backward divides by --grad_accum: scale makes a group's mean
                 # the policy, then the critic: the policy's graph is gone before the critic's forward builds one
                 logp = b["reused_logp"] if "reused_logp" in b else response_logprobs(
@@ -211,8 +219,7 @@ def ppo_update(policy, critic, batch, args, credit, *, train_policy, generator, 
 def iteration_metrics(name, score, kl, rewards, mask, starts, entropy, has_eos, advantages, returns, old_values, stats,
                       update_stats):
     """7. This process's metrics of an iteration: the score (reward/<name>), KL, rewards, norms of advantages and
-    Q-values over tokens and over macro actions (paper Fig. 11), lengths, `stats` (the score's, the terminations'),
-    and the update's stats averaged over its minibatches."""
+    Q-values over tokens and macro actions (Fig. 11), lengths, `stats` and the update's (means over minibatches)."""
     lengths = mask.sum(-1)
     metrics = {**stats, f"reward/{name}": score.mean(), "reward/total": rewards.sum(-1).mean(),
                "kl": (kl * mask).sum(-1).mean(),
@@ -230,9 +237,8 @@ def iteration_metrics(name, score, kl, rewards, mask, starts, entropy, has_eos, 
 
 
 def adaptive_beta(beta, kl, target, n, horizon):
-    """7. The next KL coefficient (Ziegler et al. 2019, §2.2), the same on every rank: the batch's per-sequence `kl`
-    (every process's) steered towards `target` (0: beta fixed), the error clipped to +-20%, the step scaled by the `n`
-    samples seen over a `horizon`, at most 1 (so beta moves by at most 20% an iteration and stays positive)."""
+    """7. The next KL coefficient (Ziegler et al. 2019, §2.2): the batch's per-sequence `kl` steered to `target` (0:
+    fixed), the error clipped to +-20%, times min(n / horizon, 1): at most 20% an iteration, beta stays positive."""
     if not target:
         return beta
     error = min(max(kl / target - 1, -0.2), 0.2)
@@ -340,7 +346,8 @@ def main(args, *extensions):
                 # 1. Rollout: sample responses to this rank's prompts (a prompt's K samples in adjacent rows)
                 idx = data.batch_indices(len(s.rows), args.rollout_batch_size // K, step, args.seed,
                                          acc.process_index, world, K)
-                with harness.generation_model(acc, policy.model.eval(), models.gather_for_generation) as (m, synced):
+                policy.model.eval()
+                with harness.generation_model(acc, policy.model, models.gather_for_generation) as (m, synced):
                     p_ids, p_mask, r_ids, r_mask, n_cut = data.sample(
                         m, tokenizer, [s.rows[i]["prompt"] for i in idx], args.max_prompt_len, args.max_response_len,
                         args.temperature, args.top_k, args.top_p, synced_gpus=synced)
@@ -349,15 +356,12 @@ def main(args, *extensions):
             mask, rows = r_mask.float(), [s.rows[i] for i in idx]      # [B, R]; ids, attention_mask [B, P + R]
             with clock.phase("forward"):
                 # 2. Score: the policy's logprobs and the critic's values V(s_t), the reference logprobs, the score
-                reuse = reusable_forwards(acc, policy.model, critic and critic.model, args)
-                with torch.set_grad_enabled(reuse):     # reused by the update: with their graphs, in train mode
-                    logp, entropy = response_logprobs(policy.model.train(reuse), ids, attention_mask, P,
-                                                      args.temperature, with_entropy=True)
-                    values = critic.model(ids, attention_mask, P) if critic else None
+                logp, entropy, values, reuse = scoring_forwards(acc, policy.model, critic and critic.model, ids,
+                                                                attention_mask, P, args)
                 old_logp, old_values = logp.detach(), values.detach() * mask if critic else None
                 with torch.no_grad():
-                    ref_logp, sft_entropy = reference_logprobs(s.ref, acc, policy.model.eval(), ids, attention_mask,
-                                                               P, args.temperature, scorer.reads_sft_entropy)
+                    ref_logp, sft_entropy = reference_logprobs(s.ref, acc, policy.model, ids, attention_mask, P,
+                                                               args.temperature, scorer.reads_sft_entropy)
                     score, dense, segments, stats = scorer(ids, attention_mask, P, rows, sft_entropy)
                 # 3. Rewards (§2): r_t = -beta * KL_t per token; the score, a missing EOS penalized, at the last token
                 has_eos = ((r_ids == tokenizer.eos_token_id) & mask.bool()).any(-1)

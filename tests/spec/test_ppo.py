@@ -194,7 +194,8 @@ def test_the_update_backpropagates_the_policy_before_the_critics_forward(tiny_mo
     batch = {"ids": torch.randint(5, 300, (B, P + R)), "attention_mask": torch.ones(B, P + R, dtype=torch.long),
              "old_logp": torch.full((B, R), -5.0), "advantages": torch.randn(B, R), "response_mask": mask,
              "starts": mask.bool(), "old_values": torch.zeros(B, R), "returns": torch.randn(B, R)}
-    ppo.ppo_update(*trained, batch, ppo.PPOArgs(ppo_epochs=2, mini_batch_size=2), ppo.cf.CreditArgs(), train_policy=True,
+    ppo.ppo_update(*trained, batch, ppo.PPOArgs(ppo_epochs=2, mini_batch_size=2), ppo.cf.CreditArgs(),
+                   train_policy=True,
                    generator=torch.Generator().manual_seed(0), prompt_width=P, beta=0.0, step=0)
     assert events == ["policy forward", "policy backward", "critic forward"] * 4
 
