@@ -164,8 +164,8 @@ def page(calls, metrics, args, tokenizer, source):
              "`ppo.main()` computed, recorded as it ran; each block of code is read from the source files when the "
              f"page is made, by `{source}`; `tests/spec/test_one_iteration.py` fails when the page and the code "
              "disagree.", "",
-             f"The run: `python ppo.py {' '.join(FLAGS)}` on one process (the last three only trim the run's "
-             f"end), every other flag its default: `--n {args.n}` fixed n-grams, `--sigma {args.sigma}`, "
+             f"The run: `python ppo.py {' '.join(FLAGS)}` on one process (the flags after the first only trim "
+             f"the run's end), every other flag its default: `--n {args.n}` fixed n-grams, `--sigma {args.sigma}`, "
              f"`--gamma {args.gamma:g}`, `--lam {args.lam:g}`, `--beta {args.beta:g}`, `--clip {args.clip:g}`, "
              f"`--rollout_batch_size {args.rollout_batch_size}` in minibatches of {args.mini_batch_size}, "
              f"`--temperature {args.temperature:g}`, `--policy_lr {args.policy_lr:g}` with "
@@ -267,8 +267,10 @@ def page(calls, metrics, args, tokenizer, source):
         n, off = int(m[i].sum()), float(((ratios.detach() - 1).abs() * m).max())
         when = ("after the first minibatch's optimizer step: the policy has moved" if mb else
                 "before any optimizer step: the policy is the one that sampled, so the ratios are 1")
+        clipped = int((((ratios.detach() - 1).abs() > args.clip) * m).sum())
         lines += [f"**Minibatch {mb + 1}** ({len(order[mb])} rows, {when}; the largest |ratio − 1| of its tokens "
-                  f"{off:.2g}): policy loss {f(p_loss)}, value loss {f(v_loss)}. Sample {names[b]}:", "",
+                  f"{off:.2g}, {clipped} of its {int(m.sum())} tokens outside 1 ± {args.clip:g}): policy loss "
+                  f"{f(p_loss)}, value loss {f(v_loss)}. Sample {names[b]}:", "",
                   table(["t", "A_t whitened", "log π", "ratio", "clipped term −min(rA, clip(r)A)"],
                         [[t, f(whitened[b, t]), f(logp[i, t]), f(ratios[i, t], 6), f(terms[i, t])]
                          for t in range(n)])]
