@@ -18,6 +18,8 @@ import os
 import sys
 import tempfile
 
+import torch
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 PAGE = os.path.join(ROOT, "docs", "one_iteration.md")
@@ -138,148 +140,176 @@ def table(header, rows):
                      + ["| " + " | ".join(map(str, r)) + " |" for r in rows]) + "\n"
 
 
-def page(calls, metrics, args, tokenizer, source):
-    import torch
-    import macro_actions as ma
-    import ppo
-    import reward_model as rm
-    first = lambda name: calls[name][0]     # noqa: E731  the first call of this iteration
+def tensors(calls, args):
+    """The shown iteration's tensors by name, [B, R] unless said, each as main() passed or got it."""
+    first = lambda name: calls[name][0]     # noqa: E731  (args, kwargs, result) of the iteration's first call
     p_ids, p_mask, r_ids, r_mask, _ = first("sample")[2]
-    mask = r_mask.float()
-    old_logp = first("response_logprobs")[2][0].detach()
-    ref_logp = first("reference_logprobs")[2][0]
-    values = first("forward")[2].detach() * mask
-    score = first("__call__")[2][0]
-    starts = first("termination_starts")[2][0]
-    kl_rewards = first("macro_rewards")[0][0]
-    rewards = first("macro_rewards")[2]
-    sigma = first("sigma_weights")[2]
-    advantages, returns = first("macro_advantages")[2]
-    whitened = first("whiten")[2]
-    order = first("minibatches")[2]
-    kl = old_logp - ref_logp
-    assert torch.allclose(kl_rewards, -args.beta * kl * mask), "step 3 is not -beta * (logp - logp_ref)"
-    lines = ["# One MA-PPO iteration, with its real numbers", "",
-             "[README](../README.md) · [macro actions](macro_actions.md) · Each number below is one that "
-             "`ppo.main()` computed, recorded as it ran; each block of code is read from the source files when the "
-             f"page is made, by `{source}`; `tests/spec/test_one_iteration.py` fails when the page and the code "
-             "disagree.", "",
-             f"The run: `python ppo.py {' '.join(FLAGS)}` on one process (the flags after the first only trim "
-             f"the run's end), every other flag its default: `--n {args.n}` fixed n-grams, `--sigma {args.sigma}`, "
-             f"`--gamma {args.gamma:g}`, `--lam {args.lam:g}`, `--beta {args.beta:g}`, `--clip {args.clip:g}`, "
-             f"`--rollout_batch_size {args.rollout_batch_size}` in minibatches of {args.mini_batch_size}, "
-             f"`--temperature {args.temperature:g}`, `--policy_lr {args.policy_lr:g}` with "
-             f"{args.warmup_steps} warmup iterations. The models are random tiny ones "
-             "(`bench/same_numbers.py`'s `tiny_models`: a 2-layer Gemma of width 32 over a 400-token BPE, and an RM "
-             "made from it, seeded), so the replies are noise (a `�` is one byte of a character cut in two) and the "
-             "policy is nearly uniform (log 1/400 = −5.99); `--sft_path runs/chitchat/sft --rm_path "
-             "runs/chitchat/rm` shows the default run's models. The page follows the **second** iteration: in the "
-             "first the policy is still the SFT model, so every KL is exactly 0. Two of its "
-             f"{len(r_ids)} samples are shown, the first of each minibatch of the update.", ""]
-    rows = [int(order[0][0]), int(order[1][0])]
-    names = {rows[0]: "A", rows[1]: "B"}
-    # 1. Rollout
-    lines += ["## 1. Rollout", "", step(1)]
-    for b in rows:
-        prompt = [int(i) for i in p_ids[b][p_mask[b].bool()]]
-        reply = [int(i) for i in r_ids[b][r_mask[b].bool()]]
-        lines += [f"**Sample {names[b]}** (row {b} of the batch).", "",
-                  f"- prompt ({len(prompt)} tokens): "
-                  f"{json.dumps(tokenizer.decode(prompt), ensure_ascii=False)}",
+    x = dict(p_ids=p_ids, p_mask=p_mask, r_ids=r_ids, mask=r_mask.float(), score=first("__call__")[2][0],
+             old_logp=first("response_logprobs")[2][0].detach(), ref_logp=first("reference_logprobs")[2][0],
+             starts=first("termination_starts")[2][0], kl_rewards=first("macro_rewards")[0][0],
+             rewards=first("macro_rewards")[2], sigma=first("sigma_weights")[2], whitened=first("whiten")[2],
+             order=first("minibatches")[2])       # score [B]; p_ids, p_mask [B, P]; order: each minibatch's rows
+    x["values"] = first("forward")[2].detach() * x["mask"]
+    x["advantages"], x["returns"] = first("macro_advantages")[2]
+    x["kl"] = x["old_logp"] - x["ref_logp"]
+    assert torch.allclose(x["kl_rewards"], -args.beta * x["kl"] * x["mask"]), "step 3 is not -beta * KL"
+    return argparse.Namespace(**x)
+
+
+def intro(x, args, source):
+    tiny = "--sft_path" not in source
+    models = ("random tiny ones (`bench/same_numbers.py`'s `tiny_models`: a 2-layer Gemma of width 32 over a "
+              "400-token BPE, and an RM made from it, seeded), so the replies are noise (a `�` is one byte of a "
+              "character cut in two) and the policy is nearly uniform (log 1/400 = −5.99); `--sft_path "
+              "runs/chitchat/sft --rm_path runs/chitchat/rm` shows the default run's models" if tiny else
+              f"`{args.sft_path}` (the policy's start and the reference) and `{args.rm_path}` (the score and the "
+              "critic's start)")
+    return ["# One MA-PPO iteration, with its real numbers", "",
+            "[README](../README.md) · [macro actions](macro_actions.md) · Each number below is one that "
+            "`ppo.main()` computed, recorded as it ran; each block of code is read from the source files when the "
+            f"page is made, by `{source}`; `tests/spec/test_one_iteration.py` fails when the page and the code "
+            "disagree.", "",
+            f"The run: `python ppo.py {' '.join(FLAGS)}` on one process (the flags after the first only trim "
+            f"the run's end), every other flag its default: `--n {args.n}` fixed n-grams, `--sigma {args.sigma}`, "
+            f"`--gamma {args.gamma:g}`, `--lam {args.lam:g}`, `--beta {args.beta:g}`, `--clip {args.clip:g}`, "
+            f"`--rollout_batch_size {args.rollout_batch_size}` in minibatches of {args.mini_batch_size}, "
+            f"`--temperature {args.temperature:g}`, `--policy_lr {args.policy_lr:g}` with "
+            f"{args.warmup_steps} warmup iterations. The models are {models}. The page follows the **second** "
+            "iteration: in the first the policy is still the SFT model, so every KL is exactly 0. Two of its "
+            f"{len(x.r_ids)} samples are shown, the first of each minibatch of the update.", ""]
+
+
+def part_rollout(x, shown, tokenizer):
+    lines = ["## 1. Rollout", "", step(1)]
+    for name, b in shown.items():
+        prompt = [int(i) for i in x.p_ids[b][x.p_mask[b].bool()]]
+        reply = [int(i) for i in x.r_ids[b][x.mask[b].bool()]]
+        lines += [f"**Sample {name}** (row {b} of the batch).", "",
+                  f"- prompt ({len(prompt)} tokens): {json.dumps(tokenizer.decode(prompt), ensure_ascii=False)}",
                   f"- its ids: `{prompt}`",
                   f"- reply ({len(reply)} tokens): {json.dumps(tokenizer.decode(reply), ensure_ascii=False)}",
                   f"- its ids: `{reply}`", ""]
-    # 2. Score
-    lines += ["## 2. Score", "", step(2),
-              "The logprobs are the policy's and the SFT model's, of each sampled token, at the sampling temperature:",
-              "", code(ppo.response_logprobs, "logits = model(", "squeeze(-1)"),
-              "The critic (initialised from the RM) reads V(s_t) for the state before each reply token, at the "
-              "position before it; the RM's score is its head at the last real token:", "",
-              code(rm.Critic.forward, "values = token_values", "return values"),
-              code(rm.Scorer.__call__, "return last_token")]
-    for b in rows:
-        n = int(mask[b].sum())
-        lines += [f"**Sample {names[b]}**: score {f(score[b])}.", "",
+    return lines
+
+
+def part_score(x, shown, tokenizer):
+    import ppo
+    import reward_model as rm
+    lines = ["## 2. Score", "", step(2),
+             "The logprobs are the policy's and the SFT model's, of each sampled token, at the sampling temperature:",
+             "", code(ppo.response_logprobs, "logits = model(", "squeeze(-1)"),
+             "The critic (initialised from the RM) reads V(s_t) for the state before each reply token, at the "
+             "position before it; the RM's score is its head at the last real token:", "",
+             code(rm.Critic.forward, "values = token_values", "return values"),
+             code(rm.Scorer.__call__, "return last_token")]
+    for name, b in shown.items():
+        lines += [f"**Sample {name}**: score {f(x.score[b])}.", "",
                   table(["t", "token", "id", "log π_old", "log π_ref", "V(s_t)"],
-                        [[t, piece(tokenizer, int(r_ids[b, t])), int(r_ids[b, t]), f(old_logp[b, t]),
-                          f(ref_logp[b, t]), f(values[b, t])] for t in range(n)])]
-    # 3. Rewards
-    lines += ["## 3. Rewards", "", step(3),
-              f"With `--kl_estimator k1`, KL_t = log π_old − log π_ref and r_t = −{args.beta:g} · KL_t; the score "
-              "goes to the last token in step 5 (`macro_rewards`).", ""]
-    for b in rows:
-        n = int(mask[b].sum())
-        lines += [f"**Sample {names[b]}**: Σ KL_t = {f(kl[b, :n].sum())}.", "",
+                        [[t, piece(tokenizer, int(x.r_ids[b, t])), int(x.r_ids[b, t]), f(x.old_logp[b, t]),
+                          f(x.ref_logp[b, t]), f(x.values[b, t])] for t in range(int(x.mask[b].sum()))])]
+    return lines
+
+
+def part_rewards(x, shown, args):
+    lines = ["## 3. Rewards", "", step(3),
+             f"With `--kl_estimator {args.kl_estimator}`, KL_t = log π_old − log π_ref and "
+             f"r_t = −{args.beta:g} · KL_t; the score goes to the last token in step 5 (`macro_rewards`).", ""]
+    for name, b in shown.items():
+        n = int(x.mask[b].sum())
+        lines += [f"**Sample {name}**: Σ KL_t = {f(x.kl[b, :n].sum())}.", "",
                   table(["t", "KL_t", "−β·KL_t"],
-                        [[t, f(kl[b, t], 5), f(kl_rewards[b, t], 6)] for t in range(n)])]
-    # 4. Macro actions
-    lines += ["## 4. Macro actions", "", step(4), code(ma.fixed_ngram_starts, "pos = _positions", "return"),
-              f"A macro action starts every n = {args.n} reply tokens; the last one may be shorter.", ""]
-    for b in rows:
-        n = int(mask[b].sum())
-        lines += [f"- sample {names[b]}: starts `{[int(s) for s in starts[b, :n]]}`, macro ids "
-                  f"`{[int(i) for i in ma.macro_ids(starts)[b, :n]]}`"]
-    # 5. Advantages
-    lines += ["", "## 5. Advantages", "", step(5),
-              "The rewards r_t: the KL rewards, the score added at the last real token (Σ over a macro action = "
-              "R_τ):", "", code(ma.macro_rewards, "rewards = kl_rewards.clone()", "return rewards"),
-              "V_τ = Σ σ_i V(s_i) with `--sigma equal` (σ = 1/len), then GAE over macro actions, backwards (Eq. "
-              "4-5), broadcast to the tokens; the returns Q_τ = A_τ + V_τ are the critic's targets:", "",
-              code(ma.macro_advantages, "v_macro = zeros.scatter_add", "return adv.gather")]
-    ids = ma.macro_ids(starts)
-    for b in rows:
-        n = int(mask[b].sum())
-        lines += [f"**Sample {names[b]}**, per token:", "",
+                        [[t, f(x.kl[b, t], 5), f(x.kl_rewards[b, t], 6)] for t in range(n)])]
+    return lines
+
+
+def part_macro_actions(x, shown, args):
+    import macro_actions as ma
+    lines = ["## 4. Macro actions", "", step(4), code(ma.fixed_ngram_starts, "pos = _positions", "return"),
+             f"A macro action starts every n = {args.n} reply tokens; the last one may be shorter.", ""]
+    for name, b in shown.items():
+        n = int(x.mask[b].sum())
+        lines += [f"- sample {name}: starts `{[int(s) for s in x.starts[b, :n]]}`, macro ids "
+                  f"`{[int(i) for i in ma.macro_ids(x.starts)[b, :n]]}`"]
+    return lines + [""]
+
+
+def part_advantages(x, shown, args):
+    """Step 5, and each sample's macro table: R_tau and V_tau by macro_sum, delta_tau from them, A_tau and the
+    return as macro_advantages gave them on the macro action's first token."""
+    import macro_actions as ma
+    lines = ["## 5. Advantages", "", step(5),
+             "The rewards r_t: the KL rewards, the score added at the last real token (Σ over a macro action = "
+             "R_τ):", "", code(ma.macro_rewards, "rewards = kl_rewards.clone()", "return rewards"),
+             f"V_τ = Σ σ_i V(s_i) with `--sigma {args.sigma}`, then GAE over macro actions, backwards (Eq. 4-5), "
+             "broadcast to the tokens; the returns Q_τ = A_τ + V_τ are the critic's targets:", "",
+             code(ma.macro_advantages, "v_macro = zeros.scatter_add", "return adv.gather")]
+    R, V = ma.macro_sum(x.rewards * x.mask, x.starts), ma.macro_sum(x.sigma * x.values, x.starts)
+    for name, b in shown.items():
+        n = int(x.mask[b].sum())
+        lines += [f"**Sample {name}**, per token:", "",
                   table(["t", "r_t", "start", "σ_t", "V(s_t)", "A_t", "return_t"],
-                        [[t, f(rewards[b, t], 6), int(starts[b, t]), f(sigma[b, t]), f(values[b, t]),
-                          f(advantages[b, t]), f(returns[b, t])] for t in range(n)])]
+                        [[t, f(x.rewards[b, t], 6), int(x.starts[b, t]), f(x.sigma[b, t]), f(x.values[b, t]),
+                          f(x.advantages[b, t]), f(x.returns[b, t])] for t in range(n)])]
+        firsts = [int(t) for t in x.starts[b, :n].nonzero()] + [n]
         macro = []
-        n_macros = int(starts[b].sum())
-        R = [float((rewards[b] * mask[b] * (ids[b] == k)).sum()) for k in range(n_macros)]
-        V = [float((sigma[b] * values[b] * (ids[b] == k)).sum()) for k in range(n_macros)]
-        for k in range(n_macros):
-            t0 = int(starts[b].nonzero()[k])
-            t1 = t0 + int((ids[b, :n] == k).sum()) - 1
-            delta = R[k] + args.gamma * (V[k + 1] if k + 1 < n_macros else 0.0) - V[k]
-            macro.append([k, f"{t0}-{t1}", f(R[k], 6), f(V[k]), f(delta), f(advantages[b, t0]), f(returns[b, t0])])
-        lines += [f"**Sample {names[b]}**, per macro action: R_τ = Σ r_t, V_τ = Σ σ_t V(s_t), "
+        for k, (t0, t1) in enumerate(zip(firsts, firsts[1:])):
+            delta = R[b, t0] + args.gamma * (V[b, t1] if t1 < n else 0.0) - V[b, t0]
+            macro.append([k, f"{t0}-{t1 - 1}", f(R[b, t0], 6), f(V[b, t0]), f(delta), f(x.advantages[b, t0]),
+                          f(x.returns[b, t0])])
+        lines += [f"**Sample {name}**, per macro action: R_τ = Σ r_t, V_τ = Σ σ_t V(s_t), "
                   f"δ_τ = R_τ + γ V_τ+1 − V_τ (V = 0 after the last), A_τ = δ_τ + γλ A_τ+1 "
                   f"(γλ = {args.gamma * args.lam:g}), return = A_τ + V_τ:", "",
                   table(["τ", "tokens", "R_τ", "V_τ", "δ_τ", "A_τ", "return"], macro)]
-    # 6. PPO update
-    mean = ma.masked_mean(advantages, mask)
-    std = ma.masked_mean((advantages - mean) ** 2, mask).sqrt()
-    lines += ["## 6. PPO update", "", step(6),
-              f"Whitened over the batch's {int(mask.sum())} reply tokens: mean {f(mean)}, std {f(std)}:", "",
-              code(ppo.whiten, "mean = ", "return"),
-              "Each minibatch: the policy's new logprobs, the ratio π/π_old per token, the clipped loss:", "",
-              code(ma.clipped_policy_loss, "log_ratio = (logp", "weights = mask  "),
-              code(ma.clipped_policy_loss, "ratios = log_ratio.exp()", "return masked_mean"),
-              code(ppo.value_loss, "v_clipped", "b[\"response_mask\"])")]
-    for mb, b in enumerate(rows):
-        _, _, (loss, ratios, _) = calls["clipped_policy_loss"][mb]
+    return lines
+
+
+def part_update(x, shown, args, calls):
+    """Step 6: the whitening, then for each shown sample its minibatch's new logprobs, ratios, clipped terms."""
+    import macro_actions as ma
+    import ppo
+    mean = ma.masked_mean(x.advantages, x.mask)
+    std = ma.masked_mean((x.advantages - mean) ** 2, x.mask).sqrt()
+    lines = ["## 6. PPO update", "", step(6),
+             f"Whitened over the batch's {int(x.mask.sum())} reply tokens: mean {f(mean)}, std {f(std)}:", "",
+             code(ppo.whiten, "mean = ", "return"),
+             "Each minibatch: the policy's new logprobs, the ratio π/π_old per token, the clipped loss:", "",
+             code(ma.clipped_policy_loss, "log_ratio = (logp", "weights = mask  "),
+             code(ma.clipped_policy_loss, "ratios = log_ratio.exp()", "return masked_mean"),
+             code(ppo.value_loss, "v_clipped", "b[\"response_mask\"])")]
+    for mb, (name, b) in enumerate(shown.items()):
+        ratios = calls["clipped_policy_loss"][mb][2][1].detach()
         (logp, batch), p_loss = calls["policy_loss"][mb][0][:2], calls["policy_loss"][mb][2][0]
-        i = [int(r) for r in order[mb]].index(b)
+        i = [int(r) for r in x.order[mb]].index(b)
         m, a = batch["response_mask"], batch["advantages"]
-        terms = torch.max(-a * ratios, -a * ratios.clamp(1 - args.clip, 1 + args.clip)).detach()
+        terms = torch.max(-a * ratios, -a * ratios.clamp(1 - args.clip, 1 + args.clip))
         assert torch.allclose(ma.masked_mean(terms, m), p_loss.detach()), "the loss is not the mean of its terms"
-        v_loss = calls["value_loss"][mb][2]
-        n, off = int(m[i].sum()), float(((ratios.detach() - 1).abs() * m).max())
+        off, clipped = float(((ratios - 1).abs() * m).max()), int((((ratios - 1).abs() > args.clip) * m).sum())
         when = ("after the first minibatch's optimizer step: the policy has moved" if mb else
                 "before any optimizer step: the policy is the one that sampled, so the ratios are 1")
-        clipped = int((((ratios.detach() - 1).abs() > args.clip) * m).sum())
-        lines += [f"**Minibatch {mb + 1}** ({len(order[mb])} rows, {when}; the largest |ratio − 1| of its tokens "
+        lines += [f"**Minibatch {mb + 1}** ({len(x.order[mb])} rows, {when}; the largest |ratio − 1| of its tokens "
                   f"{off:.2g}, {clipped} of its {int(m.sum())} tokens outside 1 ± {args.clip:g}): policy loss "
-                  f"{f(p_loss)}, value loss {f(v_loss)}. Sample {names[b]}:", "",
+                  f"{f(p_loss)}, value loss {f(calls['value_loss'][mb][2])}. Sample {name}:", "",
                   table(["t", "A_t whitened", "log π", "ratio", "clipped term −min(rA, clip(r)A)"],
-                        [[t, f(whitened[b, t]), f(logp[i, t]), f(ratios[i, t], 6), f(terms[i, t])]
-                         for t in range(n)])]
-    # 7. Log
+                        [[t, f(x.whitened[b, t]), f(logp[i, t]), f(ratios[i, t], 6), f(terms[i, t])]
+                         for t in range(int(m[i].sum()))])]
+    return lines
+
+
+def part_log(x, metrics):
     keys = ["reward/rm", "kl", "reward/total", "adv/l2", "q/l2", "loss/policy", "loss/value", "policy/ratio",
             "policy/approxkl", "policy/clipfrac", "value/explained_variance"]
-    lines += ["## 7. Log", "", step(7), "What this iteration wrote to `metrics.jsonl` (means over the batch of "
-              f"{len(r_ids)} and over the minibatches), among others:", "",
-              table(["metric", "value"], [[k, f"{metrics[k]:.4g}"] for k in keys])]
+    return ["## 7. Log", "", step(7), "What this iteration wrote to `metrics.jsonl` (means over the batch of "
+            f"{len(x.r_ids)} and over the minibatches), among others:", "",
+            table(["metric", "value"], [[k, f"{metrics[k]:.4g}"] for k in keys])]
+
+
+def page(calls, metrics, args, tokenizer, source):
+    """The page: the run, then the seven steps of main(), for the first sample of each minibatch (A and B)."""
+    x = tensors(calls, args)
+    shown = {"A": int(x.order[0][0]), "B": int(x.order[1][0])}
+    lines = [*intro(x, args, source), *part_rollout(x, shown, tokenizer), *part_score(x, shown, tokenizer),
+             *part_rewards(x, shown, args), *part_macro_actions(x, shown, args), *part_advantages(x, shown, args),
+             *part_update(x, shown, args, calls), *part_log(x, metrics)]
     return "\n".join(lines).rstrip("\n") + "\n"
 
 
