@@ -1,6 +1,5 @@
 """docs/one_iteration.md is what ppo.main() computes: the page regenerated from a recorded run of main() on the tiny
 models (bench/one_iteration.py) must equal the committed one, and its tables must hold Eq. 4-5 by hand."""
-import os
 import re
 
 import pytest
