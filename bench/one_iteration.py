@@ -165,10 +165,11 @@ def intro(x, args, source):
               f"`{args.sft_path}` (the policy's start and the reference) and `{args.rm_path}` (the score and the "
               "critic's start)")
     return ["# One MA-PPO iteration, with its real numbers", "",
-            "[README](../README.md) · [macro actions](macro_actions.md) · Each number below is one that "
-            "`ppo.main()` computed, recorded as it ran; each block of code is read from the source files when the "
-            f"page is made, by `{source}`; `tests/spec/test_one_iteration.py` fails when the page and the code "
-            "disagree.", "",
+            "[README](../README.md) · [macro actions](macro_actions.md) · Each tensor below is one that "
+            "`ppo.main()` computed, recorded as it ran (a few columns are sums or differences of them, named where "
+            "they appear: Σ KL_t, R_τ and V_τ by `macro_sum`, δ_τ, the whitening's mean and std, the clipped term "
+            "of each token); each block of code is read from the source files when the page is made, by "
+            f"`{source}`; `tests/spec/test_one_iteration.py` fails when the page and the code disagree.", "",
             f"The run: `python ppo.py {' '.join(FLAGS)}` on one process (the flags after the first only trim "
             f"the run's end), every other flag its default: `--n {args.n}` fixed n-grams, `--sigma {args.sigma}`, "
             f"`--gamma {args.gamma:g}`, `--lam {args.lam:g}`, `--beta {args.beta:g}`, `--clip {args.clip:g}`, "
