@@ -1,6 +1,6 @@
 """docs/one_iteration.md: one MA-PPO iteration of ppo.py's main(), step by step, with its real numbers.
 
-    python bench/one_iteration.py                          # tiny random models (seconds, offline); writes the page
+    python bench/one_iteration.py                          # tiny random models (~8 s of CPU, offline); writes the page
     python bench/one_iteration.py --check                  # exit 1 if docs/one_iteration.md is not what the code gives
     python bench/one_iteration.py --sft_path runs/chitchat/sft --rm_path runs/chitchat/rm --out /tmp/page.md
 
