@@ -317,15 +317,15 @@ def page(calls, metrics, args, tokenizer, source):
 def record(sft_path="", rm_path=""):
     """`run_main` on these models (default: `tiny_models`, built in a temporary folder), and the command that
     makes the page of them."""
-    tmp = tempfile.mkdtemp(prefix="one_iteration_")
     source = "python bench/one_iteration.py"
-    if not sft_path:
-        sys.path.insert(0, os.path.join(ROOT, "bench"))
-        from same_numbers import tiny_models
-        sft_path, rm_path = tiny_models(os.path.join(tmp, "models"))
-    else:
-        source += f" --sft_path {sft_path} --rm_path {rm_path}"
-    return (*run_main(sft_path, rm_path, os.path.join(tmp, "ppo")), source)
+    with tempfile.TemporaryDirectory(prefix="one_iteration_") as tmp:      # the models and the run's folder
+        if not sft_path:
+            sys.path.insert(0, os.path.join(ROOT, "bench"))
+            from same_numbers import tiny_models
+            sft_path, rm_path = tiny_models(os.path.join(tmp, "models"))
+        else:
+            source += f" --sft_path {sft_path} --rm_path {rm_path}"
+        return (*run_main(sft_path, rm_path, os.path.join(tmp, "ppo")), source)
 
 
 def main():
