@@ -64,7 +64,7 @@ def run_main(sft_path, rm_path, out):
     rec = Recorder()
     for owner, name in [(data, "sample"), (ppo, "response_logprobs"), (ppo, "reference_logprobs"),
                         (rm.Critic, "forward"), (rm.Scorer, "__call__"), (ma, "termination_starts"),
-                        (ma, "macro_rewards"), (ma, "sigma_weights"), (ma, "macro_advantages"), (ppo, "whiten"),
+                        (ma, "macro_rewards"), (ma, "sigma_weights"), (ma, "macro_advantages"), (ma, "whiten"),
                         (ppo, "minibatches"), (ppo, "policy_loss"), (ma, "clipped_policy_loss"), (ppo, "value_loss")]:
         rec.wrap(owner, name)
     rec.wrap(ppo, "iteration_metrics", closes=True)
@@ -272,7 +272,7 @@ def part_update(x, shown, args, calls):
     std = ma.masked_mean((x.advantages - mean) ** 2, x.mask).sqrt()
     lines = ["## 6. PPO update", "", step(6),
              f"Whitened over the batch's {int(x.mask.sum())} reply tokens: mean {f(mean)}, std {f(std)}:", "",
-             code(ppo.whiten, "mean = ", "return"),
+             code(ma.whiten, "mean = ", "return"),
              "Each minibatch: the policy's new logprobs, the ratio π/π_old per token, the clipped loss:", "",
              code(ma.clipped_policy_loss, "log_ratio = (logp", "weights = mask  "),
              code(ma.clipped_policy_loss, "ratios = log_ratio.exp()", "return masked_mean"),
