@@ -28,6 +28,9 @@ def main(out):
     chunked = harness.in_chunks(acc, forward, len(rows), 2)
     with open(os.path.join(out, f"{acc.process_index}.json"), "w") as f:
         json.dump({"calls": calls, "equal": torch.equal(chunked, rows * 2 + 1)}, f)
+    acc.wait_for_everyone()                             # neither rank leaves while the other still talks to it
+    torch.distributed.destroy_process_group()           # else gloo's threads may end the process: "terminate called
+                                                        # without an active exception", SIGABRT
 
 
 if __name__ == "__main__":
