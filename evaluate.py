@@ -647,9 +647,11 @@ def explain_rollout(policy, ref, critic, reward_model, tokenizer, prompt, sampli
     ref_logp, sft_entropy = response_logprobs(ref, ids, attention_mask, P, sampling.temperature,
                                               t1_entropy=segments is not None)
     values = rm.Critic(critic.to(ids.device))(ids, attention_mask, P) * mask
-    # the score as step 2 reads it; a segment RM's is e(x, y) on its own segments, which `seg_norm` does not touch
-    scorer = rm.Scorer("rm", tokenizer, reward_model=reward_model, segment_settings=segments,
-                       segment_rm=segments is not None, seg_norm="none")
+    # the score as step 2 reads it: the gold judge's for a run trained on it, else the RM's (a segment RM's is
+    # e(x, y) on its own segments, which `seg_norm` does not touch)
+    scorer = rm.Scorer("gold" if settings["reward"] == "gold" else "rm", tokenizer, task=sampling.task,
+                       reward_model=reward_model, segment_settings=segments, segment_rm=segments is not None,
+                       seg_norm="none")
     seg_starts, inside = scorer.segments(r_ids, r_mask, sft_entropy)
     score = scorer(ids, attention_mask, P, [{"prompt": prompt}], seg_starts, inside)[0]
     has_eos = ((r_ids == tokenizer.eos_token_id) & r_mask.bool()).any(-1)
@@ -657,7 +659,7 @@ def explain_rollout(policy, ref, critic, reward_model, tokenizer, prompt, sampli
     log_r = logp - ref_logp                                                  # ppo.py's step 3: k1 or k3
     kl = log_r if settings["kl_estimator"] == "k1" else (torch.exp(-log_r) - 1) + log_r
     return {"prompt": prompt, "response_ids": r_ids, "mask": mask, "logprobs": logp, "entropy": entropy, "kl": kl,
-            "score": score, "values": values, "segments": seg_starts}
+            "score": score, "score_kind": scorer.name, "values": values, "segments": seg_starts}
 
 
 def explain_numbers(rollout, settings, tokenizer):
@@ -686,7 +688,8 @@ def explain_numbers(rollout, settings, tokenizer):
     row = (lambda x: [float(v) for v in x[0, :T]])
     return {"prompt": rollout["prompt"], "tokens": token_labels(tokenizer, rollout["response_ids"][0, :T].tolist()),
             "reply": tokenizer.decode(rollout["response_ids"][0, :T], skip_special_tokens=True),
-            "n": n, "sigma_kind": s["sigma"], "beta": s["beta"], "gamma": s["gamma"], "lam": s["lam"],
+            "n": n, "score_kind": rollout.get("score_kind", "rm"), "sigma_kind": s["sigma"], "beta": s["beta"],
+            "gamma": s["gamma"], "lam": s["lam"],
             "entropy_threshold": s["entropy_threshold"], "parse_fell_back": bool(fell_back),
             "starts": {name: [t for t in range(T) if st[0, t]] for name, st in starts.items()},
             "sigma": row(ma.sigma_weights(starts["fixed"], mask, s["sigma"])), "kl_rewards": row(kl_rewards),
@@ -723,14 +726,14 @@ def draw_macro_actions(numbers, png=None, title="", width=100):
     figure; saved to `png` when given."""
     plt, nums = pyplot(), numbers
     n, tokens, T = nums["n"], nums["tokens"], len(nums["tokens"])
-    signed = lambda x: f"{x:+.3f}"                                                  # noqa: E731
+    signed = (lambda x: f"{x + 0.0:+.3f}")     # three decimals, what a learner adds up by hand; -0.0 as +0.000
     # rows under the tokens: (key, label, the numbers of the row or None for a termination's boxes)
     rows = [(f"start:{name}", {"fixed": f"fixed n={n}", "entropy": f"entropy>{nums['entropy_threshold']:g}",
                                "parsing": "parsing" + " (fell back)" * nums["parse_fell_back"]}.get(name, name), None)
             for name in nums["starts"]]
     rows += [("sigma", f"σ ({nums['sigma_kind']})", [f"{x:.3f}" for x in nums["sigma"]]),
              ("kl_reward", "−β·KL_t", [signed(x) for x in nums["kl_rewards"]]),
-             ("score", "score", [""] * (T - 1) + [signed(nums["score"])]),
+             ("score", f"score ({nums.get('score_kind', 'rm')})", [""] * (T - 1) + [signed(nums["score"])]),
              ("value", "V(s_t)", [signed(x) for x in nums["values"]]),
              ("adv1", "A: PPO, n=1", [signed(x) for x in nums["advantages"]["1"]]),
              (f"adv{n}", f"A: MA-PPO, n={n}", [signed(x) for x in nums["advantages"][str(n)]])]
@@ -743,10 +746,9 @@ def draw_macro_actions(numbers, png=None, title="", width=100):
             x = 0
         lines[-1].append((t, x))
         x += col[t]
-    where = {t: (k, x) for k, line in enumerate(lines) for t, x in line}          # token -> (line, x)
     per_line, label_w = len(rows) + 2, 18
-    fig = plt.figure(figsize=(0.068 * (label_w + width), 0.19 * per_line * len(lines) + 0.9))
-    ax = fig.add_axes([0.005, 0.02, 0.99, 1 - 0.7 / fig.get_figheight()])
+    fig = plt.figure(figsize=(0.068 * (label_w + width), 0.19 * per_line * len(lines) + 1.0))
+    ax = fig.add_axes([0.005, 0.01, 0.99, 1 - 0.85 / fig.get_figheight()])
     ax.set_xlim(-label_w, width)
     ax.set_ylim(per_line * len(lines) - 1, -0.6)
     ax.axis("off")
@@ -792,9 +794,9 @@ def draw_macro_actions(numbers, png=None, title="", width=100):
     prompt = " ".join(nums["prompt"].split())
     fig.suptitle(title or "One reply's macro actions, and the credit each token gets", x=0.01, ha="left",
                  fontsize=10, y=1 - 0.12 / fig.get_figheight(), va="top")
-    fig.text(0.01, 1 - 0.4 / fig.get_figheight(), f"prompt: …{prompt[-70:]}   ·   β={nums['beta']:.3g} "
-             f"γ={nums['gamma']:g} λ={nums['lam']:g}   ·   A before whitening; A(n={n}) is one number per "
-             f"macro action", fontsize=7.5, va="top", parse_math=False)
+    fig.text(0.01, 1 - 0.38 / fig.get_figheight(), f"prompt: …{prompt[-90:]}\nbox: one macro action, bar: where "
+             f"it starts  ·  blue > 0 > red  ·  β={nums['beta']:.3g}  γ={nums['gamma']:g}  λ={nums['lam']:g}  ·  "
+             "A before whitening over a batch", fontsize=7.5, va="top", linespacing=1.5, parse_math=False)
     if png:
         fig.savefig(png, dpi=130)
     return fig
@@ -1095,6 +1097,8 @@ def cmd_passk(args, ctx=None):
 def cmd_explain(args, ctx):
     """One reply's macro actions (explain): a held-out prompt's reply (or --prompt's) of --explain_policy, drawn
     with its run's critic and settings (ppo_settings, run_critic) into --output_dir."""
+    import transformers
+    transformers.utils.logging.disable_progress_bar()      # no "Loading weights" bar per model
     if ctx.rm is None:
         sys.exit(f"error: explain draws the RM's score and the critic's values; task {args.task!r} has no RM")
     policy_path = args.explain_policy or os.path.join(data.run_dir(args.task, "ppo_n5_fixed"), "policy")

@@ -10,7 +10,8 @@ import torch
 import evaluate
 import macro_actions as ma
 
-TEXT = "The quick brown fox (a clever one) jumped over the lazy dog.\nThen it ran away, fast! Héllo wörld, naïve café"
+TEXT = ("The quick brown fox (a clever one) jumped over the lazy dog.\nThen it ran away, fast! "
+        "Héllo wörld, naïve café")
 
 
 def fixed_rollout(tokenizer, pad=3):
@@ -115,3 +116,30 @@ def test_the_explain_command_draws_a_policys_reply_from_its_folders(tiny_models,
     assert c["prompt"] == "\n\nHuman: how are you\n\nAssistant:" and set(c["kl_rewards"]) == {0.0}
     with pytest.raises(SystemExit, match="--prompt_index 9: there are 4 held-out prompts"):
         evaluate.main(["explain", "--explain_policy", sft, "--prompt_index", "9", *common])
+
+
+def test_ppos_final_report_draws_the_picture_beside_the_learning_curve_as_the_command_does(tiny_models, parrot,
+                                                                                          tmp_path):
+    """ppo.py's final report writes macro_actions.png (and its numbers) into the run folder beside
+    learning_curve.png: the first held-out prompt's reply under the run's seed, the same numbers that
+    `evaluate.py explain` draws from the same folders."""
+    import shutil
+    from transformers import AutoModelForCausalLM
+    import data
+    import reward_model as rm
+    sft, rm_path = str(tiny_models / "sft"), str(tiny_models / "rm")
+    fixture = os.path.join(os.path.dirname(__file__), "..", "fixtures", "runs", "rm.jsonl")     # a run's metrics
+    shutil.copy(fixture, tmp_path / "metrics.jsonl")
+    tokenizer = data.load_tokenizer(sft)
+    rows = data.first_row_per_prompt(data.load_task("chitchat", only=("test",))["test"])[:4]
+    load = (lambda path: AutoModelForCausalLM.from_pretrained(path).eval())
+    sampling = evaluate.Sampling("chitchat", 48, 12, 0.8, seed=1234)
+    evaluate.final_report(load(parrot), load(sft), rm.load_reward_model(rm_path)[0].eval(), tokenizer, rows,
+                          str(tmp_path / "metrics.jsonl"), sampling)
+    assert (tmp_path / "learning_curve.png").exists() and (tmp_path / "macro_actions.png").exists()
+    assert f"macro actions: {tmp_path / 'macro_actions.png'}" in open(tmp_path / "summary.md").read()
+    report = json.load(open(tmp_path / "macro_actions.json"))
+    evaluate.main(["explain", "--explain_policy", str(parrot), "--sft_path", sft, "--rm_path", rm_path, "--n_prompts",
+                   "4", "--max_response_len", "12", "--output_dir", str(tmp_path / "explain")])
+    assert report == json.load(open(tmp_path / "explain" / "macro_actions.json"))
+    assert report["prompt"] == rows[0]["prompt"]
