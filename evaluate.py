@@ -607,13 +607,21 @@ CELL_FONT = "DejaVu Sans Mono"      # matplotlib's own: widths in characters, an
 SHOWN_AS = {" ": "␣", "\n": "↵", "\t": "⇥", "\r": "␍"}
 
 
+def checkpoint_of(policy_path, part):
+    """<run>/checkpoint/<part> of the run whose policy is `policy_path`: its final <run>/policy, or the policy of its
+    checkpoint, <run>/checkpoint/policy."""
+    parent = os.path.dirname(os.path.abspath(policy_path))
+    return os.path.join(parent if os.path.basename(parent) == harness.CHECKPOINT else harness.checkpoint_dir(parent),
+                        part)
+
+
 def ppo_settings(policy_path):
     """The PPO settings a picture of `policy_path` computes with: ppo.py's defaults, overlaid with those its run
-    recorded when `policy_path` is <run>/policy beside <run>/checkpoint (the run's arguments, the KL coefficient
-    it ended with). A dict of PPOArgs' fields."""
+    recorded in its checkpoint (`checkpoint_of`: the run's arguments, the KL coefficient it had reached). A dict of
+    PPOArgs' fields."""
     from ppo import PPOArgs     # a lazy import: ppo.py imports this module
     settings = asdict(PPOArgs())
-    state = os.path.join(harness.checkpoint_dir(os.path.dirname(os.path.abspath(policy_path))), "trainer_state.pt")
+    state = checkpoint_of(policy_path, "trainer_state.pt")
     if os.path.exists(state):
         recorded = torch.load(state, map_location="cpu", weights_only=False, mmap=True)     # mmap: no optimizer read
         settings.update({k: v for k, v in recorded["args"].items() if k in settings})
@@ -622,9 +630,9 @@ def ppo_settings(policy_path):
 
 
 def run_critic(policy_path, reward_model):
-    """(the critic, its name) of the run whose policy is `policy_path`: its checkpoint's (the last saved), else
-    the RM, which is the critic's init (App. B.2)."""
-    path = harness.checkpoint_part(os.path.dirname(os.path.abspath(policy_path)), "critic")
+    """(the critic, its name) of the run whose policy is `policy_path`: its checkpoint's (`checkpoint_of`, the last
+    saved), else the RM, which is the critic's init (App. B.2)."""
+    path = checkpoint_of(policy_path, "critic")
     if os.path.exists(os.path.join(path, "config.json")):
         return rm.load_reward_model(path)[0].eval(), "the run's critic"
     return reward_model, "the RM (the critic's init)"
@@ -794,21 +802,24 @@ def draw_macro_actions(numbers, png=None, title="", width=100):
     prompt = " ".join(nums["prompt"].split())
     fig.suptitle(title or "One reply's macro actions, and the credit each token gets", x=0.01, ha="left",
                  fontsize=10, y=1 - 0.12 / fig.get_figheight(), va="top")
-    fig.text(0.01, 1 - 0.38 / fig.get_figheight(), f"prompt: …{prompt[-90:]}\nbox: one macro action, bar: where "
-             f"it starts  ·  blue > 0 > red  ·  β={nums['beta']:.3g}  γ={nums['gamma']:g}  λ={nums['lam']:g}  ·  "
-             "A before whitening over a batch", fontsize=7.5, va="top", linespacing=1.5, parse_math=False)
+    policy = f"policy {nums['policy']}  ·  " if nums.get("policy") else ""
+    fig.text(0.01, 1 - 0.38 / fig.get_figheight(), f"{policy}prompt: …{prompt[-60:]}\nbox: one macro action, bar: "
+             f"where it starts  ·  blue > 0 > red  ·  β={nums['beta']:.3g}  γ={nums['gamma']:g}  "
+             f"λ={nums['lam']:g}  ·  A before whitening over a batch", fontsize=7.5, va="top", linespacing=1.5,
+             parse_math=False)
     if png:
         fig.savefig(png, dpi=130)
     return fig
 
 
 def explain(policy, ref, critic, reward_model, tokenizer, prompt, sampling, settings, out_dir, segments=None,
-            critic_name=""):
+            names=("", "")):
     """`explain_rollout` -> `explain_numbers` -> `draw_macro_actions`: <out_dir>/macro_actions.png and the numbers
-    it draws in macro_actions.json. Returns the PNG's path."""
+    it draws in macro_actions.json. `names`: (the policy's, the critic's), written beside them. Returns the PNG's
+    path."""
     rollout = explain_rollout(policy, ref, critic, reward_model, tokenizer, prompt, sampling, settings, segments)
     numbers = explain_numbers(rollout, settings, tokenizer)
-    numbers["critic"] = critic_name
+    numbers["policy"], numbers["critic"] = names
     os.makedirs(out_dir, exist_ok=True)
     png = os.path.join(out_dir, "macro_actions.png")
     pyplot().close(draw_macro_actions(numbers, png))
@@ -824,7 +835,8 @@ def explain_run(run_dir, policy, sft_model, reward_model, tokenizer, rows, sampl
     # a segment RM's settings, which its segmenter carries (unit, c_ent), for its segments and its e(x, y)
     segments = {k: segmenter.keywords[k] for k in ("unit", "c_ent")} if segmenter is not None else None
     return explain(policy, sft_model, critic, reward_model, tokenizer, rows[0]["prompt"], sampling,
-                   ppo_settings(os.path.join(run_dir, "policy")), run_dir, segments, critic_name)
+                   ppo_settings(os.path.join(run_dir, "policy")), run_dir, segments,
+                   (os.path.join(run_dir, "policy"), critic_name))
 
 
 # ---------------------------------------------------------------- models and responses
@@ -1117,7 +1129,7 @@ def cmd_explain(args, ctx):
     own = sr.read_segment_settings(args.rm_path)      # a segment RM: its segments are a termination too
     sampling = Sampling(args.task, args.max_prompt_len, args.max_response_len, args.temperature, seed=args.seed)
     png = explain(ctx.model(policy_path), ctx.model("sft"), critic, ctx.rm, ctx.tokenizer, prompt, sampling,
-                  ppo_settings(policy_path), args.output_dir, own, critic_name)
+                  ppo_settings(policy_path), args.output_dir, own, (policy_path, critic_name))
     print(f"[evaluate] policy {policy_path}, critic: {critic_name}\nwritten: {png}, "
           f"{os.path.join(args.output_dir, 'macro_actions.json')}")
     return png

@@ -108,7 +108,8 @@ def test_the_explain_command_draws_a_policys_reply_from_its_folders(tiny_models,
     a = json.load(open(tmp_path / "a" / "macro_actions.json"))
     assert a == json.load(open(tmp_path / "b" / "macro_actions.json"))
     assert os.path.getsize(tmp_path / "a" / "macro_actions.png") > 0
-    assert a["critic"].startswith("the RM") and len(a["tokens"]) == len(a["values"]) <= 12
+    assert a["critic"].startswith("the RM") and a["policy"] == str(parrot)
+    assert len(a["tokens"]) == len(a["values"]) <= 12
     assert "clever" in a["reply"] and any(r != 0 for r in a["kl_rewards"])
     evaluate.main(["explain", "--explain_policy", sft, "--output_dir", str(tmp_path / "c"), "--prompt",
                    "\\n\\nHuman: how are you\\n\\nAssistant:", *common])
@@ -141,5 +142,12 @@ def test_ppos_final_report_draws_the_picture_beside_the_learning_curve_as_the_co
     report = json.load(open(tmp_path / "macro_actions.json"))
     evaluate.main(["explain", "--explain_policy", str(parrot), "--sft_path", sft, "--rm_path", rm_path, "--n_prompts",
                    "4", "--max_response_len", "12", "--output_dir", str(tmp_path / "explain")])
-    assert report == json.load(open(tmp_path / "explain" / "macro_actions.json"))
-    assert report["prompt"] == rows[0]["prompt"]
+    command = json.load(open(tmp_path / "explain" / "macro_actions.json"))
+    assert report.pop("policy") == str(tmp_path / "policy") and command.pop("policy") == str(parrot)
+    assert report == command and report["prompt"] == rows[0]["prompt"]
+
+
+def test_a_run_and_its_checkpoint_read_the_same_checkpoint():
+    """The settings and critic of <run>/policy and of <run>/checkpoint/policy are both <run>/checkpoint's."""
+    for policy in ("runs/x/ppo/policy", "runs/x/ppo/checkpoint/policy"):
+        assert evaluate.checkpoint_of(policy, "critic") == os.path.abspath("runs/x/ppo/checkpoint/critic")
