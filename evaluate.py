@@ -7,6 +7,7 @@
     python evaluate.py curves     --runs "ppo=runs/study/n1/seed*" "ma-ppo=runs/study/n5_fixed_equal_sum/seed*"
                                   # Fig. 2, 11
     python evaluate.py passk      --task code --policies sft P --samples 10 --ks 1,5  # Table 3
+    python evaluate.py explain    --explain_policy runs/chitchat/ppo_n5_fixed/policy  # one reply's macro actions
 
 A policy is a save_pretrained folder, or `sft` (the SFT model) or `chosen` (the dataset's chosen
 responses, for win rates). Results go to --output_dir (default runs/eval).
@@ -15,6 +16,7 @@ ppo.py's held-out evaluation and final report are here too (`held_out`, `final_r
 evaluation samples through `sample_responses` and scores the decoded text, so that policies, the
 dataset's chosen responses and LLM judges are all compared on the same footing.
 """
+import functools
 import glob
 import hashlib
 import json
@@ -38,7 +40,7 @@ import reward_model as rm
 import sandbox
 import segment_rewards as sr
 
-COMMANDS = ("score", "winrate", "agreement", "best_of_n", "curves", "passk")
+COMMANDS = ("score", "winrate", "agreement", "best_of_n", "curves", "passk", "explain")
 
 
 JUDGES = ("rm", "gold", "llm")
@@ -85,6 +87,12 @@ class EvalArgs:
     results: str = flag("", "passk: JSONL rows {policy, difficulty, n, correct} instead of sampling --policies")
     samples: int = flag(10, "passk: samples per problem (the estimator's n; at least the largest k)", "[1, inf)")
     ks: str = flag("1,5", "passk: values of k", "[1, inf)")
+    # --- explain: one reply's macro actions, drawn -------------------------------------------------
+    explain_policy: str = flag("", "explain: the policy (default runs/<task>/ppo_n5_fixed/policy; `sft`: the SFT "
+                                   "model)")
+    critic_path: str = flag("", "explain: the critic (default: checkpoint/critic of the policy's run, else the RM)")
+    prompt: str = flag("", "explain: the prompt as the policy reads it, \\n a newline (default: a held-out prompt)")
+    prompt_index: int = flag(0, "explain: which held-out prompt, when --prompt is empty", "[0, inf)")
     # --- the run ------------------------------------------------------------------------------------
     seed: int = flag(1234, "sampling and response-order seed", "[0, 4294967295]")
     output_dir: str = flag("runs/eval", "where results are written")
@@ -519,6 +527,10 @@ def final_report(policy, sft_model, reward_model, tokenizer, rows, metrics_path,
                   "--beta (or --kl_target) and compare the gold_strict score." if verdict else
               no_collapse(p_replies, s_replies)]
     lines += ["", f"metrics: {metrics_path}"] + ([f"learning curve: {plot_run(metrics_path)}"] if plot else [])
+    if plot and reward_model is not None:       # one reply's macro actions, beside the learning curve
+        png = explain_run(os.path.dirname(metrics_path), policy, sft_model, reward_model, tokenizer, rows, sampling,
+                          segmenter)
+        lines += [f"macro actions: {png}"]
     print("\n".join(lines))
     with open(os.path.join(os.path.dirname(metrics_path), "summary.md"), "w") as f:
         f.write("\n".join(lines) + "\n")
@@ -556,6 +568,251 @@ def plot_run(metrics_path):
     fig.savefig(png, dpi=100)
     pyplot().close(fig)
     return png
+
+
+# ---------------------------------------------------------------- explain: one reply's macro actions, drawn
+
+# One colour per termination, the same in every row that shows its macro actions; signed numbers on a red (below
+# 0) to blue (above 0) scale. The fixed n-grams are MA-PPO's macro actions in the picture (the default run's).
+TERMINATION_COLORS = {"fixed": "tab:purple", "randomized": "tab:orange", "parsing": "tab:green", "ppl": "tab:brown",
+                      "entropy": "tab:pink", "segment": "tab:olive"}
+SIGNED = "RdBu"
+CELL_FONT = "DejaVu Sans Mono"      # matplotlib's own: widths in characters, and most scripts' glyphs
+SHOWN_AS = {" ": "␣", "\n": "↵", "\t": "⇥", "\r": "␍"}
+
+
+def checkpoint_of(policy_path, part):
+    """<run>/checkpoint/<part> of the run whose policy is `policy_path`: its final <run>/policy, or the policy of its
+    checkpoint, <run>/checkpoint/policy."""
+    parent = os.path.dirname(os.path.abspath(policy_path))
+    return os.path.join(parent if os.path.basename(parent) == harness.CHECKPOINT else harness.checkpoint_dir(parent),
+                        part)
+
+
+def ppo_settings(policy_path):
+    """The PPO settings a picture of `policy_path` computes with: ppo.py's defaults, overlaid with those its run
+    recorded in its checkpoint (`checkpoint_of`: the run's arguments, the KL coefficient it had reached). A dict of
+    PPOArgs' fields."""
+    from ppo import PPOArgs     # a lazy import: ppo.py imports this module
+    settings = asdict(PPOArgs())
+    state = checkpoint_of(policy_path, "trainer_state.pt")
+    if os.path.exists(state):
+        recorded = torch.load(state, map_location="cpu", weights_only=False, mmap=True)     # mmap: no optimizer read
+        settings.update({k: v for k, v in recorded["args"].items() if k in settings})
+        settings["beta"] = recorded.get("beta", settings["beta"])
+    return settings
+
+
+def run_critic(policy_path, reward_model):
+    """(the critic, its name) of the run whose policy is `policy_path`: its checkpoint's (`checkpoint_of`, the last
+    saved), else the RM, which is the critic's init (App. B.2)."""
+    path = checkpoint_of(policy_path, "critic")
+    if os.path.exists(os.path.join(path, "config.json")):
+        return rm.load_reward_model(path)[0].eval(), "the run's critic"
+    return reward_model, "the RM (the critic's init)"
+
+
+@torch.no_grad()
+def explain_rollout(policy, ref, critic, reward_model, tokenizer, prompt, sampling, settings, segments=None):
+    """One reply to `prompt` and what ppo.py's steps 1-3 make of it, as ppo.py computes them: its logprobs and
+    entropy (`response_logprobs`, at the sampling temperature), the reference's, the per-token KL, the critic's
+    values V(s_t), the score at the last token (`reward_model.Scorer`). Each [1, R] (the score [1]). `sampling`: a
+    Sampling (its seed samples the reply); `settings`: ppo_settings; `segments`: a segment RM's own settings."""
+    from ppo import response_logprobs       # the training loop's logprobs (a lazy import: ppo.py imports us)
+    with torch.random.fork_rng():
+        torch.manual_seed(sampling.seed)
+        p_ids, p_mask, r_ids, r_mask, _ = data.sample(policy, tokenizer, [prompt], sampling.max_prompt_len,
+                                                      sampling.max_response_len, sampling.temperature)
+    P, ids, attention_mask = p_ids.shape[1], torch.cat([p_ids, r_ids], 1), torch.cat([p_mask, r_mask], 1)
+    mask = r_mask.float()
+    logp, entropy = response_logprobs(policy, ids, attention_mask, P, sampling.temperature, with_entropy=True)
+    if segments is None:
+        ref_logp, sft_entropy = response_logprobs(ref, ids, attention_mask, P, sampling.temperature)[0], None
+    else:       # the SFT entropy at temperature 1 too, from the same forward (ppo.py's step 2 under segments)
+        ref_logp, sft_entropy = sr.reference_logprobs_and_entropy(ref, harness.make_accelerator(), None, ids,
+                                                                  attention_mask, P, sampling.temperature)
+    values = rm.Critic(critic.to(ids.device))(ids, attention_mask, P) * mask
+    # the score as step 2 reads it: the gold judge's for a run trained on it, else the RM's (a segment RM's is
+    # e(x, y) on its own segments, which `seg_norm` does not touch)
+    scorer = rm.make_scorer("gold" if settings["reward"] == "gold" else "rm", tokenizer, task=sampling.task,
+                            reward_model=reward_model, settings=segments, own=segments,
+                            seg=sr.SegmentArgs(seg_norm="none"))
+    score, _, seg_starts, _ = scorer(ids, attention_mask, P, [{"prompt": prompt}], sft_entropy)
+    has_eos = ((r_ids == tokenizer.eos_token_id) & r_mask.bool()).any(-1)
+    score = score + settings["missing_eos_penalty"] * (~has_eos).float()
+    log_r = logp - ref_logp                                                  # ppo.py's step 3: k1 or k3
+    kl = log_r if settings["kl_estimator"] == "k1" else (torch.exp(-log_r) - 1) + log_r
+    return {"prompt": prompt, "response_ids": r_ids, "mask": mask, "logprobs": logp, "entropy": entropy, "kl": kl,
+            "score": score, "score_kind": scorer.name, "values": values, "segments": seg_starts}
+
+
+def explain_numbers(rollout, settings, tokenizer):
+    """What the picture draws, from macro_actions.py's own functions on one rollout (`explain_rollout`'s [1, R]
+    tensors): every termination's starts, the sigma weights of the fixed n-grams, the per-token KL rewards and the
+    score, the values, and the advantages of token-level PPO (n = 1) and of MA-PPO (fixed n-grams, n = the run's,
+    5 for a run of n = 1) from the same values and rewards (the paper's sum; before whitening over a batch)."""
+    s, mask = settings, rollout["mask"]
+    n = s["n"] if s["n"] > 1 else 5
+    kl_rewards = -s["beta"] * rollout["kl"] * mask                                       # r_t = -beta * KL_t
+    starts, fell_back = {}, False
+    for name in ma.TERMINATIONS:
+        if name == "segment" and rollout.get("segments") is None:
+            continue                        # no segment RM: no reward segments to read as macro actions
+        starts[name], fallback = ma.termination_starts(
+            name, mask, n=n, logprobs=rollout["logprobs"], entropy=rollout["entropy"], threshold=s["entropy_threshold"],
+            response_ids=rollout["response_ids"], tokenizer=tokenizer, cutoff=s["cutoff"],
+            generator=torch.Generator().manual_seed(s["seed"]), segments=rollout.get("segments"))
+        fell_back |= name == "parsing" and fallback > 0
+    rewards = ma.macro_rewards(kl_rewards, rollout["score"], mask, starts["fixed"])     # the score at the last token
+    token_level = ma.macro_advantages(rollout["values"], rewards, mask, ma.fixed_ngram_starts(mask, 1), s["gamma"],
+                                      s["lam"], s["sigma"])[0]
+    macro_level = ma.macro_advantages(rollout["values"], rewards, mask, starts["fixed"], s["gamma"], s["lam"],
+                                      s["sigma"])[0]
+    T = int(mask[0].sum())
+    row = (lambda x: [float(v) for v in x[0, :T]])
+    return {"prompt": rollout["prompt"], "tokens": token_labels(tokenizer, rollout["response_ids"][0, :T].tolist()),
+            "reply": tokenizer.decode(rollout["response_ids"][0, :T], skip_special_tokens=True),
+            "n": n, "score_kind": rollout.get("score_kind", "rm"), "sigma_kind": s["sigma"], "beta": s["beta"],
+            "gamma": s["gamma"], "lam": s["lam"],
+            "entropy_threshold": s["entropy_threshold"], "parse_fell_back": bool(fell_back),
+            "starts": {name: [t for t in range(T) if st[0, t]] for name, st in starts.items()},
+            "sigma": row(ma.sigma_weights(starts["fixed"], mask, s["sigma"])), "kl_rewards": row(kl_rewards),
+            "score": float(rollout["score"][0]), "values": row(rollout["values"]),
+            "advantages": {"1": row(token_level), str(n): row(macro_level)}}
+
+
+@functools.lru_cache(maxsize=1)
+def _cell_font():
+    from matplotlib import font_manager
+    from matplotlib.ft2font import FT2Font
+    return FT2Font(font_manager.findfont(font_manager.FontProperties(family=CELL_FONT)))
+
+
+def token_labels(tokenizer, ids):
+    """Each token as a reader can see it: its own text, a space as ␣ and a newline as ↵ (the `Ġ` / `▁` of BPE and
+    SentencePiece pieces); a token holding part of a character (its decoded text is U+FFFD) as the tokenizer's piece;
+    a character the drawing's font lacks (CJK, emoji) as Python writes its code point, \\u4f60 or \\U0001f600."""
+    font, labels = _cell_font(), []
+    for i, piece in zip(ids, tokenizer.convert_ids_to_tokens(ids)):
+        text = tokenizer.decode([i], clean_up_tokenization_spaces=False)
+        if "\ufffd" in text or not text:       # part of a character: the piece, its space marks made ours
+            text = str(piece).replace("Ġ", " ").replace("▁", " ").replace("Ċ", "\n")
+        labels.append("".join(SHOWN_AS.get(c, c if c.isprintable() and font.get_char_index(ord(c)) else
+                                           c.encode("unicode_escape").decode()) for c in text))
+    return labels
+
+
+def draw_macro_actions(numbers, png=None, title="", width=100):
+    """The picture of one reply (`explain_numbers`): its tokens in a row, wrapped every `width` characters, and on
+    the same token grid each termination's macro actions (a box each, a dark edge where one starts), sigma, the
+    KL rewards and the score, the values and the two advantages. Every number drawn is a Text whose gid is
+    "<row>:<t>", every start a Line2D whose gid is "start:<termination>:<t>" (what tests read back). Returns the
+    figure; saved to `png` when given."""
+    plt, nums = pyplot(), numbers
+    n, tokens, T = nums["n"], nums["tokens"], len(nums["tokens"])
+    signed = (lambda x: f"{x + 0.0:+.3f}")     # three decimals, what a learner adds up by hand; -0.0 as +0.000
+    # rows under the tokens: (key, label, the numbers of the row or None for a termination's boxes)
+    rows = [(f"start:{name}", {"fixed": f"fixed n={n}", "entropy": f"entropy>{nums['entropy_threshold']:g}",
+                               "parsing": "parsing" + " (fell back)" * nums["parse_fell_back"]}.get(name, name), None)
+            for name in nums["starts"]]
+    rows += [("sigma", f"σ ({nums['sigma_kind']})", [f"{x:.3f}" for x in nums["sigma"]]),
+             ("kl_reward", "−β·KL_t", [signed(x) for x in nums["kl_rewards"]]),
+             ("score", f"score ({nums.get('score_kind', 'rm')})", [""] * (T - 1) + [signed(nums["score"])]),
+             ("value", "V(s_t)", [signed(x) for x in nums["values"]]),
+             ("adv1", "A: PPO, n=1", [signed(x) for x in nums["advantages"]["1"]]),
+             (f"adv{n}", f"A: MA-PPO, n={n}", [signed(x) for x in nums["advantages"][str(n)]])]
+    # the token grid: a column per token as wide as its widest cell, lines of at most `width` characters
+    col = [max([len(tokens[t])] + [len(r[2][t]) for r in rows if r[2]]) + 1 for t in range(T)]
+    lines, x = [[]], 0
+    for t in range(T):
+        if x + col[t] > width and lines[-1]:
+            lines.append([])
+            x = 0
+        lines[-1].append((t, x))
+        x += col[t]
+    per_line, label_w = len(rows) + 2, 18
+    fig = plt.figure(figsize=(0.068 * (label_w + width), 0.19 * per_line * len(lines) + 1.0))
+    ax = fig.add_axes([0.005, 0.01, 0.99, 1 - 0.85 / fig.get_figheight()])
+    ax.set_xlim(-label_w, width)
+    ax.set_ylim(per_line * len(lines) - 1, -0.6)
+    ax.axis("off")
+    cell = dict(family=CELL_FONT, fontsize=7.5, ha="center", va="center", parse_math=False)
+    score_scale = max([abs(v) for k in ("values", "advantages") for v in
+                       (nums[k] if k == "values" else nums[k]["1"] + nums[k][str(n)])] + [abs(nums["score"]), 1e-9])
+    kl_scale = max([abs(v) for v in nums["kl_rewards"]] + [1e-9])
+    scale = {"kl_reward": kl_scale, "sigma": 1.0}
+    cmap = plt.get_cmap(SIGNED)
+    fixed_color = TERMINATION_COLORS["fixed"]
+    for k, line in enumerate(lines):
+        y0 = k * per_line
+        for key, label, _ in [("tokens", "token", None)] + rows:
+            y = y0 + (0 if key == "tokens" else 1 + [r[0] for r in rows].index(key))
+            ax.text(-label_w + 0.5, y, label, ha="left", va="center", fontsize=7.5, parse_math=False)
+        for t, x in line:
+            c = x + col[t] / 2
+            ax.text(c, y0, tokens[t], gid=f"token:{t}", fontweight="bold", **cell)
+            for i, (key, _, values) in enumerate(rows):
+                y = y0 + 1 + i
+                if values is None:      # a termination: this token's part of its macro action's box
+                    name = key.split(":")[1]
+                    starts = nums["starts"][name]
+                    macro = sum(s <= t for s in starts) - 1
+                    color = TERMINATION_COLORS[name]
+                    ax.add_patch(plt.Rectangle((x, y - 0.38), col[t], 0.76, color=color, lw=0,
+                                               alpha=0.55 if macro % 2 == 0 else 0.25))
+                    if t in starts:
+                        ax.plot([x, x], [y - 0.42, y + 0.42], color=color, lw=2.2, gid=f"start:{name}:{t}")
+                    continue
+                if not values[t]:
+                    continue
+                v = float(values[t])
+                if key == "sigma":
+                    ax.add_patch(plt.Rectangle((x, y - 0.38), col[t], 0.76, color=fixed_color, lw=0, alpha=0.6 * v))
+                else:
+                    ax.add_patch(plt.Rectangle((x, y - 0.38), col[t], 0.76, lw=0, alpha=0.6,
+                                               color=cmap(0.5 + 0.5 * v / scale.get(key, score_scale))))
+                ax.text(c, y, values[t], gid=f"{key}:{t}", **cell)
+            if t in nums["starts"]["fixed"]:    # MA-PPO's macro boundaries through sigma and the advantages
+                first = y0 + 1 + [r[0] for r in rows].index("sigma")
+                ax.plot([x, x], [first - 0.45, y0 + len(rows) + 0.45], color=fixed_color, lw=0.8, ls=":")
+    prompt = " ".join(nums["prompt"].split())
+    fig.suptitle(title or "One reply's macro actions, and the credit each token gets", x=0.01, ha="left",
+                 fontsize=10, y=1 - 0.12 / fig.get_figheight(), va="top")
+    policy = f"policy {nums['policy']}  ·  " if nums.get("policy") else ""
+    fig.text(0.01, 1 - 0.38 / fig.get_figheight(), f"{policy}prompt: …{prompt[-60:]}\nbox: one macro action, bar: "
+             f"where it starts  ·  blue > 0 > red  ·  β={nums['beta']:.3g}  γ={nums['gamma']:g}  "
+             f"λ={nums['lam']:g}  ·  A before whitening over a batch", fontsize=7.5, va="top", linespacing=1.5,
+             parse_math=False)
+    if png:
+        fig.savefig(png, dpi=130)
+    return fig
+
+
+def explain(policy, ref, critic, reward_model, tokenizer, prompt, sampling, settings, out_dir, segments=None,
+            names=("", "")):
+    """`explain_rollout` -> `explain_numbers` -> `draw_macro_actions`: <out_dir>/macro_actions.png and the numbers
+    it draws in macro_actions.json. `names`: (the policy's, the critic's), written beside them. Returns the PNG's
+    path."""
+    rollout = explain_rollout(policy, ref, critic, reward_model, tokenizer, prompt, sampling, settings, segments)
+    numbers = explain_numbers(rollout, settings, tokenizer)
+    numbers["policy"], numbers["critic"] = names
+    os.makedirs(out_dir, exist_ok=True)
+    png = os.path.join(out_dir, "macro_actions.png")
+    pyplot().close(draw_macro_actions(numbers, png))
+    with open(os.path.join(out_dir, "macro_actions.json"), "w") as f:
+        json.dump(finite(numbers), f, indent=1, allow_nan=False)
+    return png
+
+
+def explain_run(run_dir, policy, sft_model, reward_model, tokenizer, rows, sampling, segmenter=None):
+    """ppo.py's final report: the picture of the first held-out prompt's reply (sampled under the run's seed), with
+    the run's critic and settings, into the run folder beside the learning curve."""
+    critic, critic_name = run_critic(os.path.join(run_dir, "policy"), reward_model)
+    # a segment RM's settings, which its segmenter carries (unit, c_ent), for its segments and its e(x, y)
+    segments = {k: segmenter.keywords[k] for k in ("unit", "c_ent")} if segmenter is not None else None
+    return explain(policy, sft_model, critic, reward_model, tokenizer, rows[0]["prompt"], sampling,
+                   ppo_settings(os.path.join(run_dir, "policy")), run_dir, segments,
+                   (os.path.join(run_dir, "policy"), critic_name))
 
 
 # ---------------------------------------------------------------- models and responses
@@ -830,6 +1087,35 @@ def cmd_passk(args, ctx=None):
         f"| {p} | " + " | ".join(f"{t[g][f'pass@{k}']:.1%}" if g in t else "-" for g in groups for k in ks) + " |"
         for p, t in table.items()]
     return write(args, "passk", table, lines)
+
+
+def cmd_explain(args, ctx):
+    """One reply's macro actions (explain): a held-out prompt's reply (or --prompt's) of --explain_policy, drawn
+    with its run's critic and settings (ppo_settings, run_critic) into --output_dir."""
+    import transformers
+    transformers.utils.logging.disable_progress_bar()      # no "Loading weights" bar per model
+    if ctx.rm is None:
+        sys.exit(f"error: explain draws the RM's score and the critic's values; task {args.task!r} has no RM")
+    policy_path = args.explain_policy or os.path.join(data.run_dir(args.task, "ppo_n5_fixed"), "policy")
+    if args.prompt:
+        prompt = args.prompt.replace("\\n", "\n")
+    elif args.prompt_index < len(ctx.prompts):
+        prompt = ctx.prompts[args.prompt_index]
+    else:
+        sys.exit(f"error: --prompt_index {args.prompt_index}: there are {len(ctx.prompts)} held-out prompts "
+                 f"(--n_prompts {args.n_prompts}); pass a smaller index or --prompt")
+    if args.critic_path:
+        harness.require_model_dir(args.critic_path, "critic", "Pass a reward model or a run's checkpoint/critic.")
+        critic, critic_name = rm.load_reward_model(args.critic_path)[0].eval(), args.critic_path
+    else:
+        critic, critic_name = run_critic(policy_path, ctx.rm)
+    own = sr.read_segment_settings(args.rm_path)      # a segment RM: its segments are a termination too
+    sampling = Sampling(args.task, args.max_prompt_len, args.max_response_len, args.temperature, seed=args.seed)
+    png = explain(ctx.model(policy_path), ctx.model("sft"), critic, ctx.rm, ctx.tokenizer, prompt, sampling,
+                  ppo_settings(policy_path), args.output_dir, own, (policy_path, critic_name))
+    print(f"[evaluate] policy {policy_path}, critic: {critic_name}\nwritten: {png}, "
+          f"{os.path.join(args.output_dir, 'macro_actions.json')}")
+    return png
 
 
 def main(argv=None):
