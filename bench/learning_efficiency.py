@@ -234,6 +234,13 @@ def kl_pair(task, target, prefix, make, control):
     return base, make(f"{prefix}n5_{target}", f"MA-PPO (n=5), KL {target}", ("--n", "5", *flags), base.name)
 
 
+# `kl`'s pair again for one decided answer (issue 68): seeds 6-25, disjoint from the five seeds of `kl` that sized
+# it, each run's evaluations on 256 held-out prompts (eval/kl beside them); the margin and the verdict rule were
+# stated in docs/study/README.md before its first run.
+KL_DECIDED_SEEDS = tuple(range(6, 26))
+KL_DECIDED_MARGIN = 0.055   # a tenth of PPO's SFT-to-PPO gold gain in `kl` (0.806 - 0.255), fixed before the runs
+
+
 def tiny_kl(task):
     prefix = "kl_" if task == "chitchat" else f"kl_{task}_"
     return kl_pair(task, TINY_KL_TARGETS[task], prefix,
@@ -360,6 +367,12 @@ HYPOTHESES = {
                      tiny_kl("chitchat"), matched_kl=(0.0, 1.0, 2.0), kl_points=(4.0, 6.0, 8.0)),
     "kl_count": Hypothesis("Count (where MA-PPO led early) held at one KL: MA-PPO against PPO at the same KL",
                            tiny_kl("count"), matched_kl=(0.3, 0.5, 0.7), kl_points=(0.4, 0.6, 0.8)),
+    "kl_decided": Hypothesis(
+        "`kl` decided: MA-PPO (n=5) against PPO on chitchat at KL 6, 20 seeds a side, margin ±0.055 gold",
+        kl_pair("chitchat", TINY_KL_TARGETS["chitchat"], "kl_decided_",
+                lambda name, label, flags, partner: Config(name, label, flags, "chitchat", partner),
+                (*TINY_KL_CONTROL, "--n_eval_prompts", "256")),
+        matched_kl=(0.0, 1.0, 2.0), kl_points=(4.0, 6.0, 8.0)),
 }
 # Credit without a critic (--advantage group | mc, docs/training.md): one termination under the critic, a group
 # baseline and Monte Carlo values, with the token, macro and sequence ratios. Matched KL per run: the controller at a
@@ -395,12 +408,12 @@ CRITIC_FREE = {
     for task in ("chitchat", "code")}
 HYPOTHESES.update(CRITIC_FREE)
 # `all` runs every hypothesis but the real model's (they need requirements-slow.txt and 30-40 minutes a run).
-OPTIONAL = ("real", "real_kl", "real_kl10")
+OPTIONAL = ("real", "real_kl", "real_kl10", "kl_decided")     # kl_decided: 40 runs on seeds of its own
 MATCHED_KL = {c.name for h in HYPOTHESES.values() if h.matched_kl for c in h.configs}
 TIE = 1e-9
 T_975 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262, 10: 2.228}
 TRACED = ("step", "kl", "beta")          # every iteration's, in a record's trace
-KEPT = ("step", "eval/rm", "eval/gold", "eval/exec", "eval/pass@1", "reward/rm", "reward/exec", "kl",
+KEPT = ("step", "eval/rm", "eval/gold", "eval/kl", "eval/exec", "eval/pass@1", "reward/rm", "reward/exec", "kl",
         "eval/gold_strict", "eval/distinct_1", "eval/distinct_2", "eval/repetition", "eval/sft_distinct_2",
         "adv/l2", "q/l2", "adv/l2_macro", "q/l2_macro", "macro/mean_len", "response/len")
 
