@@ -32,13 +32,15 @@ A configuration whose record exists is never run again, and the report reads onl
   the curve does not get there, and the share of bootstrap draws where it never does;
 - win rate against PPO: per-prompt comparisons of final policies (same prompts, same seed), ties half,
   the mean of each seed's rate (gold score; on the code task, passing the tests);
-- gold differences and win rates get 95% intervals from a seed-then-prompt bootstrap (seeds resampled,
-  then each drawn seed's prompts): t with seeds - 1 degrees of freedom on the draws' standard error;
+- gold differences and win rates get 95% intervals whose standard error counts prompts crossed with seeds
+  (every run answers the same prompts): the spread over seeds, plus the prompt effects every seed shares
+  (shared_prompt_variance); t with seeds - 1 degrees of freedom (a fit: runs - its parameters);
 - one KL everywhere (run_kl: the mean per-sequence KL of the last KL_WINDOW iterations' batches);
 - matched KL per pair (kl_matched: within MATCH); at equal KL a fit of gold on log KL with one
   intercept per seed, and the matched pairs alone, per arm where the arms are several methods (arms_of);
-  verdicts (verdict) from the 95% interval and the two one-sided tests against +-MARGIN, with the minimum
-  detectable effect beside each;
+  (kl_fit, its rank checked) verdicts (verdict) from the 95% interval and the two one-sided tests against
+  +-MARGIN, with the detectable difference and, where "level" is in question, the margin a level could be
+  shown within;
 - where a change applies to both methods (critic, lr), each MA-PPO configuration paired by seed with
   PPO under the same change (its `partner`): the gap in first-half mean score and the win rate;
 - the first evaluation (score and KL), the final mean macro and response lengths and, on count, the share
@@ -47,6 +49,7 @@ A configuration whose record exists is never run again, and the report reads onl
 import argparse
 import concurrent.futures
 import dataclasses
+import functools
 import json
 import math
 import os
@@ -411,7 +414,6 @@ HYPOTHESES.update(CRITIC_FREE)
 OPTIONAL = ("real", "real_kl", "real_kl10", "kl_decided")     # kl_decided: 40 runs on seeds of its own
 MATCHED_KL = {c.name for h in HYPOTHESES.values() if h.matched_kl for c in h.configs}
 TIE = 1e-9
-T_975 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262, 10: 2.228}
 TRACED = ("step", "kl", "beta")          # every iteration's, in a record's trace
 KEPT = ("step", "eval/rm", "eval/gold", "eval/kl", "eval/exec", "eval/pass@1", "reward/rm", "reward/exec", "kl",
         "eval/gold_strict", "eval/distinct_1", "eval/distinct_2", "eval/repetition", "eval/sft_distinct_2",
@@ -427,7 +429,28 @@ def t_interval(values):
     if n < 2:
         return mean, float("nan")
     sd = math.sqrt(sum((v - mean) ** 2 for v in values) / (n - 1))
-    return mean, T_975.get(n - 1, 1.96) * sd / math.sqrt(n)
+    return mean, t_quantile(0.975, n - 1) * sd / math.sqrt(n)
+
+
+@functools.lru_cache(maxsize=None)
+def t_quantile(p, df):
+    """The p quantile (p > 0.5) of Student's t with `df` degrees of freedom: bisection on its CDF, the density
+    integrated by Simpson's rule (no scipy here). Any df: the tables it replaces stopped at 10 and then took the
+    normal's quantile, too small for the 18 degrees of freedom of 20 seeds."""
+    c = math.exp(math.lgamma((df + 1) / 2) - math.lgamma(df / 2)) / math.sqrt(df * math.pi)
+
+    def cdf(x, n=2000):                  # 0.5 + the density's integral over [0, x]
+        h = x / n
+        total = sum((1 if i in (0, n) else 4 if i % 2 else 2) * (1 + (i * h) ** 2 / df) ** (-(df + 1) / 2)
+                    for i in range(n + 1))
+        return 0.5 + c * total * h / 3
+    low, high = 0.0, 1.0
+    while cdf(high) < p:
+        high *= 2
+    for _ in range(40):
+        mid = (low + high) / 2
+        low, high = (mid, high) if cdf(mid) < p else (low, mid)
+    return (low + high) / 2
 
 
 def smoothed(values, window):
@@ -494,11 +517,8 @@ def paired_gap(base_runs, runs, metric):
 KL_WINDOW = 5
 MATCH = 1.2       # two runs are at matched KL when the larger final KL is at most 1.2 times the smaller
 MARGIN = 0.05     # gold: a difference whose 90% interval lies inside +-MARGIN is "level" (two one-sided tests)
-DRAWS = 4000      # seed-then-prompt bootstrap draws (seeded: the same tables every time)
 UNEQUAL = "no verdict: not at equal KL"   # a comparison whose pairs did not all end at matched KL (the fits decide)
 RERUN_SEEDS = 10  # the seeds of real_kl10: each fit says what it could detect with them
-T_95 = {1: 6.314, 2: 2.920, 3: 2.353, 4: 2.132, 5: 2.015, 6: 1.943, 7: 1.895, 8: 1.860, 9: 1.833, 10: 1.812}
-T_80 = {1: 1.376, 2: 1.061, 3: 0.978, 4: 0.941, 5: 0.920, 6: 0.906, 7: 0.896, 8: 0.889, 9: 0.883, 10: 0.879}
 
 
 def has_trace(record):
@@ -524,40 +544,64 @@ def kl_matched(a, b, tolerance=MATCH):
     return min(a, b) > 0 and max(a, b) <= tolerance * min(a, b)
 
 
-def seed_prompt_draws(units, stat, draws=DRAWS, seed=0):
-    """The seed-then-prompt bootstrap. `units`: one array [runs, prompts] per seed (the runs of a seed answered the
-    same held-out prompts under one sampling seed). Each draw resamples the seeds with replacement, then the prompts
-    of each drawn seed (the same columns for all its runs); stat(picked seed indices, drawn arrays) per draw."""
-    rng = numpy.random.default_rng(seed)
-    out = []
-    for _ in range(draws):
-        picked = rng.integers(len(units), size=len(units))
-        out.append(stat(picked, [units[i][:, rng.integers(units[i].shape[1], size=units[i].shape[1])] for i in picked]))
-    return numpy.array(out)
+def shared_prompt_variance(scores, seeds, arms, weights):
+    """The prompt part of the variance of sum_i weights[i] * mean(scores[i]) when prompts are crossed with seeds:
+    every run answers the same held-out prompts under one sampling seed, so an arm's prompt effects (the prompts it
+    does well on) are shared by all its seeds and no number of seeds averages them out. Sigma[a, b], the covariance
+    over prompts between a run of arm a and a run of arm b of another seed (each run's own noise, and what two runs
+    of one seed share, is independent across seeds and drops out), averaged over such pairs, gives
+    W' Sigma W / prompts, W[a] the total weight on arm a. `scores` [runs, prompts]; 0 when the estimate is negative
+    (a variance) or with fewer than two seeds."""
+    x = numpy.asarray(scores, float)
+    if len(set(seeds)) < 2 or x.shape[1] < 2:
+        return 0.0
+    x = x - x.mean(1, keepdims=True)
+    cov = x @ x.T / (x.shape[1] - 1)                    # [runs, runs], over prompts
+    names = list(dict.fromkeys(arms))
+    arm = numpy.array([names.index(a) for a in arms])
+    other = numpy.not_equal.outer(numpy.asarray(seeds), numpy.asarray(seeds))
+    w = numpy.array([sum(wi for wi, a in zip(weights, arm) if a == k) for k in range(len(names))])
+    sigma = numpy.zeros((len(names), len(names)))
+    for i in range(len(names)):
+        for j in range(len(names)):
+            cells = other & (arm[:, None] == i) & (arm[None, :] == j)
+            sigma[i, j] = cov[cells].mean() if cells.any() else 0.0
+    return max(0.0, float(w @ sigma @ w) / x.shape[1])
 
 
-def verdict(mean, se, seeds, margin=MARGIN):
-    """A difference, its standard error and the seeds behind it -> its 95% interval (t with seeds - 1 degrees of
-    freedom), the 90% interval of the two one-sided tests against +-margin, the minimum detectable effect (80% power,
-    5% two-sided) and the one word the rules allow: "ahead" / "behind" (the 95% interval leaves out 0), "level"
-    (the 90% interval inside the margin; "ahead, within the margin" when both hold), else "undecided"."""
+def verdict(mean, se, seeds, margin=MARGIN, df=None, se_parts=None):
+    """A difference, its standard error, the seeds behind it and the degrees of freedom (seeds - 1 for a mean over
+    seeds; a fit passes runs - its parameters) -> its 95% interval (t), the 90% interval of the two one-sided tests
+    against +-margin, the detectable effects and the one word the rules allow: "ahead" / "behind" (the 95% interval
+    leaves out 0), "level" (the 90% interval inside the margin; "ahead, within the margin" when both hold), else
+    "undecided". Detectable effects: "mde", the true difference found 80% of the time at 5% two-sided,
+    (t.975 + t.80) SE; "mde_level", the margin inside which a true difference of 0 is called level 80% of the time,
+    (t.95 + t.90) SE. `se_parts`: (seed part, prompt part) of the SE, for detectable_at."""
+    df = seeds - 1 if df is None else df
     if seeds < 2 or se != se:
         return {"mean": mean, "seeds": seeds, "verdict": "one seed: no verdict"}
-    t975, t95, t80 = T_975.get(seeds - 1, 1.96), T_95.get(seeds - 1, 1.645), T_80.get(seeds - 1, 0.842)
+    if df < 1:
+        return {"mean": mean, "seeds": seeds, "verdict": "no verdict: no degrees of freedom left"}
+    t975, t95, t90, t80 = (t_quantile(p, df) for p in (0.975, 0.95, 0.90, 0.80))
     low, high, low90, high90 = mean - t975 * se, mean + t975 * se, mean - t95 * se, mean + t95 * se
     level = -margin < low90 and high90 < margin
     word = "ahead" if low > 0 else "behind" if high < 0 else "level" if level else "undecided"
     if word in ("ahead", "behind") and level:
         word += ", within the margin"
-    return {"mean": mean, "se": se, "seeds": seeds, "ci95": (low, high), "ci90": (low90, high90),
-            "mde": (t975 + t80) * se, "margin": margin, "verdict": word}
+    return {"mean": mean, "se": se, "seeds": seeds, "df": df, "ci95": (low, high), "ci90": (low90, high90),
+            "mde": (t975 + t80) * se, "mde_level": (t95 + t90) * se, "margin": margin, "verdict": word,
+            "se_parts": tuple(se_parts or (se, 0.0))}
 
 
-def detectable_at(c, seeds):
-    """The detectable effect of verdict() result `c` had it `seeds` seeds with the same spread (its standard error
-    shrinking as one over the root of the seeds): what a rerun with more seeds can hope to see."""
-    df = seeds - 1
-    return (T_975.get(df, 1.96) + T_80.get(df, 0.842)) * c["se"] * math.sqrt(c["seeds"] / seeds)
+def detectable_at(c, seeds, level=False):
+    """The detectable effect ("mde"; `level`: "mde_level") of verdict() result `c` had it `seeds` seeds with the
+    same spread: the seed part of its SE shrinking as one over the root of the seeds, the prompt part shared by
+    every seed not shrinking, the degrees of freedom moving with the seeds (its parameters unchanged)."""
+    seed_se, prompt_se = c.get("se_parts", (c["se"], 0.0))
+    se = math.sqrt(seed_se ** 2 * c["seeds"] / seeds + prompt_se ** 2)
+    df = seeds - (c["seeds"] - c.get("df", c["seeds"] - 1))
+    quantiles = (0.95, 0.90) if level else (0.975, 0.80)
+    return sum(t_quantile(p, df) for p in quantiles) * se
 
 
 def paired_units(base_runs, runs, key, win=False):
@@ -572,24 +616,27 @@ def paired_units(base_runs, runs, key, win=False):
     return units
 
 
-def mean_of_units(picked, drawn):
-    """The mean over seeds of each seed's mean (over its rows and prompts)."""
-    return float(numpy.mean([u.mean() for u in drawn]))
-
-
-def compare(units, seed=0):
-    """verdict() of the mean over seeds of `units` (paired_units), its SE from the seed-then-prompt bootstrap;
-    None without a seed."""
+def compare(units):
+    """verdict() of the mean over seeds of `units` (paired_units: per seed, rows of per-prompt values on the same
+    prompts), each seed's mean over its rows and prompts; its SE in two parts, prompts crossed with seeds: the
+    spread of the seeds' means (each carries its own prompt noise once), and the prompt effects every seed shares
+    (shared_prompt_variance). None without a seed."""
     if not units:
         return None
-    mean = mean_of_units(None, units)
-    se = float(seed_prompt_draws(units, mean_of_units, seed=seed).std(ddof=1)) if len(units) > 1 else float("nan")
-    return verdict(mean, se, len(units))
+    means = [u.mean() for u in units]
+    mean = float(numpy.mean(means))
+    if len(units) < 2:
+        return verdict(mean, float("nan"), 1)
+    seed_var = float(numpy.var(means, ddof=1)) / len(units)
+    prompt_var = shared_prompt_variance([u.mean(0) for u in units], range(len(units)), [0] * len(units),
+                                        [1 / len(units)] * len(units))
+    return verdict(mean, math.sqrt(seed_var + prompt_var), len(units),
+                   se_parts=(math.sqrt(seed_var), math.sqrt(prompt_var)))
 
 
 def win_rate(base_runs, runs, key):
     """This run's final policies against the same seed's baseline: (win rate, 95% low, high), ties half, the mean
-    over seeds of each seed's rate, the interval from the seed-then-prompt bootstrap's SE; None without a seed."""
+    over seeds of each seed's rate, the interval from compare()'s SE; None without a seed."""
     c = compare(paired_units(base_runs, runs, key, win=True))
     if not c:
         return None
@@ -597,64 +644,78 @@ def win_rate(base_runs, runs, key):
     return c["mean"], low if low is None else max(low, 0.0), high if high is None else min(high, 1.0)   # a rate
 
 
-def equal_kl_fit(runs, seed=0):
-    """MA-PPO minus PPO at equal KL: the least-squares fit of each run's mean final score on log(final KL), a
-    MA-PPO indicator and one intercept per seed (the runs of a seed share prompts and sampling seed), over `runs`
-    [(seed, is MA-PPO, final KL, per-prompt scores)] of the seeds that have both methods; the indicator's
-    coefficient with verdict(), its SE from the seed-then-prompt bootstrap, and the slope per unit of log KL."""
-    by_seed = {}
-    for s, ma, kl, scores in runs:
-        by_seed.setdefault(s, []).append((float(ma), math.log(kl), scores))
-    by_seed = {s: v for s, v in by_seed.items() if len({ma for ma, _, _ in v}) == 2}
-    if len(by_seed) < 2:
-        return None
-    xs = [numpy.array([(ma, lkl) for ma, lkl, _ in v]) for v in by_seed.values()]
-    units = [numpy.array([scores for _, _, scores in v], float) for v in by_seed.values()]
-
-    def fit(picked, drawn):
-        rows = [(*xs[i][r], *(numpy.arange(len(drawn)) == j)) for j, i in enumerate(picked) for r in range(len(xs[i]))]
-        y = [u[r].mean() for u in drawn for r in range(len(u))]
-        coef = numpy.linalg.lstsq(numpy.array(rows, float), numpy.array(y), rcond=None)[0]
-        return coef[0], coef[1]
-    d, slope = fit(range(len(units)), units)
-    se = float(seed_prompt_draws(units, lambda p, u: fit(p, u)[0], seed=seed).std(ddof=1))
-    return {**verdict(float(d), se, len(units)), "slope": float(slope), "runs": sum(len(u) for u in units)}
-
-
-def joint_equal_kl_fit(runs, seed=0):
-    """Every arm minus PPO at equal KL in one fit: each run's mean final score on log(final KL) with one slope shared
-    by all the arms, an indicator per arm and one intercept per seed, over `runs` [(seed, arm, final KL, per-prompt
-    scores)], arm None for PPO, of the seeds that have PPO and another arm. An arm whose KL ended on one side of PPO's
-    on most seeds cannot tell its effect from the KL's in a fit of its own; here it reads the slope off every arm's
-    runs. Returns {"arms": {arm: verdict() of its coefficient, its SE from the seed-then-prompt bootstrap over the
-    draws that determine it ("draws" of "of_draws": a draw of too few distinct seeds, or without the arm, leaves it
-    undetermined and counts for the others only)}, "slope", "runs", "seeds"}, or None under two seeds."""
+def kl_fit(runs):
+    """The least-squares fit behind the comparisons at equal KL: each run's mean final score on an indicator per
+    arm, log(final KL) and one intercept per seed, over `runs` [(seed, arm, final KL, per-prompt scores)] (arm None
+    for PPO) of the seeds that have PPO and another arm, a repeated run once. Its rank is checked: terms that the
+    runs cannot tell apart (an arm whose log KL ratio to PPO is the same on every seed, one seed) give no fit.
+    Returns {"arms": {arm: (coefficient, seed-part SE, prompt-part SE, seeds with the arm)}, "slope", "df" (runs
+    - parameters), "runs", "seeds"}, {"rank": why} when rank-deficient, or None under two seeds. The seed part is
+    the fit's own (residual variance over runs - parameters degrees of freedom, times (X'X)^-1); the prompt part is
+    shared_prompt_variance with the fit's weights on each run (every coefficient but the intercepts weighs the
+    runs of a seed to sum 0, so what a seed's runs share drops out)."""
     by_seed = {}
     for s, arm, kl, scores in runs:
-        by_seed.setdefault(s, {})[(arm, tuple(scores))] = (arm, math.log(kl), scores)     # a repeated run once
+        by_seed.setdefault(s, {})[(arm, tuple(scores))] = (arm, math.log(kl), scores)      # a repeated run once
     by_seed = {s: list(v.values()) for s, v in sorted(by_seed.items())
                if any(a is None for a, _, _ in v.values()) and any(a is not None for a, _, _ in v.values())}
     if len(by_seed) < 2:
         return None
     arms = list(dict.fromkeys(a for v in by_seed.values() for a, _, _ in v if a is not None))
-    xs = [numpy.array([[float(a == b) for b in arms] + [lkl] for a, lkl, _ in v]) for v in by_seed.values()]
-    units = [numpy.array([scores for _, _, scores in v], float) for v in by_seed.values()]
-
-    def fit(picked, drawn):
-        rows = [(*xs[i][r], *(numpy.arange(len(drawn)) == j)) for j, i in enumerate(picked) for r in range(len(xs[i]))]
-        y = [u[r].mean() for u in drawn for r in range(len(u))]
-        x = numpy.array(rows, float)
-        coef, _, rank, _ = numpy.linalg.lstsq(x, numpy.array(y), rcond=None)
-        if rank < x.shape[1]:    # too few distinct seeds for some terms: keep those the draw determines (estimable)
-            return numpy.array([coef[k] if numpy.linalg.matrix_rank(numpy.delete(x, k, axis=1)) < rank else numpy.nan
-                                for k in range(len(arms) + 1)])
-        return coef[:len(arms) + 1]
-    coef = fit(range(len(units)), units)
-    draws = seed_prompt_draws(units, fit, seed=seed)
+    flat = [(j, a, lkl, sc) for j, v in enumerate(by_seed.values()) for a, lkl, sc in v]
+    x = numpy.array([[float(a == b) for b in arms] + [lkl] + [float(j == k) for k in range(len(by_seed))]
+                     for j, a, lkl, _ in flat])
+    scores = numpy.array([sc for *_, sc in flat], float)
+    y = scores.mean(1)
+    rank = numpy.linalg.matrix_rank(x)
+    if rank < x.shape[1]:
+        return {"rank": f"the fit cannot tell its terms apart (rank {rank} of {x.shape[1]})", "runs": len(flat),
+                "seeds": len(by_seed)}
+    inverse = numpy.linalg.inv(x.T @ x)
+    weights = inverse @ x.T                              # coefficient k = weights[k] @ y
+    coef = weights @ y
+    df = len(y) - x.shape[1]
+    residual_var = float(((y - x @ coef) ** 2).sum() / df) if df > 0 else float("nan")
     seeds_of = {a: sum(any(b == a for b, _, _ in v) for v in by_seed.values()) for a in arms}
-    return {"arms": {a: {**verdict(float(coef[k]), float(numpy.nanstd(draws[:, k], ddof=1)), seeds_of[a]),
-                         "draws": int(numpy.isfinite(draws[:, k]).sum())} for k, a in enumerate(arms)},
-            "slope": float(coef[-1]), "runs": sum(len(u) for u in units), "seeds": len(units), "of_draws": len(draws)}
+    labels, seed_ids = [a for _, a, _, _ in flat], [j for j, *_ in flat]
+    parts = {a: (float(coef[k]), math.sqrt(residual_var * inverse[k, k]) if df > 0 else float("nan"),
+                 math.sqrt(shared_prompt_variance(scores, seed_ids, labels, weights[k])), seeds_of[a])
+             for k, a in enumerate(arms)}
+    return {"arms": parts, "slope": float(coef[len(arms)]), "df": df, "runs": len(flat), "seeds": len(by_seed)}
+
+
+def fit_verdict(fit, arm, margin=MARGIN):
+    """verdict() of one arm's coefficient in kl_fit's `fit`: the SE from its two parts, t with the fit's degrees of
+    freedom; a rank-deficient fit says so."""
+    if "rank" in fit:
+        return {"mean": float("nan"), "seeds": fit["seeds"], "verdict": f"no verdict: {fit['rank']}"}
+    d, seed_se, prompt_se, seeds = fit["arms"][arm]
+    se = math.sqrt(seed_se ** 2 + prompt_se ** 2) if seed_se == seed_se else float("nan")
+    c = verdict(d, se, seeds, margin, df=fit["df"], se_parts=(seed_se, prompt_se))
+    return c if se == se else {**c, "verdict": "no verdict: no degrees of freedom left"}
+
+
+def equal_kl_fit(runs):
+    """MA-PPO minus PPO at equal KL (kl_fit with one arm) over `runs` [(seed, is MA-PPO, final KL, per-prompt
+    scores)]: the MA-PPO term with verdict(), the slope per unit of log KL; None under two seeds."""
+    fit = kl_fit([(s, True if ma else None, kl, scores) for s, ma, kl, scores in runs])
+    if fit is None:
+        return None
+    return {**fit_verdict(fit, True), "slope": fit.get("slope", float("nan")), "runs": fit["runs"]}
+
+
+def joint_equal_kl_fit(runs):
+    """Every arm minus PPO at equal KL in one fit (kl_fit over `runs` [(seed, arm, final KL, per-prompt scores)], arm
+    None for PPO): one slope shared by every arm, so an arm whose KL ended on one side of PPO's on most seeds reads the
+    slope off the others. Returns {"arms": {arm: verdict()}, "slope", "runs", "seeds"} ({"arms": {}} and "rank" when
+    the fit is rank-deficient), or None under two seeds."""
+    fit = kl_fit(runs)
+    if fit is None:
+        return None
+    if "rank" in fit:
+        return {"arms": {}, "rank": fit["rank"], "slope": float("nan"), "runs": fit["runs"], "seeds": fit["seeds"]}
+    return {"arms": {a: fit_verdict(fit, a) for a in fit["arms"]}, "slope": fit["slope"], "runs": fit["runs"],
+            "seeds": fit["seeds"]}
 
 
 # ---------------------------------------------------------------- runs
@@ -1202,9 +1263,11 @@ def fmt_verdict(c):
     """The difference, its 95% interval, the 90% interval of the equivalence test, the minimum detectable effect
     and the verdict word, as every verdict line prints them."""
     if "ci95" not in c:
-        return f"{c['mean']:+.3f} over {c['seeds']} seed: {c['verdict']}"
-    return (f"{fmt_cmp(c)} over {c['seeds']} seeds (90% [{c['ci90'][0]:+.3f}, {c['ci90'][1]:+.3f}] against "
-            f"±{c['margin']:g}; detectable effect {c['mde']:.3f}): **{c['verdict']}**")
+        return (f"{c['mean']:+.3f} over {c['seeds']} seed: " if c["mean"] == c["mean"] else "") + c["verdict"]
+    detectable = ([f"detectable difference {c['mde']:.3f}"] if not c["verdict"].startswith("level") else []) + (
+        [f"level detectable within ±{c['mde_level']:.3f}"] if c["verdict"] in ("level", "undecided") else [])
+    return (f"{fmt_cmp(c)} over {c['seeds']} seeds, t with {c['df']} df (90% [{c['ci90'][0]:+.3f}, "
+            f"{c['ci90'][1]:+.3f}] against ±{c['margin']:g}; {', '.join(detectable)}): **{c['verdict']}**")
 
 
 def distinct_runs(runs):
@@ -1287,6 +1350,9 @@ def equal_kl_lines(fits, key, arm="MA-PPO", ppo="PPO", prefix=""):
 
 def joint_fit_lines(joint, key, ppo="PPO"):
     """The bullets of joint_equal_kl_fit: one fit over every arm, each arm's coefficient against `ppo`."""
+    if "rank" in joint:
+        return [f"- one fit over every arm ({joint['runs']} runs of {joint['seeds']} seeds): no verdict, "
+                f"{joint['rank']}."]
     lines = [f"- one fit over every arm ({joint['runs']} runs of {joint['seeds']} seeds; one slope shared by the arms, "
              f"{joint['slope']:+.3f} {key} per unit of log KL, an indicator per arm, one intercept per seed):"]
     return lines + [f"  - {arm} minus {ppo} " + fmt_verdict(v) + "." for arm, v in joint["arms"].items()]
@@ -1296,8 +1362,10 @@ def equal_kl_intro(key, several):
     """The paragraph before the equal-KL bullets: over every run (one method), or each arm on its own (several)."""
     return ["", ("At equal KL, each arm against its PPO on its own, over the arm's runs and PPO's" if several else
                  "At equal KL, over every run of this hypothesis") + f" (a repeated run counted once; margin ±{MARGIN:g} "
-            f"{key}, decided by the 90% interval; detectable effect: the true difference these seeds find 80% of "
-            "the time):", ""]
+            f"{key}, decided by the 90% interval; standard errors with a seed part and a prompt part, the prompts "
+            "shared by every seed; detectable difference: the true difference these seeds find 80% of the time at 5%; "
+            "level detectable within: the margin inside which a true difference of 0 is called level 80% of the "
+            "time):", ""]
 
 
 def arms_table(h, done, by_arm, key):
