@@ -56,6 +56,7 @@ import os
 import random
 import re
 import shlex
+import signal
 import statistics
 import subprocess
 import sys
@@ -889,7 +890,7 @@ def train(args, config, seed):
     if not os.path.exists(done):
         os.makedirs(run_dir, exist_ok=True)
         with open(os.path.join(run_dir, "log.txt"), "a") as log:
-            proc = subprocess.run(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
+            proc = subprocess.run(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         if proc.returncode != 0:
             sys.exit(f"error: {shlex.join(cmd)} failed (exit {proc.returncode}); see {run_dir}/log.txt. "
                      "Run the study again to continue from its checkpoint.")
@@ -999,7 +1000,8 @@ def run_stages(stages):
         print(f"[study] {shlex.join(stage)} (log {log})", flush=True)
         os.makedirs(os.path.dirname(log), exist_ok=True)
         with open(log, "a") as f:
-            if subprocess.run([sys.executable, *stage], cwd=ROOT, stdout=f, stderr=subprocess.STDOUT).returncode:
+            if subprocess.run([sys.executable, *stage], cwd=ROOT, stdout=f, stderr=subprocess.STDOUT,
+                              start_new_session=True).returncode:
                 sys.exit(f"error: {shlex.join(stage)} failed; see {log}")
 
 
@@ -1033,6 +1035,32 @@ def build_real_models(args, todo):
                         if s[s.index("--output_dir") + 1] in missing])
 
 
+STUDY_PID = os.getpid()
+
+
+def stop_with_children(signum, frame):
+    """SIGTERM or Ctrl-C to the study: every process it started (ppo.py, sft.py, reward_model.py, or with --jobs the
+    workers that start them, which do the same) gets one SIGTERM, saves at the end of its iteration and exits; the
+    study waits for them, then exits. Left running, they went on writing checkpoints into the run folders of a
+    restarted study. The children run in sessions of their own (start_new_session), so a terminal's Ctrl-C reaches
+    them through here only, once: a second signal makes ppo.py quit without saving, so repeats are ignored."""
+    import psutil
+    for s in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(s, signal.SIG_IGN)
+    children = [c for c in psutil.Process().children() if "resource_tracker" not in " ".join(c.cmdline())]
+    print(f"[study] {signal.Signals(signum).name}: stopping {len(children)} process(es) it started; they save at the "
+          "end of their iteration", file=sys.stderr, flush=True)
+    for child in children:
+        try:
+            child.send_signal(signal.SIGTERM)
+        except psutil.NoSuchProcess:
+            pass
+    psutil.wait_procs(children)
+    if os.getpid() != STUDY_PID:          # a --jobs worker: exit here, not back into the pool's next run
+        os._exit(128 + signum)
+    sys.exit(128 + signum)
+
+
 def _one_job_threads(threads):
     """Worker initializer: every ppo.py this worker starts (and its own evaluation) uses `threads` threads."""
     os.environ["OMP_NUM_THREADS"] = str(threads)
@@ -1048,6 +1076,8 @@ def train_all(args, todo):
     todo = [t for t in todo if not os.path.exists(record_path(args, t[0].name, t[1]))]
     if args.report_only or not (todo or no_sft):
         return
+    for s in (signal.SIGINT, signal.SIGTERM):        # before the pool: its workers inherit the handler
+        signal.signal(s, stop_with_children)
     build_task_models(args, todo + [(c, 0) for c in no_sft])
     build_segment_rms(args, todo)
     build_real_models(args, todo + [(c, 0) for c in no_sft])

@@ -1250,3 +1250,34 @@ def test_runs_of_another_build_are_compared_again_without_them(tmp_path):
                                    for c in h.configs for r in records[c.name] if r["sft_hash"] == "a"])
     assert one["fit"]["mean"] == pytest.approx(expected["mean"]) and one["fit"]["seeds"] == 3
     assert result["equal_kl"]["fit"]["seeds"] == 4                # the verdict's fit still counts every run
+
+
+def test_a_study_stopped_by_sigterm_stops_the_runs_it_started(tmp_path):
+    """A real study (its first step builds the SFT model: an sft.py child) sent SIGTERM: the child gets it too, saves
+    and exits, and the study exits after it, rather than leaving the child writing checkpoints into the folders of a
+    study started again."""
+    import signal
+    import time
+    import psutil
+    study_proc = subprocess.Popen([sys.executable, "bench/learning_efficiency.py", "kl", "--seeds", "1",
+                                   "--sft_path", str(tmp_path / "sft"), "--rm_path", str(tmp_path / "rm"),
+                                   "--results_dir", str(tmp_path / "results"), "--runs_dir", str(tmp_path / "runs")],
+                                  cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    child = None
+    try:
+        deadline = time.time() + 300
+        while child is None and time.time() < deadline and study_proc.poll() is None:
+            child = next((c for c in psutil.Process(study_proc.pid).children() if "sft.py" in c.cmdline()), None)
+            time.sleep(0.5)
+        assert child is not None, "the study started no sft.py"
+        time.sleep(3)                                     # past its start, into its steps
+        study_proc.send_signal(signal.SIGTERM)
+        assert study_proc.wait(timeout=300) == 128 + signal.SIGTERM
+        assert not child.is_running() or child.status() == psutil.STATUS_ZOMBIE
+        assert "stopping 1 process(es) it started" in study_proc.stderr.read()
+    finally:
+        for proc in ([child] if child else []):
+            if proc.is_running():
+                proc.kill()
+        if study_proc.poll() is None:
+            study_proc.kill()
