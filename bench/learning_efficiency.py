@@ -116,6 +116,9 @@ class Config:
         return (["--task", self.task] if self.task != "chitchat" else []) + [f.format(**paths) for f in self.flags]
 
 
+MARGIN = 0.05     # gold: a difference whose 90% interval lies inside +-MARGIN is "level" (two one-sided tests)
+
+
 @dataclasses.dataclass(frozen=True)
 class Hypothesis:
     question: str
@@ -124,6 +127,7 @@ class Hypothesis:
     final_table: bool = False        # also the final policies' mean score, paired by seed with PPO's
     matched_kl: tuple = ()           # score thresholds: compare each MA-PPO with its partner at the same KL target
     kl_points: tuple = ()            # KLs at which every pair of runs is read off its score-against-KL curve
+    margin: float = MARGIN           # of "level", stated before the runs (rules_for: void where scores do not move)
 
 
 def ppo(name="n1", label="PPO (n=1)", flags=(), task="chitchat"):
@@ -376,7 +380,7 @@ HYPOTHESES = {
         kl_pair("chitchat", TINY_KL_TARGETS["chitchat"], "kl_decided_",
                 lambda name, label, flags, partner: Config(name, label, flags, "chitchat", partner),
                 (*TINY_KL_CONTROL, "--n_eval_prompts", "256")),
-        matched_kl=(0.0, 1.0, 2.0), kl_points=(4.0, 6.0, 8.0)),
+        matched_kl=(0.0, 1.0, 2.0), kl_points=(4.0, 6.0, 8.0), margin=KL_DECIDED_MARGIN),
 }
 # Credit without a critic (--advantage group | mc, docs/training.md): one termination under the critic, a group
 # baseline and Monte Carlo values, with the token, macro and sequence ratios. Matched KL per run: the controller at a
@@ -517,7 +521,10 @@ def paired_gap(base_runs, runs, metric):
 # rows: one batch at that iteration (run_kl says so with has_trace). The records hold no held-out KL.
 KL_WINDOW = 5
 MATCH = 1.2       # two runs are at matched KL when the larger final KL is at most 1.2 times the smaller
-MARGIN = 0.05     # gold: a difference whose 90% interval lies inside +-MARGIN is "level" (two one-sided tests)
+MOVES = 4         # a margin means something where PPO's final score moved from the SFT model's by MOVES margins
+# The margin and, where the task's scores did not move by MOVES margins, why no verdict: set by report() for the
+# hypothesis it reads (rules_for), read by verdict().
+RULES = {"margin": MARGIN, "void": None}
 UNEQUAL = "no verdict: not at equal KL"   # a comparison whose pairs did not all end at matched KL (the fits decide)
 RERUN_SEEDS = 10  # the seeds of real_kl10: each fit says what it could detect with them
 
@@ -570,15 +577,17 @@ def shared_prompt_variance(scores, seeds, arms, weights):
     return max(0.0, float(w @ sigma @ w) / x.shape[1])
 
 
-def verdict(mean, se, seeds, margin=MARGIN, df=None, se_parts=None):
+def verdict(mean, se, seeds, margin=None, df=None, se_parts=None):
     """A difference, its standard error, the seeds behind it and the degrees of freedom (seeds - 1 for a mean over
     seeds; a fit passes runs - its parameters) -> its 95% interval (t), the 90% interval of the two one-sided tests
     against +-margin, the detectable effects and the one word the rules allow: "ahead" / "behind" (the 95% interval
     leaves out 0), "level" (the 90% interval inside the margin; "ahead, within the margin" when both hold), else
     "undecided". Detectable effects: "mde", the true difference found 80% of the time at 5% two-sided,
     (t.975 + t.80) SE; "mde_level", the margin inside which a true difference of 0 is called level 80% of the time,
-    (t.95 + t.90) SE. `se_parts`: (seed part, prompt part) of the SE, for detectable_at."""
+    (t.95 + t.90) SE. `se_parts`: (seed part, prompt part) of the SE, for detectable_at. `margin`: RULES's when
+    None; where RULES says the task's scores do not move by it, the numbers stay and the word is "no verdict"."""
     df = seeds - 1 if df is None else df
+    margin = RULES["margin"] if margin is None else margin
     if seeds < 2 or se != se:
         return {"mean": mean, "seeds": seeds, "verdict": "one seed: no verdict"}
     if df < 1:
@@ -589,6 +598,8 @@ def verdict(mean, se, seeds, margin=MARGIN, df=None, se_parts=None):
     word = "ahead" if low > 0 else "behind" if high < 0 else "level" if level else "undecided"
     if word in ("ahead", "behind") and level:
         word += ", within the margin"
+    if RULES["void"]:
+        word = f"no verdict: {RULES['void']}"
     return {"mean": mean, "se": se, "seeds": seeds, "df": df, "ci95": (low, high), "ci90": (low90, high90),
             "mde": (t975 + t80) * se, "mde_level": (t95 + t90) * se, "margin": margin, "verdict": word,
             "se_parts": tuple(se_parts or (se, 0.0))}
@@ -685,7 +696,7 @@ def kl_fit(runs):
     return {"arms": parts, "slope": float(coef[len(arms)]), "df": df, "runs": len(flat), "seeds": len(by_seed)}
 
 
-def fit_verdict(fit, arm, margin=MARGIN):
+def fit_verdict(fit, arm, margin=None):
     """verdict() of one arm's coefficient in kl_fit's `fit`: the SE from its two parts, t with the fit's degrees of
     freedom; a rank-deficient fit says so."""
     if "rank" in fit:
@@ -1206,8 +1217,33 @@ def fmt_win(win):
     return f"{win[0]:.1%}" + (f" [{win[1]:.1%}, {win[2]:.1%}]" if win[1] is not None else "")
 
 
+def rules_for(h, base_runs, sft):
+    """RULES for hypothesis `h`: its margin, and "no verdict" where its PPO's mean final score (the head-to-head key)
+    is less than MOVES margins from the SFT model's on the same prompts: a task whose scores barely move cannot tell
+    a difference of the margin from none (code: a pass rate that training moved by about one prompt in a hundred)."""
+    if not (sft and base_runs):
+        return {"margin": h.margin, "void": None}
+    key = h.configs[0].win_key
+    gain = numpy.mean([numpy.mean(r["final"][key]) for r in base_runs]) - numpy.mean(sft["final"][key])
+    void = (f"the task's scores do not move by the margin (PPO's final {key} {gain:+.3f} from the SFT model's, "
+            f"under {MOVES} x ±{h.margin:g})") if gain < MOVES * h.margin else None
+    return {"margin": h.margin, "void": void, "gain": float(gain)}
+
+
 def report(args, hypothesis, records):
-    """records {config name: [record per seed]} -> (markdown lines, json)."""
+    """records {config name: [record per seed]} -> (markdown lines, json), under the hypothesis' RULES."""
+    h = HYPOTHESES[hypothesis]
+    base_runs = [r for r in records.get(h.configs[0].name, []) if r]
+    RULES.clear()
+    RULES.update(rules_for(h, base_runs, committed_sft_record(args, h.configs[0])))
+    try:
+        return _report(args, hypothesis, records)
+    finally:
+        RULES.clear()
+        RULES.update(margin=MARGIN, void=None)
+
+
+def _report(args, hypothesis, records):
     h = HYPOTHESES[hypothesis]
     base = h.configs[0]
     score, second = base.metrics
@@ -1215,7 +1251,7 @@ def report(args, hypothesis, records):
              f"| configuration | seeds | final {score} | final {second} | KL | first-half mean {score} | steps to the first "
              f"row's final {score}: it / this [95% CI] | same for {second} | win rate vs the first row [95% CI] |",
              "|---" * 9 + "|"]
-    result = {}
+    result = {"rules": dict(RULES)}
     base_runs = [r for r in records.get(base.name, []) if r]
     for config in h.configs:
         runs = [r for r in records.get(config.name, []) if r]
@@ -1239,7 +1275,10 @@ def report(args, hypothesis, records):
     done = [r for c in h.configs for r in records.get(c.name, []) if r]
     lines += ["", f"KL: each run's mean per-sequence KL from the SFT model over its last {KL_WINDOW} iterations' training "
               "batches" + ("" if all(map(has_trace, done)) else "; * runs recorded without a trace: the last iteration's "
-                           "batch alone") + f". Win rates: ties half, 95% intervals from a seed-then-prompt bootstrap."]
+                           "batch alone") + ". Win rates: ties half, 95% intervals whose standard error counts the seeds and the "
+              "prompts every seed shares."]
+    if RULES["void"]:
+        lines += ["", f"No verdict on this hypothesis: {RULES['void']}; its intervals are shown, no rule word."]
     sft = committed_sft_record(args, base)
     if sft:
         sft_mean = sum(sft["final"][base.win_key]) / len(sft["final"][base.win_key])
@@ -1391,7 +1430,7 @@ def joint_fit_lines(joint, key, ppo="PPO"):
 def equal_kl_intro(key, several):
     """The paragraph before the equal-KL bullets: over every run (one method), or each arm on its own (several)."""
     return ["", ("At equal KL, each arm against its PPO on its own, over the arm's runs and PPO's" if several else
-                 "At equal KL, over every run of this hypothesis") + f" (a repeated run counted once; margin ±{MARGIN:g} "
+                 "At equal KL, over every run of this hypothesis") + f" (a repeated run counted once; margin ±{RULES['margin']:g} "
             f"{key}, decided by the 90% interval; standard errors with a seed part and a prompt part, the prompts "
             "shared by every seed; detectable difference: the true difference these seeds find 80% of the time at 5%; "
             "level detectable within: the margin inside which a true difference of 0 is called level 80% of the "
@@ -1404,7 +1443,7 @@ def arms_table(h, done, by_arm, key):
     with its verdict and detectable effect: the figures its prose quotes."""
     base = h.configs[0]
     lines = ["", f"Each arm against {base.label}, final mean {key} at equal KL two ways (the bullets below: the fit "
-             f"on log final KL, and the pairs at matched KL alone), margin ±{MARGIN:g} {key}:", "",
+             f"on log final KL, and the pairs at matched KL alone), margin ±{RULES['margin']:g} {key}:", "",
              "| arm | seeds | final KL | pairs at matched KL | minus PPO at equal KL (fit) [95% CI] | verdict | "
              "detectable effect | minus PPO, matched pairs alone [95% CI] | verdict | detectable effect |", "|---" * 10 + "|"]
     base_runs = done[base.name]

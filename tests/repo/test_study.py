@@ -1281,3 +1281,25 @@ def test_a_study_stopped_by_sigterm_stops_the_runs_it_started(tmp_path):
                 proc.kill()
         if study_proc.poll() is None:
             study_proc.kill()
+
+
+def test_a_task_whose_scores_do_not_move_by_the_margin_gets_no_verdict_by_hand(tmp_path):
+    """The margin means something where PPO's final score moved from the SFT model's by at least MOVES margins: a
+    gain of 0.15 against 4 x 0.05 leaves every comparison of the hypothesis its numbers and no rule word (the code
+    task's pass rate today); a gain of 0.3 keeps the words, under the hypothesis' own margin."""
+    h = study.HYPOTHESES["kl_decided"]
+    ppo = [{"seed": s, "final": {"gold": [0.3 + 0.1 * s, 0.3 - 0.1 * s]}} for s in (1, 2)]      # mean 0.3
+    sft = {"final": {"gold": [0.15, 0.15]}}
+    rules = study.rules_for(h, ppo, sft)
+    assert rules["gain"] == pytest.approx(0.15) and rules["margin"] == study.KL_DECIDED_MARGIN == 0.055
+    assert rules["void"] == ("the task's scores do not move by the margin (PPO's final gold +0.150 from the SFT "
+                             "model's, under 4 x ±0.055)")
+    assert study.rules_for(h, ppo, {"final": {"gold": [0.0, 0.0]}})["void"] is None
+    study.RULES.update(rules)
+    try:
+        c = study.verdict(0.0, 0.001, 6)
+    finally:
+        study.RULES.clear()
+        study.RULES.update(margin=study.MARGIN, void=None)
+    assert c["verdict"].startswith("no verdict: the task's scores") and c["ci95"][1] > 0 and c["margin"] == 0.055
+    assert study.verdict(0.0, 0.001, 6)["verdict"] == "level"
