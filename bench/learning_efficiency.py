@@ -249,6 +249,61 @@ KL_DECIDED_SEEDS = tuple(range(6, 26))
 KL_DECIDED_MARGIN = 0.055   # a tenth of PPO's SFT-to-PPO gold gain in `kl` (0.806 - 0.255), fixed before the runs
 
 
+PLAN_SEEDS = (9, 15, 20, 25)      # the seed counts the plan's table shows
+PLAN_DESIGN = 1.25               # the pilot's design factor (1.24) rounded up, as the plan used it
+
+
+def decided_plan(ppo_runs, ma_runs, sft, margin_share=0.1):
+    """What sized kl_decided, from `kl`'s pairs (PPO and MA-PPO records by seed) and the SFT record: the margin (a
+    tenth of PPO's mean final gold gain over the SFT model) and the level-detectable effect, (t.95 + t.90) SE with
+    seeds - 2 degrees of freedom, at each of PLAN_SEEDS: SE(S)^2 = residual variance x PLAN_DESIGN / S + the shared
+    prompt variance over the prompts, at the pilot's residual variance and at its 80% upper bound."""
+    by_seed = {r["seed"]: r for r in ppo_runs}
+    pairs = [(by_seed[m["seed"]], m) for m in sorted(ma_runs, key=lambda r: r["seed"]) if m["seed"] in by_seed]
+    gaps = numpy.array([numpy.array(m["final"]["gold"]) - numpy.array(p["final"]["gold"]) for p, m in pairs])
+    seeds, prompts = gaps.shape
+    x = numpy.array([[1.0, math.log(run_kl(m) / run_kl(p))] for p, m in pairs])
+    y = gaps.mean(1)
+    residual = float(((y - x @ numpy.linalg.lstsq(x, y, rcond=None)[0]) ** 2).sum() / (seeds - 2))
+    shared = shared_prompt_variance(gaps, range(seeds), [0] * seeds, [1.0] * seeds) * prompts / seeds ** 2
+    within = gaps - gaps.mean(1, keepdims=True) - gaps.mean(0) + gaps.mean()
+    ppo_gold = float(numpy.mean([numpy.mean(p["final"]["gold"]) for p, _ in pairs]))
+    sft_gold = float(numpy.mean(sft["final"]["gold"]))
+    bound = (seeds - 2) / chi2_quantile(0.2, seeds - 2)
+
+    def level_detectable(n, var):
+        return (t_quantile(0.95, n - 2) + t_quantile(0.90, n - 2)) * math.sqrt(var * PLAN_DESIGN / n + shared / prompts)
+    return {"ppo_gold": ppo_gold, "sft_gold": sft_gold, "margin": margin_share * (ppo_gold - sft_gold),
+            "residual": residual, "df": seeds - 2, "design": float(seeds * numpy.linalg.inv(x.T @ x)[0, 0]),
+            "shared": shared, "prompts": prompts, "within": float((within ** 2).sum() / ((seeds - 1) * (prompts - 1))),
+            "seed_gap_var": float(y.var(ddof=1)), "bound": bound,
+            "at": {n: (level_detectable(n, residual), level_detectable(n, residual * bound)) for n in PLAN_SEEDS}}
+
+
+def decided_plan_lines(args):
+    """kl_decided's plan (decided_plan) from `kl`'s committed records, as a table: the figures its rule quotes."""
+    records = load_records(args, [c.name for c in HYPOTHESES["kl"].configs])
+    plan = decided_plan(*(records[c.name] for c in HYPOTHESES["kl"].configs),
+                        committed_sft_record(args, HYPOTHESES["kl"].configs[0]))
+    p = plan
+    return ["", "The plan, from `kl`'s five pairs (made before the first run; `decided_plan` recomputes it from their "
+            "records):", "", "| quantity | value |", "|---|---|",
+            "| PPO's mean final gold in `kl` / the SFT model's / a tenth of the gain (the margin) | "
+            f"{p['ppo_gold']:.3f} / "
+            f"{p['sft_gold']:.3f} / {p['margin']:.4f} |",
+            f"| residual variance of a seed's gold gap on its log KL ratio ({p['df']} degrees of freedom) | "
+            f"{p['residual']:.5f} |",
+            f"| the design's factor on the intercept's variance (planned with {PLAN_DESIGN}) | {p['design']:.2f} |",
+            f"| shared prompt x method variance; over {p['prompts']} prompts | {p['shared']:.4f}; "
+            f"{p['shared'] / p['prompts']:.6f} |",
+            f"| residual per prompt; over {p['prompts']} prompts (a seed's evaluation noise) against the variance of "
+            f"a seed's gap | {p['within']:.3f}; {p['within'] / p['prompts']:.5f} against {p['seed_gap_var']:.5f} |",
+            f"| the residual variance's 80% upper bound, as a factor (chi-square, {p['df']} degrees of freedom) | "
+            f"{p['bound']:.2f} |",
+            *(f"| level detectable within, {n} seeds a side: at the pilot's variance / at its bound | "
+              f"{a:.3f} / {b:.3f} |" for n, (a, b) in p["at"].items())]
+
+
 def tiny_kl(task):
     prefix = "kl_" if task == "chitchat" else f"kl_{task}_"
     return kl_pair(task, TINY_KL_TARGETS[task], prefix,
@@ -426,6 +481,25 @@ KEPT = ("step", "eval/rm", "eval/gold", "eval/kl", "eval/exec", "eval/pass@1", "
 
 
 # ---------------------------------------------------------------- statistics (tested in tests/repo/test_study.py)
+
+@functools.lru_cache(maxsize=None)
+def chi2_quantile(p, df):
+    """The p quantile of the chi-square distribution with `df` >= 2 degrees of freedom (bisection on its CDF, the
+    density integrated by Simpson's rule), for an upper confidence bound on a variance."""
+    c = 1 / (2 ** (df / 2) * math.gamma(df / 2))
+
+    def cdf(x, n=2000):
+        h = x / n
+        return c * h / 3 * sum((1 if i in (0, n) else 4 if i % 2 else 2) * (i * h) ** (df / 2 - 1)
+                               * math.exp(-i * h / 2) for i in range(n + 1))
+    low, high = 0.0, float(df)
+    while cdf(high) < p:
+        high *= 2
+    for _ in range(40):
+        mid = (low + high) / 2
+        low, high = (mid, high) if cdf(mid) < p else (low, mid)
+    return (low + high) / 2
+
 
 def t_interval(values):
     """(mean, half-width of the 95% t-interval); half-width nan for one value."""
@@ -880,6 +954,12 @@ def ppo_command(args, config, seed, run_dir):
     return [sys.executable, "ppo.py", *ppo_flags(args, config, seed, run_dir), *resume]
 
 
+def run_steps(argv):
+    """The iterations a ppo.py command line runs: its last --steps (the code task's --code_args add one after the
+    study's; the records before this said the study's 120 where 80 ran)."""
+    return int(next(argv[i + 1] for i in range(len(argv) - 2, -1, -1) if argv[i] == "--steps"))
+
+
 def committed_record(args, name, seed):
     """The record of one configuration and seed, or None when it has none."""
     path = record_path(args, name, seed)
@@ -908,7 +988,8 @@ def train(args, config, seed):
     rows = evaluate.read_metrics(run_dir)
     with open(os.path.join(run_dir, "log.txt")) as f:
         resumed = "[ppo] resumed at iteration" in f.read()
-    record = {"config": config.name, "seed": seed, "flags": flags, "steps": int(config.flag("--steps", args.steps)),
+    record = {"config": config.name, "seed": seed, "flags": flags,
+              "steps": run_steps(ppo_flags(args, config, seed, run_dir)),
               "seconds": round(time.time() - t0),
               "rows": [{k: r[k] for k in KEPT if k in r} for r in rows if any(k.startswith("eval/") for k in r)],
               "trace": [{k: r[k] for k in TRACED if k in r} for r in rows],
@@ -1308,6 +1389,8 @@ def _report(args, hypothesis, records):
     elif h.final_table:
         lines += final_table(h, records, result)
     lines += early_table(h, records, result)
+    if hypothesis == "kl_decided":
+        lines += decided_plan_lines(args)
     return lines, result
 
 

@@ -1303,3 +1303,29 @@ def test_a_task_whose_scores_do_not_move_by_the_margin_gets_no_verdict_by_hand(t
         study.RULES.update(margin=study.MARGIN, void=None)
     assert c["verdict"].startswith("no verdict: the task's scores") and c["ci95"][1] > 0 and c["margin"] == 0.055
     assert study.verdict(0.0, 0.001, 6)["verdict"] == "level"
+
+
+def test_a_record_counts_the_iterations_its_command_line_runs():
+    """The code task's runs add --steps 80 after the study's 120 (--code_args): the record's `steps` is the last
+    one, what ppo.py ran (the code records before this said 120); a chitchat run keeps the study's."""
+    args = argparse.Namespace(steps=120, eval_every=10, n_eval_prompts=128, ppo_args="",
+                              models={"code": ("runs/code/sft", "runs/code/rm"), "chitchat": ("sft", "rm")},
+                              code_args="--sft_args '--max_steps 200' --steps 80 --policy_lr 1e-4")
+    argv = study.ppo_flags(args, study.HYPOTHESES["critic_free_code"].configs[0], 1, "runs/x")
+    assert argv.count("--steps") == 2 and study.run_steps(argv) == 80
+    assert study.run_steps(study.ppo_flags(args, study.HYPOTHESES["kl_decided"].configs[0], 1, "runs/x")) == 120
+
+
+def test_kl_decided_was_sized_from_kls_five_pairs():
+    """The plan kl_decided's rule quotes, recomputed from `kl`'s records: the margin a tenth of PPO's gold gain, 9
+    seeds at the pilot's variance and 25 at its 80% bound (chi-square, 3 degrees of freedom) to bring the
+    level-detectable effect under it, 20 between."""
+    args = argparse.Namespace(results_dir=os.path.join(ROOT, "docs", "study"))
+    records = study.load_records(args, ["kl_n1_6", "kl_n5_6"])
+    plan = study.decided_plan(records["kl_n1_6"], records["kl_n5_6"], study.committed_sft_record(
+        args, study.HYPOTHESES["kl"].configs[0]))
+    assert round(plan["margin"], 3) == study.KL_DECIDED_MARGIN and plan["df"] == 3
+    assert study.chi2_quantile(0.2, 3) == pytest.approx(1.005, abs=1e-3)          # the chi-square table's
+    at = {n: (a < study.KL_DECIDED_MARGIN, b < study.KL_DECIDED_MARGIN) for n, (a, b) in plan["at"].items()}
+    assert at == {9: (True, False), 15: (True, False), 20: (True, False), 25: (True, True)}
+    assert len(study.KL_DECIDED_SEEDS) == 20 and not set(study.KL_DECIDED_SEEDS) & {1, 2, 3, 4, 5}
