@@ -128,6 +128,7 @@ class Hypothesis:
     matched_kl: tuple = ()           # score thresholds: compare each MA-PPO with its partner at the same KL target
     kl_points: tuple = ()            # KLs at which every pair of runs is read off its score-against-KL curve
     margin: float = MARGIN           # of "level", stated before the runs (rules_for: void where scores do not move)
+    planned: tuple = ()              # the seeds its rule reads the verdict at, once all are in (rules_for)
 
 
 def ppo(name="n1", label="PPO (n=1)", flags=(), task="chitchat"):
@@ -435,7 +436,7 @@ HYPOTHESES = {
         kl_pair("chitchat", TINY_KL_TARGETS["chitchat"], "kl_decided_",
                 lambda name, label, flags, partner: Config(name, label, flags, "chitchat", partner),
                 (*TINY_KL_CONTROL, "--n_eval_prompts", "256")),
-        matched_kl=(0.0, 1.0, 2.0), kl_points=(4.0, 6.0, 8.0), margin=KL_DECIDED_MARGIN),
+        matched_kl=(0.0, 1.0, 2.0), kl_points=(4.0, 6.0, 8.0), margin=KL_DECIDED_MARGIN, planned=KL_DECIDED_SEEDS),
 }
 # Credit without a critic (--advantage group | mc, docs/training.md): one termination under the critic, a group
 # baseline and Monte Carlo values, with the token, macro and sequence ratios. Matched KL per run: the controller at a
@@ -1298,10 +1299,16 @@ def fmt_win(win):
     return f"{win[0]:.1%}" + (f" [{win[1]:.1%}, {win[2]:.1%}]" if win[1] is not None else "")
 
 
-def rules_for(h, base_runs, sft):
+def rules_for(h, base_runs, sft, records=None):
     """RULES for hypothesis `h`: its margin, and "no verdict" where its PPO's mean final score (the head-to-head key)
     is less than MOVES margins from the SFT model's on the same prompts: a task whose scores barely move cannot tell
-    a difference of the margin from none (code: a pass rate that training moved by about one prompt in a hundred)."""
+    a difference of the margin from none (code: a pass rate that training moved by about one prompt in a hundred).
+    A hypothesis with `planned` seeds gets no verdict until every configuration has a record of each (`records`)."""
+    if h.planned:
+        have = min(len({r["seed"] for r in (records or {}).get(c.name, []) if r} & set(h.planned)) for c in h.configs)
+        if have < len(h.planned):
+            return {"margin": h.margin, "void": f"in progress ({have} of {len(h.planned)} seeds of every configuration "
+                                                "in; the rule reads the verdict once all are)"}
     if not (sft and base_runs):
         return {"margin": h.margin, "void": None}
     key = h.configs[0].win_key
@@ -1316,7 +1323,7 @@ def report(args, hypothesis, records):
     h = HYPOTHESES[hypothesis]
     base_runs = [r for r in records.get(h.configs[0].name, []) if r]
     RULES.clear()
-    RULES.update(rules_for(h, base_runs, committed_sft_record(args, h.configs[0])))
+    RULES.update(rules_for(h, base_runs, committed_sft_record(args, h.configs[0]), records))
     try:
         return _report(args, hypothesis, records)
     finally:
@@ -1713,6 +1720,13 @@ def heldout_kl(args, record):
     return sum(sidecar["kl"]) / len(sidecar["kl"])
 
 
+def final_eval_kl(record):
+    """The held-out KL ppo.py logged at a run's last evaluation (eval/kl, on its --n_eval_prompts prompts: the final
+    policy's), or None for a record made before eval/kl was logged or whose last evaluation is not its last step."""
+    last = record["rows"][-1] if record.get("rows") else {}
+    return last.get("eval/kl") if last.get("step") == record.get("steps") else None
+
+
 def heldout_kl_lines(args, h, done, key, result):
     """The comparison at equal KL again with each run's held-out KL (heldout_kl) in place of run_kl, when every run
     of the hypothesis has one: each pair's held-out KLs, then the fit and the matched pairs by them. A check of the
@@ -1720,7 +1734,8 @@ def heldout_kl_lines(args, h, done, key, result):
     one (a run needs its policy folder): those runs' held-out KL beside their run_kl, and no comparison."""
     done = {name: [{**r, "config": name} for r in runs] for name, runs in done.items()}   # records made by hand
     runs = [(c, r) for c in h.configs for r in done[c.name]]                             # may not name theirs
-    measured = {(r["config"], r["seed"]): heldout_kl(args, r) for _, r in runs}
+    logged = runs and all(final_eval_kl(r) is not None for _, r in runs)       # eval/kl in every record
+    measured = {(r["config"], r["seed"]): final_eval_kl(r) if logged else heldout_kl(args, r) for _, r in runs}
     if not any(v is not None for v in measured.values()):
         return []
     if any(v is None for v in measured.values()):      # the runs measured so far, each beside its run_kl
@@ -1748,11 +1763,16 @@ def heldout_kl_lines(args, h, done, key, result):
     n_matched, n_out = sum(len(v) for v in gaps.values()), sum(kl_of(r) <= 0 for _, r in runs)
     result["equal_kl_heldout"] = {**fits, "pairs_matched": n_matched, "pairs": n_pairs, "left_out": n_out}
     ppo, arm = arm_name(h.configs[0]), arm_name(next(c for c in h.configs if not c.is_ppo))
-    n_prompts = len(json.load(open(os.path.join(args.results_dir, "runs", runs[0][1]["config"],
-                                                f"seed{runs[0][1]['seed']}.heldout_kl.json")))["kl"])
-    return (["", f"The same at the held-out KL (bench/heldout_kl.py, measured after the runs): each final policy's mean "
-             f"per-sequence KL from the SFT model on the {n_prompts} replies its final {key} judged, the replies sampled "
-             f"again and checked against the record. A check of the comparison above on the KL where the scores are "
+    if logged:
+        source = ("The same at the held-out KL that ppo.py logged at each run's last evaluation (eval/kl: the final "
+                  "policy's mean per-sequence KL from the SFT model on its evaluation prompts' replies). ")
+    else:
+        n_prompts = len(json.load(open(os.path.join(args.results_dir, "runs", runs[0][1]["config"],
+                                                    f"seed{runs[0][1]['seed']}.heldout_kl.json")))["kl"])
+        source = ("The same at the held-out KL (bench/heldout_kl.py, measured after the runs): each final policy's "
+                  f"mean per-sequence KL from the SFT model on the {n_prompts} replies its final {key} judged, the "
+                  "replies sampled again and checked against the record. ")
+    return (["", source + "A check of the comparison above on the KL where the scores are "
              f"read; the rules stated before the runs match and fit on run_kl. {n_matched} of {n_pairs} pairs at "
              f"matched held-out KL." + (f" {n_out} run(s) with a held-out KL at or below 0 left out of the fit."
                                         if n_out else ""), "",

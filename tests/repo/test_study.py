@@ -1287,7 +1287,7 @@ def test_a_task_whose_scores_do_not_move_by_the_margin_gets_no_verdict_by_hand(t
     """The margin means something where PPO's final score moved from the SFT model's by at least MOVES margins: a
     gain of 0.15 against 4 x 0.05 leaves every comparison of the hypothesis its numbers and no rule word (the code
     task's pass rate today); a gain of 0.3 keeps the words, under the hypothesis' own margin."""
-    h = study.HYPOTHESES["kl_decided"]
+    h = study.dataclasses.replace(study.HYPOTHESES["kl_decided"], planned=())       # its margin, every seed in
     ppo = [{"seed": s, "final": {"gold": [0.3 + 0.1 * s, 0.3 - 0.1 * s]}} for s in (1, 2)]      # mean 0.3
     sft = {"final": {"gold": [0.15, 0.15]}}
     rules = study.rules_for(h, ppo, sft)
@@ -1329,3 +1329,34 @@ def test_kl_decided_was_sized_from_kls_five_pairs():
     at = {n: (a < study.KL_DECIDED_MARGIN, b < study.KL_DECIDED_MARGIN) for n, (a, b) in plan["at"].items()}
     assert at == {9: (True, False), 15: (True, False), 20: (True, False), 25: (True, True)}
     assert len(study.KL_DECIDED_SEEDS) == 20 and not set(study.KL_DECIDED_SEEDS) & {1, 2, 3, 4, 5}
+
+
+def test_runs_that_logged_eval_kl_are_compared_again_at_it_by_hand(tmp_path):
+    """kl_decided's records keep eval/kl at the last evaluation: the report's held-out check matches the pairs by
+    it (here seed 1 matched by run_kl but not by eval/kl, seed 2 the other way) without any sidecar."""
+    h = study.HYPOTHESES["kl_decided"]
+    ppo, ma = h.configs
+
+    def record(config, seed, kl, eval_kl, gold):
+        return {"config": config.name, "seed": seed, "steps": 120, "trace": [{"step": 120, "kl": kl}],
+                "rows": [{"step": 120, "eval/gold": gold, "eval/kl": eval_kl, "kl": kl}],
+                "final": {"gold": [gold, gold + 0.1]}}
+    done = {ppo.name: [record(ppo, 1, 6.0, 6.0, 0.8), record(ppo, 2, 6.0, 6.0, 0.7)],
+            ma.name: [record(ma, 1, 6.5, 9.0, 0.75), record(ma, 2, 9.0, 6.5, 0.72)]}
+    assert study.final_eval_kl(done[ma.name][0]) == 9.0
+    assert study.final_eval_kl({**done[ma.name][0], "steps": 80}) is None          # not the final policy's
+    result = {}
+    lines = study.heldout_kl_lines(argparse.Namespace(results_dir=str(tmp_path)), h, done, "gold", result)
+    assert "eval/kl" in lines[1] and "1 of 2 pairs at matched held-out KL" in lines[1]
+    assert "| 1 | 6.00 / 9.00 | 1.50 | no | 6.00 / 6.50 |" in lines
+    assert "| 2 | 6.00 / 6.50 | 1.08 | yes | 6.00 / 9.00 |" in lines
+    assert result["equal_kl_heldout"]["matched_pairs"]["mean"] == pytest.approx(0.02)
+
+
+def test_a_hypothesis_with_planned_seeds_gets_no_verdict_until_all_are_in():
+    h = study.HYPOTHESES["kl_decided"]
+    records = {c.name: [{"seed": s, "final": {"gold": [0.8]}} for s in h.planned] for c in h.configs}
+    sft = {"final": {"gold": [0.2]}}
+    assert study.rules_for(h, records[h.configs[0].name], sft, records)["void"] is None
+    records[h.configs[1].name] = records[h.configs[1].name][:-1]
+    assert study.rules_for(h, records[h.configs[0].name], sft, records)["void"].startswith("in progress (19 of 20")
