@@ -1680,7 +1680,7 @@ def one_build_lines(args, h, done, key, result):
     build = (lambda r: (r.get("sft_hash"), r.get("rm_hash")))                       # noqa: E731
     one = {name: [r for r in runs if build(r) == build(sft)] for name, runs in done.items()}
     n_all, n_one = sum(map(len, done.values())), sum(map(len, one.values()))
-    if n_one == n_all:
+    if n_one in (0, n_all):          # every run of one build: the comparison above is already over one build
         return []
     fit_runs = [(r["seed"], not c.is_ppo, run_kl(r), r["final"][key]) for c in h.configs for r in one[c.name]
                 if has_trace(r)]

@@ -1360,3 +1360,17 @@ def test_a_hypothesis_with_planned_seeds_gets_no_verdict_until_all_are_in():
     assert study.rules_for(h, records[h.configs[0].name], sft, records)["void"] is None
     records[h.configs[1].name] = records[h.configs[1].name][:-1]
     assert study.rules_for(h, records[h.configs[0].name], sft, records)["void"].startswith("in progress (19 of 20")
+
+
+def test_no_one_build_check_when_no_run_is_of_the_sft_records_build(tmp_path):
+    """kl_decided's runs all train on a rebuild of the chitchat recipe: the check over the SFT record's build alone
+    would have no run, so the report leaves it out rather than print a comparison of 0 runs."""
+    args = argparse.Namespace(results_dir=str(tmp_path))
+    study.write_record(study.record_path(args, "chitchat_sft", 0), {"config": "chitchat_sft", "seed": 0,
+                                                                     "sft_hash": "a", "rm_hash": "b", "final": {}})
+    h = study.HYPOTHESES["kl_decided"]
+    run = {"seed": 6, "sft_hash": "c", "rm_hash": "d", "trace": [{"step": 1, "kl": 6.0}], "final": {"gold": [0.5]}}
+    done = {c.name: [run] for c in h.configs}
+    assert study.one_build_lines(args, h, done, "gold", {}) == []
+    done[h.configs[0].name] = [{**run, "sft_hash": "a", "rm_hash": "b"}]                # one of two: the check
+    assert study.one_build_lines(args, h, done, "gold", {})[1].startswith("The same over the runs of the SFT record")
