@@ -593,7 +593,8 @@ def paired_gap(base_runs, runs, metric):
 # One KL everywhere: the mean per-sequence KL from the SFT model (the frozen reference, k1 summed over the response)
 # over the training batches of the KL_WINDOW iterations up to a point; 80 samples in the real runs, where one
 # iteration's 16 are noisy and sometimes negative. Records made before the trace was kept have only their evaluation
-# rows: one batch at that iteration (run_kl says so with has_trace). The records hold no held-out KL.
+# rows: one batch at that iteration (run_kl says so with has_trace). Records made from 10e0c81 on also keep eval/kl,
+# ppo.py's held-out KL at each evaluation (final_eval_kl reads the last one).
 KL_WINDOW = 5
 MATCH = 1.2       # two runs are at matched KL when the larger final KL is at most 1.2 times the smaller
 MOVES = 4         # a margin means something where PPO's final score moved from the SFT model's by MOVES margins
