@@ -155,7 +155,8 @@ def segment_arms(task, prefix):
     MA-PPO on the same segments; the task's gold score first (RM scores of different RMs do not compare)."""
     seq = ("--reward", "rm") if task == "count" else ()       # the count runs' default reward is the gold judge
     sft_critic, gold = ("--critic_path", "{sft}"), ("eval/gold", "eval/rm")
-    a = Config("n1_critic_sft" if task == "chitchat" else f"{prefix}n1_critic_sft", "(A) sequence RM, PPO", ("--n", "1", *sft_critic, *seq), task, None, gold)
+    a = Config("n1_critic_sft" if task == "chitchat" else f"{prefix}n1_critic_sft", "(A) sequence RM, PPO",
+               ("--n", "1", *sft_critic, *seq), task, None, gold)
     seg = ("--reward", "segment", "--rm_path", "{rm_segment}", *sft_critic)
     return (a, Config(f"{prefix}seg_n1", "(B) segment RM, PPO", ("--n", "1", *seg), task, None, gold),
             Config(f"{prefix}tok_n1", "(C) token RM, PPO",
@@ -184,8 +185,8 @@ def segment_ablations(task, prefix):
 
 
 # The segment RM's collapse (one positive word repeated on chitchat) at the study's beta of 0.05, where the summed
-# dense rewards outweigh the KL penalty: a beta scaled to their size, never tried there, swept upwards. The README's quick
-# start (segment RM, MA-PPO on its segments, the critic from the RM, a 5-iteration critic warm-up) at each beta,
+# dense rewards outweigh the KL penalty: a beta scaled to their size, never tried there, swept upwards. The README's
+# quick start (segment RM, MA-PPO on its segments, the critic from the RM, a 5-iteration critic warm-up) at each beta,
 # paired with PPO on the segment RM at the study's beta; scored by gold_strict (sentiment priced by repeated word
 # pairs) beside gold, the replies' distinct-2 beside the SFT model's.
 SEGMENT_BETAS = ("0.05", "0.5", "1.0", "2.0")
@@ -342,9 +343,10 @@ def beta_pairs(ppo_beta, ma_betas):
 
 # The headline pair again on 10 seeds (the detectable effect near 0.07 gold at this spread), every arm on one SFT /
 # RM build of its own (REAL_KL10_MODELS) and its own SFT record; the margin stated before its first run.
-REAL_KL10 = (real("kl10_n1_beta0.05", "PPO (n=1), beta 0.05", ("--n", "1", "--beta", REAL_KL_PPO_BETA), model="smollm2_kl10"),
-             real("kl10_n5_beta0.077", "MA-PPO (n=5), beta 0.077", ("--n", "5", "--beta", "0.077"), "real_kl10_n1_beta0.05",
-                  model="smollm2_kl10"))
+REAL_KL10 = (real("kl10_n1_beta0.05", "PPO (n=1), beta 0.05", ("--n", "1", "--beta", REAL_KL_PPO_BETA),
+                  model="smollm2_kl10"),
+             real("kl10_n5_beta0.077", "MA-PPO (n=5), beta 0.077", ("--n", "5", "--beta", "0.077"),
+                  "real_kl10_n1_beta0.05", model="smollm2_kl10"))
 REAL_KL = (*(c for level in REAL_KL_LEVELS for c in kl_pair("chitchat", level, "kl_", real, REAL_KL_CONTROL)),
            *beta_pairs(REAL_KL_PPO_BETA, REAL_KL_MA_BETAS),
            *(c for ppo_beta, ma_betas in REAL_KL_LOW for c in beta_pairs(ppo_beta, ma_betas)))
@@ -369,7 +371,8 @@ HYPOTHESES = {
         (PPO, MA5, ma("n5_ratio_macro", "MA-PPO (n=5, ratio=macro)", ("--n", "5", "--ratio", "macro")))),
     "lambda": Hypothesis(
         "H2 effective lambda: is the macro effect a reparametrised GAE lambda?",
-        (PPO, MA5, ppo("n1_lam0.99", "PPO (lam=0.99)", ("--lam", "0.99")), ppo("n1_lam1", "PPO (lam=1)", ("--lam", "1.0")),
+        (PPO, MA5, ppo("n1_lam0.99", "PPO (lam=0.99)", ("--lam", "0.99")),
+         ppo("n1_lam1", "PPO (lam=1)", ("--lam", "1.0")),
          ma("n5_lam0.774", "MA-PPO (n=5, lam=0.95^5)", ("--n", "5", "--lam", "0.7738")),
          ma("n5_lam1", "MA-PPO (n=5, lam=1)", ("--n", "5", "--lam", "1.0")))),
     "critic": Hypothesis(
@@ -407,7 +410,8 @@ HYPOTHESES = {
         "Segment-level rewards on count (its sequence RM is weak): do denser rewards, or macro actions on the same "
         "segments, learn the gold count faster?",
         (*segment_arms("count", "segment_count_"), normalized_sequence_arm("count", "segment_count_"))),
-    "segment": Hypothesis("Segment-level rewards on chitchat: the same five arms", segment_arms("chitchat", "segment_")),
+    "segment": Hypothesis("Segment-level rewards on chitchat: the same five arms",
+                          segment_arms("chitchat", "segment_")),
     "segment_ablation": Hypothesis("Segment RM + PPO: the location normalizer and the interpolation",
                                    segment_ablations("chitchat", "segment_")),
     "segment_count_ablation": Hypothesis("The same ablations on count", segment_ablations("count", "segment_count_")),
@@ -425,7 +429,8 @@ HYPOTHESES = {
         "The real model at equal KL: does MA-PPO beat PPO for the same distance from the SFT model?",
         REAL_KL, final_table=True, matched_kl=(0.4, 0.5, 0.6), kl_points=(0.5, 1.0, 1.5)),
     "real_kl10": Hypothesis(
-        "real_kl's headline pair on 10 seeds and one SFT / RM build: MA-PPO against PPO at equal KL, margin ±0.05 gold",
+        "real_kl's headline pair on 10 seeds and one SFT / RM build: MA-PPO against PPO at equal KL, "
+        "margin ±0.05 gold",
         REAL_KL10, final_table=True, matched_kl=(0.4, 0.5, 0.6), kl_points=(0.5, 1.0, 1.5)),
     "kl": Hypothesis("Chitchat (the baseline's setting) held at one KL: MA-PPO against PPO at the same KL",
                      tiny_kl("chitchat"), matched_kl=(0.0, 1.0, 2.0), kl_points=(4.0, 6.0, 8.0)),
@@ -443,7 +448,8 @@ HYPOTHESES = {
 # target below the fixed-beta runs' final KL (chitchat's as in `kl`; code's PPO ended at 0.01-0.36, records code_n1)
 # and every run read off its score-against-KL curve. Every arm scores 32 samples an iteration (group: 8 prompts x 4).
 # The thresholds and KL points are read off those records (chitchat gold 0.78-0.84 at KL 5-6; code pass@1 0.12-0.18).
-CRITIC_FREE_KL = {"chitchat": ("6", (0.4, 0.6, 0.8), (4.0, 6.0, 8.0)), "code": ("0.2", (0.13, 0.15, 0.17), (0.1, 0.2, 0.3))}
+CRITIC_FREE_KL = {"chitchat": ("6", (0.4, 0.6, 0.8), (4.0, 6.0, 8.0)),
+                  "code": ("0.2", (0.13, 0.15, 0.17), (0.1, 0.2, 0.3))}
 
 
 def critic_free(task):
@@ -1114,7 +1120,8 @@ def real_model_stages(models, gguf):
     """The recipe's sft.py and reward_model.py command lines that build the real model's SFT and RM
     (`models`: their folders) from the GGUF file, chat template and 96-token prompts in both."""
     sft_path, rm_path = models
-    return [["sft.py", "--task", "chitchat", "--model", gguf, "--output_dir", sft_path, *REAL_STAGE_FLAGS, *REAL_SFT_FLAGS],
+    return [["sft.py", "--task", "chitchat", "--model", gguf, "--output_dir", sft_path, *REAL_STAGE_FLAGS,
+             *REAL_SFT_FLAGS],
             ["reward_model.py", "--task", "chitchat", "--sft_path", sft_path, "--output_dir", rm_path,
              *REAL_STAGE_FLAGS, *REAL_RM_FLAGS]]
 
@@ -1274,7 +1281,8 @@ def error_table(args):
     lines = ["", "Where the segment RM puts a counting error: of the held-out responses (chosen and rejected) with at "
              "least one error, how often the segment with the lowest reward (the head's raw value, or normalized at "
              "its location) holds one, against chance (the share of a response's segments that hold one).", "",
-             "| RM | responses | segments per response | lowest raw reward holds an error | lowest normalized | chance |",
+             "| RM | responses | segments per response | lowest raw reward holds an error | lowest normalized | "
+             "chance |",
              "|---" * 6 + "|"]
     for unit, r in result.items():
         lines.append(f"| {unit} | {r['responses']} | {r['mean_segments']:.1f} | {r['raw']:.1%} | {r['normalized']:.1%} "
@@ -1337,7 +1345,8 @@ def _report(args, hypothesis, records):
     base = h.configs[0]
     score, second = base.metrics
     lines = [f"### {hypothesis}: {h.question}", "",
-             f"| configuration | seeds | final {score} | final {second} | KL | first-half mean {score} | steps to the first "
+             f"| configuration | seeds | final {score} | final {second} | KL | first-half mean {score} | steps to "
+             "the first "
              f"row's final {score}: it / this [95% CI] | same for {second} | win rate vs the first row [95% CI] |",
              "|---" * 9 + "|"]
     result = {"rules": dict(RULES)}
@@ -1362,9 +1371,12 @@ def _report(args, hypothesis, records):
                      + f" | {fmt(*early)} | {fmt_parity(parity.get(score))} | {fmt_parity(parity.get(second))} | "
                      + (fmt_win(win) if win else "-") + " |")
     done = [r for c in h.configs for r in records.get(c.name, []) if r]
-    lines += ["", f"KL: each run's mean per-sequence KL from the SFT model over its last {KL_WINDOW} iterations' training "
-              "batches" + ("" if all(map(has_trace, done)) else "; * runs recorded without a trace: the last iteration's "
-                           "batch alone") + ". Win rates: ties half, 95% intervals whose standard error counts the seeds and the "
+    lines += ["", f"KL: each run's mean per-sequence KL from the SFT model over its last {KL_WINDOW} iterations' "
+                  "training "
+              "batches" + ("" if all(map(has_trace, done)) else "; * runs recorded without a trace: the last "
+                                                                "iteration's "
+                           "batch alone") + ". Win rates: ties half, 95% intervals whose standard error counts the "
+                                            "seeds and the "
               "prompts every seed shares."]
     if RULES["void"]:
         lines += ["", f"No verdict on this hypothesis: {RULES['void']}; its intervals are shown, no rule word."]
@@ -1448,7 +1460,8 @@ def pair_row(arm, partner, run, ppo_run, key):
     a, b = run_kl(ppo_run), run_kl(run)
     gap = numpy.mean(run["final"][key]) - numpy.mean(ppo_run["final"][key])
     return (f"| {arm} | {partner} | {run['seed']} | {a:.2f} / {b:.2f} | "
-            + (f"{max(a, b) / min(a, b):.2f}" if min(a, b) > 0 else "-") + f" | {'yes' if kl_matched(a, b) else 'no'} | "
+            + (f"{max(a, b) / min(a, b):.2f}" if min(a, b) > 0 else "-")
+            + f" | {'yes' if kl_matched(a, b) else 'no'} | "
             f"{numpy.mean(ppo_run['final'][key]):.3f} / {numpy.mean(run['final'][key]):.3f} | {gap:+.3f} |")
 
 
@@ -1499,11 +1512,14 @@ def equal_kl_lines(fits, key, arm="MA-PPO", ppo="PPO", prefix=""):
     if fit:
         more = (f"; with {RERUN_SEEDS} seeds of the same spread the detectable effect would be "
                 f"{detectable_at(fit, RERUN_SEEDS):.3f}" if fit["seeds"] < RERUN_SEEDS and "se" in fit else "")
-        lines.append(f"- {prefix}fit of each run's final mean {key} on log final KL, a {arm} term and one intercept per "
-                     f"seed ({fit['runs']} runs of {fit['seeds']} seeds; slope {fit['slope']:+.3f} {key} per unit of log "
+        lines.append(f"- {prefix}fit of each run's final mean {key} on log final KL, a {arm} term and one intercept "
+                     "per "
+                     f"seed ({fit['runs']} runs of {fit['seeds']} seeds; slope {fit['slope']:+.3f} {key} per unit of "
+                     "log "
                      f"KL): {arm} minus {ppo} " + fmt_verdict(fit) + more + ".")
     if pooled:
-        lines.append(f"- {prefix}the pairs at matched KL alone ({pooled['pairs']} pair(s) of {pooled['seeds']} seed(s), "
+        lines.append(f"- {prefix}the pairs at matched KL alone ({pooled['pairs']} pair(s) of {pooled['seeds']} "
+                     "seed(s), "
                      f"each seed's pairs averaged): {arm} minus {ppo} " + fmt_verdict(pooled) + ".")
     return lines
 
@@ -1521,7 +1537,8 @@ def joint_fit_lines(joint, key, ppo="PPO"):
 def equal_kl_intro(key, several):
     """The paragraph before the equal-KL bullets: over every run (one method), or each arm on its own (several)."""
     return ["", ("At equal KL, each arm against its PPO on its own, over the arm's runs and PPO's" if several else
-                 "At equal KL, over every run of this hypothesis") + f" (a repeated run counted once; margin ±{RULES['margin']:g} "
+                 "At equal KL, over every run of this hypothesis") + f" (a repeated run counted once; margin "
+                                                                     f"±{RULES['margin']:g} "
             f"{key}, decided by the 90% interval; standard errors with a seed part and a prompt part, the prompts "
             "shared by every seed; detectable difference: the true difference these seeds find 80% of the time at 5%; "
             "level detectable within: the margin inside which a true difference of 0 is called level 80% of the "
@@ -1536,7 +1553,8 @@ def arms_table(h, done, by_arm, key):
     lines = ["", f"Each arm against {base.label}, final mean {key} at equal KL two ways (the bullets below: the fit "
              f"on log final KL, and the pairs at matched KL alone), margin ±{RULES['margin']:g} {key}:", "",
              "| arm | seeds | final KL | pairs at matched KL | minus PPO at equal KL (fit) [95% CI] | verdict | "
-             "detectable effect | minus PPO, matched pairs alone [95% CI] | verdict | detectable effect |", "|---" * 10 + "|"]
+             "detectable effect | minus PPO, matched pairs alone [95% CI] | verdict | detectable effect |",
+             "|---" * 10 + "|"]
     base_runs = done[base.name]
     if base_runs:
         lines.append(f"| {base.label} | {len(base_runs)} | {fmt(*t_interval([run_kl(r) for r in base_runs]))} "
@@ -1580,20 +1598,24 @@ def matched_kl_table(args, h, records, result):
     lines = ["", "Each method held " + " or ".join(held) + (
              ". The controller steers on each iteration's batch alone, so a run held at a target ends near it on the "
              "KL below, not at it" if controlled else "") + ". KL: each run's mean per-sequence KL over the "
-             f"training batches of its last {KL_WINDOW} iterations. A pair (one seed, {arm} and its {ppo_name}) is at matched KL when the "
+             f"training batches of its last {KL_WINDOW} iterations. A pair (one seed, {arm} and its {ppo_name}) is "
+             "at matched KL when the "
              f"larger final KL is at most {MATCH:g} times the smaller. Final {key}: the final policies' mean on "
-             f"{n_prompts} held-out prompts (one sampling seed); {arm} minus {ppo_name} and the win rate paired by seed, "
+             f"{n_prompts} held-out prompts (one sampling seed); {arm} minus {ppo_name} and the win rate paired by "
+             "seed, "
              "95% intervals from a seed-then-prompt bootstrap (t with seeds - 1 degrees of freedom on its standard "
              f"error); iterations to reach {metric} {thresholds} (median over seeds, the seeds that reach it).", "",
              f"| held at | configuration | seeds | final KL | pairs at matched KL | final mean {key} | minus PPO's, "
              f"same seed [95% CI] | win rate vs PPO [95% CI] | iterations to {metric} {thresholds} |", "|---" * 9 + "|"]
     by_seed = ["", f"Every pair by seed: final KL and final mean {key}, {ppo_name} / {arm}.", "",
-               f"| {'arm' if several else arm} | {ppo_name} | seed | final KL | larger / smaller | matched | final mean "
+               f"| {'arm' if several else arm} | {ppo_name} | seed | final KL | larger / smaller | matched | final "
+               "mean "
                f"{key} | {arm} minus {ppo_name} |", "|---" * 8 + "|"]
     verdicts, fit_runs, matched_gaps = [], {}, {}
     for config in h.configs:
         runs = done[config.name]
-        fit_runs[config.name] = [(r["seed"], not config.is_ppo, run_kl(r), r["final"][key]) for r in runs if has_trace(r)]
+        fit_runs[config.name] = [(r["seed"], not config.is_ppo, run_kl(r), r["final"][key]) for r in runs
+                                 if has_trace(r)]
         if not runs:
             lines.append(f"| {held_at(config)} | {config.label} | 0 | not run yet | | | | | |")
             continue
@@ -1632,7 +1654,8 @@ def matched_kl_table(args, h, records, result):
                             f"{t_interval([run_kl(p) for p in partner])[0]:.2f}, "
                             + ("at matched KL on every pair" if every else
                                f"NOT at matched KL ({n_matched} of {len(pairs)} pairs within {MATCH:g}x)")
-                            + f"; {arm_name(config)} minus {arm_name(configs[config.partner])} {key} " + fmt_verdict(gap)
+                            + f"; {arm_name(config)} minus {arm_name(configs[config.partner])} {key} "
+                            + fmt_verdict(gap)
                             + ("" if every else ", at the KLs these runs ended at") + ".")
     # Each arm's comparison at equal KL: its runs (and its partners') in the order of h.configs, its matched pairs.
     # With one method that is every run of the hypothesis: the pooled comparison of one method at several KLs.
@@ -1802,8 +1825,8 @@ def score_at_kl(rows, kl, metric=GOLD_CURVE):
 
 
 def gaps_at_kl(base_runs, runs, kl, metric=GOLD_CURVE):
-    """MA-PPO minus PPO at the KL `kl` (score_at_kl of `metric` on kl_rows), paired by seed: [(seed, PPO's, MA-PPO's)] for the
-    seeds whose two runs both passed through `kl`."""
+    """MA-PPO minus PPO at the KL `kl` (score_at_kl of `metric` on kl_rows), paired by seed: [(seed, PPO's,
+    MA-PPO's)] for the seeds whose two runs both passed through `kl`."""
     by_seed = {r["seed"]: r for r in base_runs}
     pairs = [(r["seed"], score_at_kl(kl_rows(by_seed[r["seed"]]), kl, metric), score_at_kl(kl_rows(r), kl, metric))
              for r in runs if r["seed"] in by_seed]
@@ -1844,19 +1867,22 @@ def kl_points_table(args, hypothesis, records, result):
     fixed = load_records(args, (ppo_name, ma_name)) if ppo_name else {}
     labels = {c.name: c.label for c in (*frontier_configs(hypothesis), *h.configs)}
     traced = bool(fixed) and all(map(has_trace, fixed[ppo_name] + fixed[ma_name]))
-    sources = [(f"{labels[ma_name]} vs {labels[ppo_name]}, fixed beta", fixed[ppo_name], fixed[ma_name])] if traced else []
+    sources = ([(f"{labels[ma_name]} vs {labels[ppo_name]}, fixed beta", fixed[ppo_name], fixed[ma_name])]
+               if traced else [])
     sources += [(f"{c.label} vs {labels[c.partner]}", [r for r in records.get(c.partner, []) if r],
                  [r for r in records.get(c.name, []) if r]) for c in h.configs if c.partner]
     lines = ["", f"Read at the same KL: each run's {curve} against its KL (run_kl: the last {KL_WINDOW} iterations' "
              "batches) at every evaluation, "
-             f"sorted by KL and interpolated linearly, read at each KL below; {arm} minus PPO paired by seed where both "
+             f"sorted by KL and interpolated linearly, read at each KL below; {arm} minus PPO paired by seed where "
+             "both "
              "runs passed through that KL (95% t-interval over the pairs" + (")" if several else "; `all` averages the "
              "pairs of each seed over every row and gives one gap per seed: the runs of one seed share their sampling "
              "seeds, and a run whose KL stayed below both targets repeats its run at the other target)")
              + ". A description, not a test: the evaluations keep means, not per-prompt scores, so these intervals "
              "count the seeds alone (every seed answers the same prompts) and no verdict is read from them; the "
              "fits and matched pairs above give the verdicts."
-             + ("" if traced or not fixed else f" The fixed-beta pair ({ma_name} against {ppo_name}) is left out: its records keep no "
+             + ("" if traced or not fixed else f" The fixed-beta pair ({ma_name} against {ppo_name}) is left out: "
+                                               "its records keep no "
                 "trace, so their KL would be one batch's."), "",
              "| pair | " + " | ".join(f"KL {k}: pairs, PPO / {arm}, {arm} minus PPO" for k in h.kl_points) + " |",
              "|---" * (len(h.kl_points) + 1) + "|"]
@@ -1917,7 +1943,8 @@ def kl_frontier(args, hypothesis, records):
     handles, labels = ax.get_legend_handles_labels()
     unique = dict(zip(labels, handles))
     ax.legend(unique.values(), unique.keys(), fontsize=7)
-    ax.set_xlabel(f"per-sequence KL from the SFT model (the last {KL_WINDOW} iterations' batches; one batch without a trace)")
+    ax.set_xlabel(f"per-sequence KL from the SFT model (the last {KL_WINDOW} iterations' batches; one batch without "
+                  "a trace)")
     ax.set_ylabel(metric)
     ax.set_title(f"{hypothesis}: every evaluation of every run")
     fig.tight_layout()
@@ -1951,7 +1978,8 @@ def final_table(h, records, result):
         lines.append(f"| {config.label} | {len(runs)} | {fmt(*score)} | " + (fmt_cmp(gap) if gap else "-")
                      + f" | {gap['seeds'] if gap else '-'} |")
     by_seed = {r["seed"]: r for r in base_runs}
-    lines += ["", f"By seed: final KL (run_kl; * one batch, no trace) and final mean {key}, this against PPO's, and the "
+    lines += ["", f"By seed: final KL (run_kl; * one batch, no trace) and final mean {key}, this against PPO's, and "
+                  "the "
               "win rate against PPO's on the same prompts.", "",
               f"| configuration | seed | final KL, PPO / this | final mean {key}, PPO / this | win rate vs PPO |",
               "|---" * 5 + "|"]
@@ -1971,8 +1999,10 @@ def paired_table(h, records, result):
     win_key = h.configs[0].win_key
     labels = {c.name: c.label for c in h.configs}
     lines = ["", f"Paired by seed with PPO under the same change: first-half mean {score}, this minus that "
-             f"PPO (95% t-interval over seeds alone: the evaluations keep means, so the prompts, which every seed shares, "
-             f"are not counted; a description, no verdict), and the {win_key} win rate of the final policies against it (95% "
+             f"PPO (95% t-interval over seeds alone: the evaluations keep means, so the prompts, which every seed "
+             "shares, "
+             f"are not counted; a description, no verdict), and the {win_key} win rate of the final policies against "
+             "it (95% "
              "interval from a seed-then-prompt bootstrap).", "",
              "| configuration | against | seeds | first-half mean gap | win rate [95% CI] |", "|---" * 5 + "|"]
     for config in h.configs[1:]:
@@ -2002,7 +2032,8 @@ def early_table(h, records, result):
     diverse = all("eval/distinct_2" in runs[0]["rows"][-1] for runs in done.values() if runs)
     lines = ["", f"The first evaluation (iteration {first}), the final mean macro length and response length (tokens)"
              + (" and the share of exact counts among the final policies' answers" if exact else "")
-             + (", the final distinct-2 of the held-out replies (the SFT model's: degenerate below half of it)" if diverse else "")
+             + (", the final distinct-2 of the held-out replies (the SFT model's: degenerate below half of it)"
+                if diverse else "")
              + f". KL: run_kl, the {KL_WINDOW} iterations up to it"
              + ("; * runs recorded without a trace, whose KL is that iteration's batch alone (not comparable with the "
                 "others)" if not all(map(has_trace, (r for v in done.values() for r in v))) else "") + ":", "",
@@ -2058,7 +2089,8 @@ def plot(args, hypothesis, records):
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("hypotheses", nargs="*", default=["baseline"],
-                        help=f"which: {', '.join(HYPOTHESES)}, `all` (every one but {', '.join(OPTIONAL)}), or `report` "
+                        help=f"which: {', '.join(HYPOTHESES)}, `all` (every one but {', '.join(OPTIONAL)}), or "
+                             "`report` "
                              "(tables from committed results)")
     parser.add_argument("--seeds", default="1,2,3,4,5", help="training seeds (every configuration gets all of them)")
     parser.add_argument("--configs", default="", help="run only these configurations (names separated by commas, "
@@ -2072,9 +2104,13 @@ def main(argv=None):
     parser.add_argument("--code_args", default="--sft_args '--max_steps 200' --steps 80 --policy_lr 1e-4",
                         help="extra ppo.py flags for the code task's runs (after --steps, so they win)")
     parser.add_argument("--count_args", default="--reward gold --policy_lr 1e-4 --critic_lr 3e-4",
-                        help="extra ppo.py flags for the count task's runs (the gold judge is the reward: its RM is weak)")
-    parser.add_argument("--sft_path", default=data.run_dir("chitchat", "sft"), help="SFT model (built with sft.py's defaults if missing)")
-    parser.add_argument("--rm_path", default=data.run_dir("chitchat", "rm"), help="reward model (built with reward_model.py's defaults if missing)")
+                        help="extra ppo.py flags for the count task's runs (the gold judge is the reward: its RM is "
+                             "weak)")
+    parser.add_argument("--sft_path", default=data.run_dir("chitchat", "sft"), help="SFT model (built with sft.py's "
+                                                                                    "defaults if missing)")
+    parser.add_argument("--rm_path", default=data.run_dir("chitchat", "rm"), help="reward model (built with "
+                                                                                  "reward_model.py's defaults if "
+                                                                                  "missing)")
     parser.add_argument("--seed_eval", type=int, default=4321, help="sampling seed of the final per-prompt scores")
     parser.add_argument("--jobs", type=int, default=1, help="runs at a time (each gets cores / jobs threads)")
     parser.add_argument("--threads", type=int, default=0, help="threads per run (default cores / jobs); with "
@@ -2092,7 +2128,8 @@ def main(argv=None):
     if unknown:
         parser.error(f"unknown hypothesis {unknown[0]!r}; choose from {', '.join(HYPOTHESES)}, all, report")
     if args.quick:
-        args.seeds, args.steps, args.eval_every, args.n_eval_prompts, args.win_prompts, args.smooth = "1,2", 12, 4, 32, 64, 1
+        args.seeds, args.steps, args.eval_every = "1,2", 12, 4
+        args.n_eval_prompts, args.win_prompts, args.smooth = 32, 64, 1
         args.code_args = "--sft_args '--max_steps 60' --steps 12"
         args.count_args = "--reward gold --sft_args '--max_steps 60' --rm_args '--max_steps 30' --steps 12"
         if not os.path.exists(os.path.join(ROOT, args.sft_path, "config.json")):    # small models of its own
@@ -2116,12 +2153,14 @@ def main(argv=None):
     train_all(args, list(dict.fromkeys(todo)))
     lines, result, blocks = [], {}, {}
     for hypothesis in names:
-        records = {c.name: [committed_record(args, c.name, seed) for seed in sorted(set(seeds) | committed_seeds(args, c.name))]
+        records = {c.name: [committed_record(args, c.name, seed)
+                            for seed in sorted(set(seeds) | committed_seeds(args, c.name))]
                    for c in HYPOTHESES[hypothesis].configs}           # train_all ran what was asked: only read
         h_lines, result[hypothesis] = report(args, hypothesis, records)
         if hypothesis == "segment_count":
             h_lines += error_table(args)
-        png = kl_frontier(args, hypothesis, records) if HYPOTHESES[hypothesis].matched_kl else plot(args, hypothesis, records)
+        png = (kl_frontier(args, hypothesis, records) if HYPOTHESES[hypothesis].matched_kl
+               else plot(args, hypothesis, records))
         h_lines += ["", f"![{hypothesis}]({os.path.basename(png)})"] if png else []
         blocks[hypothesis] = h_lines[2:]                 # the page has its own heading
         lines += h_lines + [""]

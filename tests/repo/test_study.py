@@ -423,7 +423,8 @@ def test_matched_kl_pairs_each_method_with_ppo_at_its_own_target_by_hand(tmp_pat
     assert verdicts[2].startswith(f"- beta {n5_beta.flag('--beta')} (PPO at beta {n1_beta.flag('--beta')}): "
                                   "final KL 0.85 against PPO's 0.80, NOT at matched KL (1 of 2 pairs within 1.2x)")
     # a pair that ended apart gets its interval and detectable effect, never one of the rules' words
-    assert verdicts[2].endswith(f"detectable difference {b['gap_vs_ppo']['mde']:.3f}): **no verdict: not at equal KL**, "
+    assert verdicts[2].endswith(f"detectable difference {b['gap_vs_ppo']['mde']:.3f}): **no verdict: not at equal "
+                                "KL**, "
                                 "at the KLs these runs ended at.")
     assert f"| {study.held_at(n5_beta)} | {study.held_at(n1_beta)} | 2 | 0.60 / 0.80 | 1.33 | no | 0.400 / 0.500 | +0.100 |" in lines
     # at equal KL over every run: the matched pairs alone are KL 0.7's two seeds and the beta pair's seed 1
@@ -563,7 +564,8 @@ def test_the_segment_beta_sweep_runs_the_readmes_segment_quick_start_at_each_bet
     import ppo
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     readme = open(os.path.join(root, "README.md")).read()
-    quick = shlex.split(re.search(r"accelerate launch ppo\.py (--rm_path runs/chitchat/rm_segment --reward segment[^\n#]*)",
+    quick = shlex.split(re.search(r"accelerate launch ppo\.py (--rm_path runs/chitchat/rm_segment --reward "
+                                  r"segment[^\n#]*)",
                                   readme).group(1))
     h = study.HYPOTHESES["segment_beta"]
     args = argparse.Namespace(steps=120, eval_every=10, n_eval_prompts=128, ppo_args="", count_args="", code_args="",
@@ -811,7 +813,8 @@ def test_a_figure_outside_its_hypothesis_tables_is_caught(tmp_path, monkeypatch)
 def test_a_figures_sign_and_a_ranges_second_end_are_checked(tmp_path, monkeypatch):
     """A signed figure must keep its table's sign (an unsigned one is read as a size); the end of a range and a
     negative figure are figures like any other."""
-    assert unsourced_in(tmp_path, monkeypatch, "### real_kl: q\n| -0.054 [-0.089, +0.001] | 0.988 | 45.0% [40.0%, 51.2%] |\n",
+    assert unsourced_in(tmp_path, monkeypatch, "### real_kl: q\n| -0.054 [-0.089, +0.001] | 0.988 | 45.0% [40.0%, "
+                                               "51.2%] |\n",
                         "# t\n\n`real_kl`: -0.054 [-0.09, +0.00], PPO ahead by 0.054, +0.054 flipped; "
                         "0.988-0.998 over seeds, 45.0%-51.2% a range, -0.33 in none.\n") == ["+0.054", "0.998", "-0.33"]
 
