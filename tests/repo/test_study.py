@@ -220,13 +220,16 @@ def test_a_configurations_own_flags_win_over_the_tasks_and_segment_arms_point_at
                               count_args="--reward gold --policy_lr 1e-4", code_args="",
                               models={"count": ("runs/count/sft", "runs/count/rm")})
     parsed = {c.name: HfArgumentParser(ppo.PPOArgs).parse_args_into_dataclasses(
-        args=study.ppo_flags(args, c, 3, "out"))[0] for c in (study.COUNT_PPO, *study.HYPOTHESES["segment_count"].configs)}
+        args=study.ppo_flags(args, c, 3, "out"))[0] for c in (study.COUNT_PPO,
+                                                              *study.HYPOTHESES["segment_count"].configs)}
     a, b, c, d, e, a_norm = (parsed[x.name] for x in study.HYPOTHESES["segment_count"].configs)
     assert parsed[study.COUNT_PPO.name].reward == "gold" and a.reward == e.reward == "rm"
     assert a_norm.rm_norm and not any(x.rm_norm for x in (a, b, c, d, e))      # (A') is (A) with --rm_norm only
-    assert {k: v for k, v in vars(a_norm).items() if k != "rm_norm"} == {k: v for k, v in vars(a).items() if k != "rm_norm"}
+    without_norm = (lambda ns: {k: v for k, v in vars(ns).items() if k != "rm_norm"})
+    assert without_norm(a_norm) == without_norm(a)
     assert b.reward == c.reward == d.reward == "segment" and a.rm_path == e.rm_path == "runs/count/rm"
-    assert b.rm_path == d.rm_path == os.path.join("runs/count", "rm_segment") and c.rm_path == os.path.join("runs/count", "rm_token")
+    assert b.rm_path == d.rm_path == os.path.join("runs/count", "rm_segment")
+    assert c.rm_path == os.path.join("runs/count", "rm_token")
     assert (d.termination, e.termination, b.termination) == ("segment", "segment", "fixed")
     assert e.c_ent == study.SEGMENT_C_ENT["count"] and d.c_ent == 0.0
     assert all(x.critic_path == "runs/count/sft" and x.policy_lr == 1e-4 and x.beta == 0.04 and x.seed == 3
@@ -239,12 +242,15 @@ def test_the_real_model_arms_run_the_recipe_on_their_own_models_and_are_scored_i
     from transformers import HfArgumentParser
     import ppo
     args = argparse.Namespace(steps=120, eval_every=10, n_eval_prompts=128, ppo_args="", count_args="", code_args="",
-                              win_prompts=256, seed_eval=7, models={"chitchat": ("runs/chitchat/sft", "runs/chitchat/rm"),
+                              win_prompts=256, seed_eval=7, models={"chitchat": ("runs/chitchat/sft",
+                                                                                 "runs/chitchat/rm"),
                                                                     "smollm2": ("s/sft", "s/rm")})
     h = study.HYPOTHESES["real"]
     for config in h.configs[1:]:
-        parsed = HfArgumentParser(ppo.PPOArgs).parse_args_into_dataclasses(args=study.ppo_flags(args, config, 2, "o"))[0]
-        assert (parsed.sft_path, parsed.rm_path, parsed.task, parsed.chat_template) == ("s/sft", "s/rm", "chitchat", True)
+        parsed = HfArgumentParser(ppo.PPOArgs).parse_args_into_dataclasses(
+            args=study.ppo_flags(args, config, 2, "o"))[0]
+        assert (parsed.sft_path, parsed.rm_path, parsed.task, parsed.chat_template) == ("s/sft", "s/rm", "chitchat",
+                                                                                        True)
         assert (parsed.steps, parsed.eval_every, parsed.n_eval_prompts, parsed.max_prompt_len) == (30, 5, 32, 96)
         assert (parsed.lora_r, parsed.reward, parsed.rollout_batch_size) == (16, "gold", 16)
         assert parsed.n == int(config.flag("--n")) and config.flag("--steps") == "30"
@@ -257,10 +263,12 @@ def test_the_real_model_arms_run_the_recipe_on_their_own_models_and_are_scored_i
     import sft
     sft_args = HfArgumentParser(sft.SFTArgs).parse_args_into_dataclasses(args=sft_stage[1:])[0]
     rm_args = HfArgumentParser(reward_model.RMArgs).parse_args_into_dataclasses(args=rm_stage[1:])[0]
-    assert (sft_args.model, sft_args.output_dir, rm_args.sft_path, rm_args.output_dir) == ("m.gguf", "s/sft", "s/sft", "s/rm")
+    assert (sft_args.model, sft_args.output_dir, rm_args.sft_path, rm_args.output_dir) == ("m.gguf", "s/sft", "s/sft",
+                                                                                           "s/rm")
     assert sft_args.chat_template and rm_args.chat_template and sft_args.max_prompt_len == rm_args.max_prompt_len == 96
     plain = study.final_eval_args(args, "o", study.PPO)
-    assert (plain.sft_path, plain.chat_template, plain.max_prompt_len, plain.n_prompts) == ("runs/chitchat/sft", False, 48, 256)
+    assert (plain.sft_path, plain.chat_template, plain.max_prompt_len, plain.n_prompts) == ("runs/chitchat/sft", False,
+                                                                                            48, 256)
     assert study.PPO.flag("--steps") is None and study.PPO.flag("--steps", 9) == 9
 
 
@@ -299,7 +307,8 @@ def test_paired_comparisons_match_seeds_by_hand():
 def test_report_pairs_configurations_with_their_own_ppo(tmp_path):
     def run(seed, level):
         return {"seed": seed, "rows": [{"step": s, "eval/rm": level, "eval/gold": 0.5, "kl": 1.0,
-                                        "macro/mean_len": 1.0 if level != 0.0 else 5.0, "response/len": 20.0} for s in (10, 20)],
+                                        "macro/mean_len": 1.0 if level != 0.0 else 5.0,
+                                        "response/len": 20.0} for s in (10, 20)],
                 "final": {"gold": [level] * 4, "rm": [level] * 4}}
     records = {"n1": [run(1, 1.0), run(2, 1.0)], "n5": [run(1, 0.0), run(2, 0.0)],
                "n1_critic_sft": [run(1, 0.0), run(2, 0.0)], "n5_critic_sft": [run(1, 2.0), run(2, 2.0)]}
@@ -341,7 +350,8 @@ def test_the_real_study_reports_its_final_policies_paired_by_seed_by_hand():
                "real_n5": [run(2, [0.9, 0.9]), run(1, [0.3, 0.3]), run(3, [0.0, 0.0])],      # seed 3: no partner
                "real_n5_sigma_first": []}
     lines, result = study.report(argparse.Namespace(smooth=1), "real", records)
-    assert result["real_n1"]["final_policies"] == {"mean": (0.4, pytest.approx(12.706 * 0.1, abs=1e-4)), "gap_vs_ppo": None}
+    assert result["real_n1"]["final_policies"] == {"mean": (0.4, pytest.approx(12.706 * 0.1, abs=1e-4)),
+                                                   "gap_vs_ppo": None}
     gap = result["real_n5"]["final_policies"]["gap_vs_ppo"]        # seed 1: 0.3 - 0.3, seed 2: 0.9 - 0.5
     assert (gap["mean"], gap["seeds"]) == (pytest.approx(0.2), 2) and gap["ci95"][0] < 0.2 < gap["ci95"][1]
     assert gap["verdict"] == "no verdict: not at equal KL"         # no KL held: the stored result has no rule word
@@ -357,7 +367,8 @@ def test_the_real_study_reports_its_final_policies_paired_by_seed_by_hand():
 def test_fill_blocks_replaces_only_between_its_markers():
     page = "intro\n<!-- study:a -->\nold\n<!-- /study:a -->\nmiddle\n<!-- study:b -->\n<!-- /study:b -->\nend\n"
     filled = study.fill_blocks(page, {"a": ["| x |", ""], "b": ["y"]})
-    assert filled == "intro\n<!-- study:a -->\n| x |\n\n<!-- /study:a -->\nmiddle\n<!-- study:b -->\ny\n<!-- /study:b -->\nend\n"
+    assert filled == ("intro\n<!-- study:a -->\n| x |\n\n<!-- /study:a -->\nmiddle\n<!-- study:b -->\ny\n"
+                      "<!-- /study:b -->\nend\n")
     assert study.fill_blocks(filled, {"a": ["| x |", ""], "b": ["y"]}) == filled          # idempotent
 
 
@@ -382,7 +393,8 @@ def test_matched_kl_pairs_each_method_with_ppo_at_its_own_target_by_hand(tmp_pat
     def run(seed, golds, kl, curve):
         return {"seed": seed, "trace": [{"step": s, "kl": 99.0 if s <= 25 else kl, "beta": 0.1} for s in range(1, 31)],
                 "rows": [{"step": s, "eval/gold": v, "eval/rm": 0.0, "kl": 1.0, "macro/mean_len": 1.0,
-                          "response/len": 20.0} for s, v in zip((10, 20, 30), curve)], "final": {"gold": golds, "rm": golds}}
+                          "response/len": 20.0} for s, v in zip((10, 20, 30), curve)], "final": {"gold": golds,
+                                                                                                 "rm": golds}}
     configs = study.HYPOTHESES["real_kl"].configs
     n1, n5, n1_high, n5_high, n1_beta, n5_beta, *tries = configs
     assert (n5.partner, n5_high.partner, n5_beta.partner) == (n1.name, n1_high.name, n1_beta.name)
@@ -426,7 +438,8 @@ def test_matched_kl_pairs_each_method_with_ppo_at_its_own_target_by_hand(tmp_pat
     assert verdicts[2].endswith(f"detectable difference {b['gap_vs_ppo']['mde']:.3f}): **no verdict: not at equal "
                                 "KL**, "
                                 "at the KLs these runs ended at.")
-    assert f"| {study.held_at(n5_beta)} | {study.held_at(n1_beta)} | 2 | 0.60 / 0.80 | 1.33 | no | 0.400 / 0.500 | +0.100 |" in lines
+    assert (f"| {study.held_at(n5_beta)} | {study.held_at(n1_beta)} | 2 | 0.60 / 0.80 | 1.33 | no | 0.400 / 0.500 | "
+            "+0.100 |") in lines
     # at equal KL over every run: the matched pairs alone are KL 0.7's two seeds and the beta pair's seed 1
     assert result["equal_kl"]["matched_pairs"]["pairs"] == 3 and result["equal_kl"]["matched_pairs"]["seeds"] == 2
     assert result["equal_kl"]["matched_pairs"]["mean"] == pytest.approx(((0.1 + 0.3) / 2 - 0.1) / 2)
@@ -452,7 +465,8 @@ def test_the_kl_reading_pairs_fixed_beta_and_controlled_runs_by_seed_and_pools_t
 
     def run(seed, points, traced=True):      # the 5 iterations up to each evaluation at its KL: run_kl is that KL
         trace = [{"step": 5 * i - j, "kl": k} for i, (k, _) in enumerate(points, 1) for j in (4, 3, 2, 1, 0)]
-        return {"seed": seed, "rows": [{"step": 5 * i, "kl": 9.0, "eval/gold": g} for i, (_, g) in enumerate(points, 1)],
+        return {"seed": seed,
+                "rows": [{"step": 5 * i, "kl": 9.0, "eval/gold": g} for i, (_, g) in enumerate(points, 1)],
                 **({"trace": trace} if traced else {})}
     for name, seed, points in (("real_n1", 1, [(0.0, 0.2), (2.0, 0.6)]), ("real_n5", 1, [(0.0, 0.1), (2.0, 0.3)]),
                                ("real_n1", 2, [(0.6, 0.5), (0.8, 0.5)]), ("real_n5", 2, [(0.0, 0.0), (3.0, 0.9)])):
@@ -572,9 +586,11 @@ def test_the_segment_beta_sweep_runs_the_readmes_segment_quick_start_at_each_bet
                               models={"chitchat": ("runs/chitchat/sft", "runs/chitchat/rm")})
     betas = []
     for config in h.configs[1:]:
-        parsed = HfArgumentParser(ppo.PPOArgs).parse_args_into_dataclasses(args=study.ppo_flags(args, config, 1, "out"))[0]
+        parsed = HfArgumentParser(ppo.PPOArgs).parse_args_into_dataclasses(
+            args=study.ppo_flags(args, config, 1, "out"))[0]
         readme_run = HfArgumentParser(ppo.PPOArgs).parse_args_into_dataclasses(
-            args=study.ppo_flags(args, study.Config("x", "x", (*quick, "--beta", config.flag("--beta")), partner="n1"), 1, "out"))[0]
+            args=study.ppo_flags(args, study.Config("x", "x", (*quick, "--beta", config.flag("--beta")), partner="n1"),
+                                 1, "out"))[0]
         assert parsed == readme_run and parsed.rm_path == os.path.join("runs/chitchat", "rm_segment")
         betas.append(parsed.beta)
     assert betas == [0.05, 0.5, 1.0, 2.0] and h.configs[0].metrics == ("eval/gold_strict", "eval/gold")
@@ -587,7 +603,8 @@ def test_the_segment_beta_sweep_runs_the_readmes_segment_quick_start_at_each_bet
     records = {h.configs[0].name: [run(1, 0.03), run(2, 0.05)], h.configs[-1].name: [run(1, 0.7), run(2, 0.7)]}
     lines, result = study.report(argparse.Namespace(smooth=1, results_dir="nowhere"), "segment_beta", records)
     assert result[h.configs[0].name]["early"]["distinct_2"][0] == pytest.approx(0.04)
-    assert any(line.startswith("| quick start, beta 2.0 |") and line.endswith("| 0.700 ± 0.000 (0.80) |") for line in lines)
+    assert any(line.startswith("| quick start, beta 2.0 |") and line.endswith("| 0.700 ± 0.000 (0.80) |")
+               for line in lines)
 
 
 def test_the_study_builds_each_tasks_models_before_its_sft_record(tmp_path, monkeypatch):
@@ -604,7 +621,8 @@ def test_the_study_builds_each_tasks_models_before_its_sft_record(tmp_path, monk
     todo = [(c, 1) for c in (study.PPO, study.COUNT_PPO, study.HYPOTHESES["code"].configs[0])]
     study.build_task_models(args, todo)
     assert stages == [
-        ["reward_model.py", "--task", "chitchat", "--sft_path", "runs/chitchat/sft", "--output_dir", "runs/chitchat/rm"],
+        ["reward_model.py", "--task", "chitchat", "--sft_path", "runs/chitchat/sft", "--output_dir",
+         "runs/chitchat/rm"],
         ["sft.py", "--task", "count", "--output_dir", "runs/count/sft", *data.BUILD_ARGS["count"][0].split()],
         ["reward_model.py", "--task", "count", "--sft_path", "runs/count/sft", "--output_dir", "runs/count/rm",
          *data.BUILD_ARGS["count"][1].split()],
@@ -624,7 +642,8 @@ def test_the_study_will_not_train_on_a_model_folder_built_with_other_flags(tmp_p
     folder = tmp_path / "runs/chitchat/sft"
     (folder / "checkpoint").mkdir(parents=True)
     (folder / "config.json").write_text("{}")
-    args = argparse.Namespace(ppo_args="", chitchat_args="", models={"chitchat": ("runs/chitchat/sft", "runs/chitchat/rm")})
+    args = argparse.Namespace(ppo_args="", chitchat_args="", models={"chitchat": ("runs/chitchat/sft",
+                                                                                  "runs/chitchat/rm")})
     todo = [(study.PPO, 1)]
     for max_steps, stops in ((200, True), (400, False)):
         first_run = dataclasses.asdict(sft.SFTArgs(task="chitchat", max_steps=max_steps))
@@ -650,20 +669,24 @@ def test_the_sft_line_cites_its_rm_figures_from_the_record(tmp_path):
               "sft_hash": "abc"}
     args = argparse.Namespace(smooth=1, results_dir=str(tmp_path))
     study.write_record(study.record_path(args, "count_sft", 0), record)
-    lines, result = study.report(args, "count", {h.configs[0].name: [{"seed": 1, "final": {"gold": [0.5]}, "rows": rows}]})
+    lines, result = study.report(args, "count", {h.configs[0].name: [{"seed": 1, "final": {"gold": [0.5]},
+                                                                      "rows": rows}]})
     line = next(line for line in lines if line.startswith("The SFT model"))
     assert "mean gold 0.500" in line and "held-out pairwise accuracy 0.551 on 1024 pairs" in line
     assert "agreement with the gold judge 0.612 on 256 pairs" in line and result["sft"]["rm_eval"]["accuracy"] == 0.5512
     assert "1 of the 1 runs above record no SFT / RM hashes" in line        # a run made before hashes
     runs = [{"seed": 1, "final": {"gold": [0.5]}, "rows": rows, "sft_hash": h} for h in ("abc", "abd")]
-    line = next(line for line in study.report(args, "count", {h.configs[0].name: runs})[0] if line.startswith("The SFT"))
+    line = next(line for line in study.report(args, "count", {h.configs[0].name: runs})[0]
+                if line.startswith("The SFT"))
     assert "1 of the 2 runs above record no SFT / RM hashes or others than this record's" in line
     runs[1]["sft_hash"], runs[0]["rm_hash"] = "abc", "rm2"                   # the same SFT, another RM build
-    line = next(line for line in study.report(args, "count", {h.configs[0].name: runs})[0] if line.startswith("The SFT"))
+    line = next(line for line in study.report(args, "count", {h.configs[0].name: runs})[0]
+                if line.startswith("The SFT"))
     assert "1 of the 2 runs above" in line
     del runs[0]["rm_hash"]
     runs[1]["sft_hash"] = "abc"
-    line = next(line for line in study.report(args, "count", {h.configs[0].name: runs})[0] if line.startswith("The SFT"))
+    line = next(line for line in study.report(args, "count", {h.configs[0].name: runs})[0]
+                if line.startswith("The SFT"))
     assert "runs above" not in line
 
 
@@ -675,7 +698,8 @@ def test_a_task_whose_runs_are_all_committed_still_gets_its_sft_record(tmp_path,
     monkeypatch.setattr(study, "ROOT", str(tmp_path))
     monkeypatch.setattr(study, "sft_record", lambda args, config: made.append(study.sft_record_name(config)))
     monkeypatch.setattr(study, "train", lambda *a: pytest.fail("a committed run was trained again"))
-    args = argparse.Namespace(results_dir=str(tmp_path), report_only=False, jobs=1, threads=0, ppo_args="", code_args="",
+    args = argparse.Namespace(results_dir=str(tmp_path), report_only=False, jobs=1, threads=0, ppo_args="",
+                              code_args="",
                               models={"code": ("runs/code/sft", "runs/code/rm")})
     todo = [(c, 1) for c in study.HYPOTHESES["code"].configs]
     for config, seed in todo:
@@ -790,7 +814,8 @@ def unsourced_figures(path):
 
 def test_rounds_to_accepts_a_tables_figure_rounded_never_another():
     assert rounds_to("11.3", ["11.304"]) and rounds_to("0.91", ["0.914"]) and rounds_to("46.7%", ["46.7%"])
-    assert not rounds_to("0.87", ["0.889", "0.914"]) and not rounds_to("0.5", ["50%"]) and not rounds_to("47%", ["0.47"])
+    assert not rounds_to("0.87", ["0.889", "0.914"]) and not rounds_to("0.5", ["50%"])
+    assert not rounds_to("47%", ["0.47"])
 
 
 def unsourced_in(tmp_path, monkeypatch, tables, page):
@@ -841,10 +866,12 @@ def test_the_ten_seed_rerun_trains_the_headline_pair_on_one_build_of_its_own(tmp
     args = argparse.Namespace(steps=120, eval_every=10, n_eval_prompts=128, ppo_args="", count_args="", code_args="",
                               models={"smollm2": study.REAL_MODELS, "smollm2_kl10": study.REAL_KL10_MODELS})
     for config, before in zip(h.configs, ("real_kl_n1_beta0.05", "real_kl_n5_beta0.077")):
-        new_flags = HfArgumentParser(ppo.PPOArgs).parse_args_into_dataclasses(args=study.ppo_flags(args, config, 7, "o"))[0]
+        new_flags = HfArgumentParser(ppo.PPOArgs).parse_args_into_dataclasses(
+            args=study.ppo_flags(args, config, 7, "o"))[0]
         old_flags = HfArgumentParser(ppo.PPOArgs).parse_args_into_dataclasses(
             args=study.ppo_flags(args, old[before], 7, "o"))[0]
-        assert vars(new_flags) == {**vars(old_flags), "sft_path": "runs/smollm2_kl10/sft", "rm_path": "runs/smollm2_kl10/rm"}
+        assert vars(new_flags) == {**vars(old_flags), "sft_path": "runs/smollm2_kl10/sft",
+                                   "rm_path": "runs/smollm2_kl10/rm"}
         assert study.sft_record_name(config) == "real_kl10_sft" and study.is_real(config)
     assert h.configs[1].partner == h.configs[0].name and "real_kl10" in study.OPTIONAL
     stages = []
@@ -878,7 +905,8 @@ def kl_record(seed, kl, golds):
     """A controlled run that stayed at `kl` (every iteration's batch), evaluated at 10, 20, 30; final scores `golds`."""
     mean = float(numpy.mean(golds))
     return {"seed": seed, "trace": [{"step": s, "kl": kl, "beta": 0.05} for s in range(1, 31)],
-            "rows": [{"step": s, "eval/gold": mean, "eval/rm": 0.0, "kl": kl, "macro/mean_len": 1.0, "response/len": 20.0}
+            "rows": [{"step": s, "eval/gold": mean, "eval/rm": 0.0, "kl": kl, "macro/mean_len": 1.0,
+                      "response/len": 20.0}
                      for s in (10, 20, 30)], "final": {"gold": list(golds), "rm": list(golds)}}
 
 
@@ -940,7 +968,8 @@ def test_several_methods_get_a_verdict_and_a_fit_per_arm_naming_each_arm(tmp_pat
             f"{g['verdict']} | {g['mde']:.3f} | {study.fmt_cmp(m)} | {m['verdict']} | {m['mde']:.3f} |") in lines
     assert m["seeds"] == 3 and m["pairs"] == 3                              # GRPO's KLs within 1.2x of PPO's
     assert f"| {mc.label} | 1 | 6.100 | 1 of 1 | - | one seed: no verdict | - | - | one seed: no verdict | - |" in lines
-    assert f"| {gspo.label} | 1 | 6.000 | 0 of 0 | - | no seed beside PPO's | - | - | no seed beside PPO's | - |" in lines
+    assert (f"| {gspo.label} | 1 | 6.000 | 0 of 0 | - | no seed beside PPO's | - | - | no seed beside PPO's | - |"
+            in lines)
     assert f"| {ma_group.label} | 0 | not run yet | | | | | | | |" in lines
 
 
@@ -977,7 +1006,8 @@ def test_the_joint_fit_shares_one_slope_and_recovers_each_arms_difference():
     noisy = [(s, a, kl, (numpy.array(g) + rng.normal(0, 0.05, 8)).tolist()) for s, a, kl, g in runs]
     want, slope = reference_joint_fit(noisy)
     got = study.joint_equal_kl_fit(noisy)
-    assert got["slope"] == pytest.approx(slope) and {a: v["mean"] for a, v in got["arms"].items()} == pytest.approx(want)
+    assert got["slope"] == pytest.approx(slope)
+    assert {a: v["mean"] for a, v in got["arms"].items()} == pytest.approx(want)
     assert all(v["se"] > 0 for v in got["arms"].values())
     assert study.joint_equal_kl_fit([r for r in runs if r[0] == 1]) is None          # one seed: no fit
     assert got["arms"]["A"]["df"] == 12 - 3 - 1 - 3                                   # runs - arms - slope - seeds
@@ -1062,7 +1092,8 @@ def test_one_method_at_several_kls_keeps_its_pooled_fit(tmp_path):
     h = study.HYPOTHESES["real_kl"]
     n1, n5, n1_high, n5_high = h.configs[:4]
     rng = numpy.random.default_rng(5)
-    kls = {n1.name: (0.7, 0.8, 0.6), n5.name: (0.75, 0.6, 0.7), n1_high.name: (1.4, 1.6, 1.5), n5_high.name: (1.2, 1.7, 1.6)}
+    kls = {n1.name: (0.7, 0.8, 0.6), n5.name: (0.75, 0.6, 0.7), n1_high.name: (1.4, 1.6, 1.5),
+           n5_high.name: (1.2, 1.7, 1.6)}
     records, everything = {c.name: [] for c in h.configs}, []
     for name, per_seed in kls.items():
         for seed, kl in enumerate(per_seed, 1):
@@ -1124,7 +1155,8 @@ def test_the_held_out_kl_is_written_beside_a_record_whose_replies_it_reproduces_
     import heldout_kl
     config = study.HYPOTHESES["kl"].configs[0]                         # a chitchat run
     args = argparse.Namespace(results_dir=str(tmp_path / "study"), runs_dir=str(tmp_path / "runs"), win_prompts=5,
-                              seed_eval=4321, jobs=1, models={"chitchat": (str(tiny_models / "sft"), str(tiny_models / "rm"))})
+                              seed_eval=4321, jobs=1, models={"chitchat": (str(tiny_models / "sft"),
+                                                                           str(tiny_models / "rm"))})
     run_dir = tmp_path / "runs" / config.name / "seed3"
     shutil.copytree(parrot, run_dir / "policy")
     final = study.final_scores(args, str(run_dir), config)
@@ -1193,17 +1225,21 @@ def test_the_report_compares_again_at_the_held_out_kl_once_every_run_has_one(tmp
     lines = study.heldout_kl_lines(args, h, done, "gold", result)
     out = result["equal_kl_heldout"]
     assert out["pairs_matched"] == 1 and out["pairs"] == 3 and out["left_out"] == 0
-    assert "| 2 | 1.00 / 3.00 | 3.00 | no | 1.00 / 1.00 |" in lines and "| 1 | 1.00 / 1.10 | 1.10 | yes | 1.00 / 1.00 |" in lines
+    assert "| 2 | 1.00 / 3.00 | 3.00 | no | 1.00 / 1.00 |" in lines
+    assert "| 1 | 1.00 / 1.10 | 1.10 | yes | 1.00 / 1.00 |" in lines
     ppo1, ma1 = done[ppo.name][0], done[ma.name][0]
-    assert out["matched_pairs"]["mean"] == pytest.approx(numpy.mean(ma1["final"]["gold"]) - numpy.mean(ppo1["final"]["gold"]))
+    assert out["matched_pairs"]["mean"] == pytest.approx(
+        numpy.mean(ma1["final"]["gold"]) - numpy.mean(ppo1["final"]["gold"]))
     expected = study.equal_kl_fit([(r["seed"], c is ma, measured[(c.name, r["seed"])], r["final"]["gold"])
                                    for c in h.configs for r in done[c.name]])
-    assert out["fit"]["mean"] == pytest.approx(expected["mean"]) and out["fit"]["slope"] == pytest.approx(expected["slope"])
+    assert out["fit"]["mean"] == pytest.approx(expected["mean"])
+    assert out["fit"]["slope"] == pytest.approx(expected["slope"])
     assert any(line.startswith("- held-out KL: fit of each run's final mean gold on log final KL") for line in lines)
     sidecar(ma.name, 3, [-0.5, 0.1])                                   # a mean below 0: no log, out of the fit
     result = {}
     lines = study.heldout_kl_lines(args, h, done, "gold", result)
-    assert result["equal_kl_heldout"]["left_out"] == 1 and result["equal_kl_heldout"]["fit"]["runs"] == 4   # seed 3 unpaired
+    assert result["equal_kl_heldout"]["left_out"] == 1                                  # seed 3 unpaired
+    assert result["equal_kl_heldout"]["fit"]["runs"] == 4
     assert "1 run(s) with a held-out KL at or below 0 left out of the fit." in lines[1]
 
 
@@ -1233,7 +1269,8 @@ def test_runs_of_another_build_are_compared_again_without_them(tmp_path):
     ppo, ma = h.configs
     rng = numpy.random.default_rng(1)
     study.write_record(study.record_path(args, study.sft_record_name(ppo), 0),
-                       {"config": "real_kl10_sft", "seed": 0, "final": {"gold": [0.2] * 8}, "sft_hash": "a", "rm_hash": "b"})
+                       {"config": "real_kl10_sft", "seed": 0, "final": {"gold": [0.2] * 8}, "sft_hash": "a",
+                        "rm_hash": "b"})
     records = {ppo.name: [], ma.name: []}
     for seed in (1, 2, 3, 4):
         for c in (ppo, ma):
