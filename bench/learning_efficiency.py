@@ -244,7 +244,7 @@ def kl_pair(task, target, prefix, make, control):
     return base, make(f"{prefix}n5_{target}", f"MA-PPO (n=5), KL {target}", ("--n", "5", *flags), base.name)
 
 
-# `kl`'s pair again for one decided answer (issue 68): seeds 6-25, disjoint from the five seeds of `kl` that sized
+# `kl`'s pair again for one decided answer: seeds 6-25, disjoint from the five seeds of `kl` that sized
 # it, each run's evaluations on 256 held-out prompts (eval/kl beside them); the margin and the verdict rule were
 # stated in docs/study/README.md before its first run.
 KL_DECIDED_SEEDS = tuple(range(6, 26))
