@@ -1510,8 +1510,10 @@ def equal_kl_lines(fits, key, arm="MA-PPO", ppo="PPO", prefix=""):
     fit, pooled = fits["fit"], fits["matched_pairs"]
     lines = []
     if fit:
-        more = (f"; with {RERUN_SEEDS} seeds of the same spread the detectable effect would be "
-                f"{detectable_at(fit, RERUN_SEEDS):.3f}" if fit["seeds"] < RERUN_SEEDS and "se" in fit else "")
+        more = (f"; with {RERUN_SEEDS} seeds of the same spread the detectable difference would be "
+                f"{detectable_at(fit, RERUN_SEEDS):.3f}, level detectable within "
+                f"±{detectable_at(fit, RERUN_SEEDS, level=True):.3f}"
+                if fit["seeds"] < RERUN_SEEDS and "se" in fit else "")
         lines.append(f"- {prefix}fit of each run's final mean {key} on log final KL, a {arm} term and one intercept "
                      "per "
                      f"seed ({fit['runs']} runs of {fit['seeds']} seeds; slope {fit['slope']:+.3f} {key} per unit of "
