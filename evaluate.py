@@ -392,6 +392,27 @@ def held_out(policy, reward_model, tokenizer, rows, sampling, seed, synced_gpus=
     return texts, scores, gold
 
 
+@torch.no_grad()
+def held_out_kl(policy, ref, tokenizer, rows, sampling, synced_gpus=False, chunk=256):
+    """eval/kl: per prompt, KL(x) = sum_t log pi(y_t | x, y_<t) - log pi_sft(y_t | x, y_<t) at the sampling
+    temperature (ppo.py's step 2, its `response_logprobs`), on the very replies `held_out` judged: sampled again under
+    the same seed and chunks (forked RNG, so the run's random numbers are untouched). One reply can give a negative
+    KL(x); the mean estimates the KL. `ref` None (LoRA): the policy with its adapters off, which is the SFT model."""
+    from ppo import response_logprobs       # a lazy import: ppo.py imports this module
+    sp, kls = sampling, []
+    with torch.random.fork_rng():
+        torch.manual_seed(sp.seed)
+        for i in range(0, len(rows), chunk):
+            p_ids, p_mask, r_ids, r_mask, _ = data.sample(policy, tokenizer, [r["prompt"] for r in rows[i:i + chunk]],
+                                                          sp.max_prompt_len, sp.max_response_len, sp.temperature,
+                                                          sp.top_k, sp.top_p, synced_gpus=synced_gpus)
+            ids, mask, width = torch.cat([p_ids, r_ids], 1), torch.cat([p_mask, r_mask], 1), p_ids.shape[1]
+            with policy.disable_adapter() if ref is None else torch.no_grad():
+                ref_logp = response_logprobs(policy if ref is None else ref, ids, mask, width, sp.temperature)[0]
+            kls.append(((response_logprobs(policy, ids, mask, width, sp.temperature)[0] - ref_logp) * r_mask).sum(-1))
+    return torch.cat(kls)
+
+
 # A policy whose replies keep less than this share of the SFT model's distinct-2 is degenerate: its score
 # comes from saying one thing over and over (a collapsed chitchat policy: 0.03 against the SFT's 0.8-0.9).
 DEGENERATE = 0.5
@@ -455,9 +476,10 @@ def during_training(metrics, sampling, *, accelerator, policy, reward_model, tok
         with harness.generation_model(acc, policy, gather) as (model, synced):
             texts, scores, second = held_out(model.eval(), reward_model, tokenizer, eval_rows, sampling, sampling.seed,
                                              synced, segmenter)
+            kl = held_out_kl(model, sft[0], tokenizer, eval_rows, sampling, synced)    # beside the batches' kl
     if acc.is_main_process:
         key, second_key = ("exec", "pass@1") if code else ("rm", "gold")
-        metrics[f"eval/{key}"] = round(scores.mean().item(), 4)
+        metrics[f"eval/{key}"], metrics["eval/kl"] = round(scores.mean().item(), 4), round(kl.mean().item(), 4)
         if second is not None:
             metrics[f"eval/{second_key}"] = round(second.mean().item(), 4)
         (ref, sft_measured), replies = sft, reply_metrics(task, eval_rows, texts)

@@ -76,13 +76,13 @@ def measure(args, config, seed):
     if not os.path.exists(os.path.join(policy_path, "config.json")):
         refuse(config, seed, f"no final policy at {policy_path} (its record is committed, its run folder is not): "
                              "the held-out KL needs the policy itself")
-    found = study.provenance(args, args.models[config.models_key])
+    if record.get("threads"):
+        torch.set_num_threads(record["threads"])               # as the final scores were sampled
+    found = study.provenance(args, args.models[config.models_key])      # after: its `threads` is what measured
     for name in ("sft_hash", "rm_hash"):
         if record.get(name) and found[name] != record[name]:
             refuse(config, seed, f"its record's {name} is {record[name][:8]}, the folder here {str(found[name])[:8]}: "
                                  "another model build than the run's")
-    if record.get("threads"):
-        torch.set_num_threads(record["threads"])               # as the final scores were sampled
     ctx = evaluate.Context(study.final_eval_args(args, run_dir, config))
     judged = [k for k in ("rm", "gold") if k in record["final"]]
     if len(ctx.prompts) != len(record["final"][judged[0]]):

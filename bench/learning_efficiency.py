@@ -32,13 +32,15 @@ A configuration whose record exists is never run again, and the report reads onl
   the curve does not get there, and the share of bootstrap draws where it never does;
 - win rate against PPO: per-prompt comparisons of final policies (same prompts, same seed), ties half,
   the mean of each seed's rate (gold score; on the code task, passing the tests);
-- gold differences and win rates get 95% intervals from a seed-then-prompt bootstrap (seeds resampled,
-  then each drawn seed's prompts): t with seeds - 1 degrees of freedom on the draws' standard error;
+- gold differences and win rates get 95% intervals whose standard error counts prompts crossed with seeds
+  (every run answers the same prompts): the spread over seeds, plus the prompt effects every seed shares
+  (shared_prompt_variance); t with seeds - 1 degrees of freedom (a fit: runs - its parameters);
 - one KL everywhere (run_kl: the mean per-sequence KL of the last KL_WINDOW iterations' batches);
 - matched KL per pair (kl_matched: within MATCH); at equal KL a fit of gold on log KL with one
   intercept per seed, and the matched pairs alone, per arm where the arms are several methods (arms_of);
-  verdicts (verdict) from the 95% interval and the two one-sided tests against +-MARGIN, with the minimum
-  detectable effect beside each;
+  (kl_fit, its rank checked) verdicts (verdict) from the 95% interval and the two one-sided tests against
+  +-MARGIN, with the detectable difference and, where "level" is in question, the margin a level could be
+  shown within;
 - where a change applies to both methods (critic, lr), each MA-PPO configuration paired by seed with
   PPO under the same change (its `partner`): the gap in first-half mean score and the win rate;
 - the first evaluation (score and KL), the final mean macro and response lengths and, on count, the share
@@ -47,12 +49,14 @@ A configuration whose record exists is never run again, and the report reads onl
 import argparse
 import concurrent.futures
 import dataclasses
+import functools
 import json
 import math
 import os
 import random
 import re
 import shlex
+import signal
 import statistics
 import subprocess
 import sys
@@ -112,6 +116,9 @@ class Config:
         return (["--task", self.task] if self.task != "chitchat" else []) + [f.format(**paths) for f in self.flags]
 
 
+MARGIN = 0.05     # gold: a difference whose 90% interval lies inside +-MARGIN is "level" (two one-sided tests)
+
+
 @dataclasses.dataclass(frozen=True)
 class Hypothesis:
     question: str
@@ -120,6 +127,8 @@ class Hypothesis:
     final_table: bool = False        # also the final policies' mean score, paired by seed with PPO's
     matched_kl: tuple = ()           # score thresholds: compare each MA-PPO with its partner at the same KL target
     kl_points: tuple = ()            # KLs at which every pair of runs is read off its score-against-KL curve
+    margin: float = MARGIN           # of "level", stated before the runs (rules_for: void where scores do not move)
+    planned: tuple = ()              # the seeds its rule reads the verdict at, once all are in (rules_for)
 
 
 def ppo(name="n1", label="PPO (n=1)", flags=(), task="chitchat"):
@@ -146,7 +155,8 @@ def segment_arms(task, prefix):
     MA-PPO on the same segments; the task's gold score first (RM scores of different RMs do not compare)."""
     seq = ("--reward", "rm") if task == "count" else ()       # the count runs' default reward is the gold judge
     sft_critic, gold = ("--critic_path", "{sft}"), ("eval/gold", "eval/rm")
-    a = Config("n1_critic_sft" if task == "chitchat" else f"{prefix}n1_critic_sft", "(A) sequence RM, PPO", ("--n", "1", *sft_critic, *seq), task, None, gold)
+    a = Config("n1_critic_sft" if task == "chitchat" else f"{prefix}n1_critic_sft", "(A) sequence RM, PPO",
+               ("--n", "1", *sft_critic, *seq), task, None, gold)
     seg = ("--reward", "segment", "--rm_path", "{rm_segment}", *sft_critic)
     return (a, Config(f"{prefix}seg_n1", "(B) segment RM, PPO", ("--n", "1", *seg), task, None, gold),
             Config(f"{prefix}tok_n1", "(C) token RM, PPO",
@@ -175,8 +185,8 @@ def segment_ablations(task, prefix):
 
 
 # The segment RM's collapse (one positive word repeated on chitchat) at the study's beta of 0.05, where the summed
-# dense rewards outweigh the KL penalty: a beta scaled to their size, never tried there, swept upwards. The README's quick
-# start (segment RM, MA-PPO on its segments, the critic from the RM, a 5-iteration critic warm-up) at each beta,
+# dense rewards outweigh the KL penalty: a beta scaled to their size, never tried there, swept upwards. The README's
+# quick start (segment RM, MA-PPO on its segments, the critic from the RM, a 5-iteration critic warm-up) at each beta,
 # paired with PPO on the segment RM at the study's beta; scored by gold_strict (sentiment priced by repeated word
 # pairs) beside gold, the replies' distinct-2 beside the SFT model's.
 SEGMENT_BETAS = ("0.05", "0.5", "1.0", "2.0")
@@ -234,6 +244,68 @@ def kl_pair(task, target, prefix, make, control):
     return base, make(f"{prefix}n5_{target}", f"MA-PPO (n=5), KL {target}", ("--n", "5", *flags), base.name)
 
 
+# `kl`'s pair again for one decided answer: seeds 6-25, disjoint from the five seeds of `kl` that sized
+# it, each run's evaluations on 256 held-out prompts (eval/kl beside them); the margin and the verdict rule were
+# stated in docs/study/README.md before its first run.
+KL_DECIDED_SEEDS = tuple(range(6, 26))
+KL_DECIDED_MARGIN = 0.055   # a tenth of PPO's SFT-to-PPO gold gain in `kl` (0.806 - 0.255), fixed before the runs
+
+
+PLAN_SEEDS = (9, 15, 20, 25)      # the seed counts the plan's table shows
+PLAN_DESIGN = 1.25               # the pilot's design factor (1.24) rounded up, as the plan used it
+
+
+def decided_plan(ppo_runs, ma_runs, sft, margin_share=0.1):
+    """What sized kl_decided, from `kl`'s pairs (PPO and MA-PPO records by seed) and the SFT record: the margin (a
+    tenth of PPO's mean final gold gain over the SFT model) and the level-detectable effect, (t.95 + t.90) SE with
+    seeds - 2 degrees of freedom, at each of PLAN_SEEDS: SE(S)^2 = residual variance x PLAN_DESIGN / S + the shared
+    prompt variance over the prompts, at the pilot's residual variance and at its 80% upper bound."""
+    by_seed = {r["seed"]: r for r in ppo_runs}
+    pairs = [(by_seed[m["seed"]], m) for m in sorted(ma_runs, key=lambda r: r["seed"]) if m["seed"] in by_seed]
+    gaps = numpy.array([numpy.array(m["final"]["gold"]) - numpy.array(p["final"]["gold"]) for p, m in pairs])
+    seeds, prompts = gaps.shape
+    x = numpy.array([[1.0, math.log(run_kl(m) / run_kl(p))] for p, m in pairs])
+    y = gaps.mean(1)
+    residual = float(((y - x @ numpy.linalg.lstsq(x, y, rcond=None)[0]) ** 2).sum() / (seeds - 2))
+    shared = shared_prompt_variance(gaps, range(seeds), [0] * seeds, [1.0] * seeds) * prompts / seeds ** 2
+    within = gaps - gaps.mean(1, keepdims=True) - gaps.mean(0) + gaps.mean()
+    ppo_gold = float(numpy.mean([numpy.mean(p["final"]["gold"]) for p, _ in pairs]))
+    sft_gold = float(numpy.mean(sft["final"]["gold"]))
+    bound = (seeds - 2) / chi2_quantile(0.2, seeds - 2)
+
+    def level_detectable(n, var):
+        return (t_quantile(0.95, n - 2) + t_quantile(0.90, n - 2)) * math.sqrt(var * PLAN_DESIGN / n + shared / prompts)
+    return {"ppo_gold": ppo_gold, "sft_gold": sft_gold, "margin": margin_share * (ppo_gold - sft_gold),
+            "residual": residual, "df": seeds - 2, "design": float(seeds * numpy.linalg.inv(x.T @ x)[0, 0]),
+            "shared": shared, "prompts": prompts, "within": float((within ** 2).sum() / ((seeds - 1) * (prompts - 1))),
+            "seed_gap_var": float(y.var(ddof=1)), "bound": bound,
+            "at": {n: (level_detectable(n, residual), level_detectable(n, residual * bound)) for n in PLAN_SEEDS}}
+
+
+def decided_plan_lines(args):
+    """kl_decided's plan (decided_plan) from `kl`'s committed records, as a table: the figures its rule quotes."""
+    records = load_records(args, [c.name for c in HYPOTHESES["kl"].configs])
+    plan = decided_plan(*(records[c.name] for c in HYPOTHESES["kl"].configs),
+                        committed_sft_record(args, HYPOTHESES["kl"].configs[0]))
+    p = plan
+    return ["", "The plan, from `kl`'s five pairs (made before the first run; `decided_plan` recomputes it from their "
+            "records):", "", "| quantity | value |", "|---|---|",
+            "| PPO's mean final gold in `kl` / the SFT model's / a tenth of the gain (the margin) | "
+            f"{p['ppo_gold']:.3f} / "
+            f"{p['sft_gold']:.3f} / {p['margin']:.4f} |",
+            f"| residual variance of a seed's gold gap on its log KL ratio ({p['df']} degrees of freedom) | "
+            f"{p['residual']:.5f} |",
+            f"| the design's factor on the intercept's variance (planned with {PLAN_DESIGN}) | {p['design']:.2f} |",
+            f"| shared prompt x method variance; over {p['prompts']} prompts | {p['shared']:.4f}; "
+            f"{p['shared'] / p['prompts']:.6f} |",
+            f"| residual per prompt; over {p['prompts']} prompts (a seed's evaluation noise) against the variance of "
+            f"a seed's gap | {p['within']:.3f}; {p['within'] / p['prompts']:.5f} against {p['seed_gap_var']:.5f} |",
+            f"| the residual variance's 80% upper bound, as a factor (chi-square, {p['df']} degrees of freedom) | "
+            f"{p['bound']:.2f} |",
+            *(f"| level detectable within, {n} seeds a side: at the pilot's variance / at its bound | "
+              f"{a:.3f} / {b:.3f} |" for n, (a, b) in p["at"].items())]
+
+
 def tiny_kl(task):
     prefix = "kl_" if task == "chitchat" else f"kl_{task}_"
     return kl_pair(task, TINY_KL_TARGETS[task], prefix,
@@ -271,9 +343,10 @@ def beta_pairs(ppo_beta, ma_betas):
 
 # The headline pair again on 10 seeds (the detectable effect near 0.07 gold at this spread), every arm on one SFT /
 # RM build of its own (REAL_KL10_MODELS) and its own SFT record; the margin stated before its first run.
-REAL_KL10 = (real("kl10_n1_beta0.05", "PPO (n=1), beta 0.05", ("--n", "1", "--beta", REAL_KL_PPO_BETA), model="smollm2_kl10"),
-             real("kl10_n5_beta0.077", "MA-PPO (n=5), beta 0.077", ("--n", "5", "--beta", "0.077"), "real_kl10_n1_beta0.05",
-                  model="smollm2_kl10"))
+REAL_KL10 = (real("kl10_n1_beta0.05", "PPO (n=1), beta 0.05", ("--n", "1", "--beta", REAL_KL_PPO_BETA),
+                  model="smollm2_kl10"),
+             real("kl10_n5_beta0.077", "MA-PPO (n=5), beta 0.077", ("--n", "5", "--beta", "0.077"),
+                  "real_kl10_n1_beta0.05", model="smollm2_kl10"))
 REAL_KL = (*(c for level in REAL_KL_LEVELS for c in kl_pair("chitchat", level, "kl_", real, REAL_KL_CONTROL)),
            *beta_pairs(REAL_KL_PPO_BETA, REAL_KL_MA_BETAS),
            *(c for ppo_beta, ma_betas in REAL_KL_LOW for c in beta_pairs(ppo_beta, ma_betas)))
@@ -298,7 +371,8 @@ HYPOTHESES = {
         (PPO, MA5, ma("n5_ratio_macro", "MA-PPO (n=5, ratio=macro)", ("--n", "5", "--ratio", "macro")))),
     "lambda": Hypothesis(
         "H2 effective lambda: is the macro effect a reparametrised GAE lambda?",
-        (PPO, MA5, ppo("n1_lam0.99", "PPO (lam=0.99)", ("--lam", "0.99")), ppo("n1_lam1", "PPO (lam=1)", ("--lam", "1.0")),
+        (PPO, MA5, ppo("n1_lam0.99", "PPO (lam=0.99)", ("--lam", "0.99")),
+         ppo("n1_lam1", "PPO (lam=1)", ("--lam", "1.0")),
          ma("n5_lam0.774", "MA-PPO (n=5, lam=0.95^5)", ("--n", "5", "--lam", "0.7738")),
          ma("n5_lam1", "MA-PPO (n=5, lam=1)", ("--n", "5", "--lam", "1.0")))),
     "critic": Hypothesis(
@@ -336,7 +410,8 @@ HYPOTHESES = {
         "Segment-level rewards on count (its sequence RM is weak): do denser rewards, or macro actions on the same "
         "segments, learn the gold count faster?",
         (*segment_arms("count", "segment_count_"), normalized_sequence_arm("count", "segment_count_"))),
-    "segment": Hypothesis("Segment-level rewards on chitchat: the same five arms", segment_arms("chitchat", "segment_")),
+    "segment": Hypothesis("Segment-level rewards on chitchat: the same five arms",
+                          segment_arms("chitchat", "segment_")),
     "segment_ablation": Hypothesis("Segment RM + PPO: the location normalizer and the interpolation",
                                    segment_ablations("chitchat", "segment_")),
     "segment_count_ablation": Hypothesis("The same ablations on count", segment_ablations("count", "segment_count_")),
@@ -354,19 +429,27 @@ HYPOTHESES = {
         "The real model at equal KL: does MA-PPO beat PPO for the same distance from the SFT model?",
         REAL_KL, final_table=True, matched_kl=(0.4, 0.5, 0.6), kl_points=(0.5, 1.0, 1.5)),
     "real_kl10": Hypothesis(
-        "real_kl's headline pair on 10 seeds and one SFT / RM build: MA-PPO against PPO at equal KL, margin ±0.05 gold",
+        "real_kl's headline pair on 10 seeds and one SFT / RM build: MA-PPO against PPO at equal KL, "
+        "margin ±0.05 gold",
         REAL_KL10, final_table=True, matched_kl=(0.4, 0.5, 0.6), kl_points=(0.5, 1.0, 1.5)),
     "kl": Hypothesis("Chitchat (the baseline's setting) held at one KL: MA-PPO against PPO at the same KL",
                      tiny_kl("chitchat"), matched_kl=(0.0, 1.0, 2.0), kl_points=(4.0, 6.0, 8.0)),
     "kl_count": Hypothesis("Count (where MA-PPO led early) held at one KL: MA-PPO against PPO at the same KL",
                            tiny_kl("count"), matched_kl=(0.3, 0.5, 0.7), kl_points=(0.4, 0.6, 0.8)),
+    "kl_decided": Hypothesis(
+        "`kl` decided: MA-PPO (n=5) against PPO on chitchat at KL 6, 20 seeds a side, margin ±0.055 gold",
+        kl_pair("chitchat", TINY_KL_TARGETS["chitchat"], "kl_decided_",
+                lambda name, label, flags, partner: Config(name, label, flags, "chitchat", partner),
+                (*TINY_KL_CONTROL, "--n_eval_prompts", "256")),
+        matched_kl=(0.0, 1.0, 2.0), kl_points=(4.0, 6.0, 8.0), margin=KL_DECIDED_MARGIN, planned=KL_DECIDED_SEEDS),
 }
 # Credit without a critic (--advantage group | mc, docs/training.md): one termination under the critic, a group
 # baseline and Monte Carlo values, with the token, macro and sequence ratios. Matched KL per run: the controller at a
 # target below the fixed-beta runs' final KL (chitchat's as in `kl`; code's PPO ended at 0.01-0.36, records code_n1)
 # and every run read off its score-against-KL curve. Every arm scores 32 samples an iteration (group: 8 prompts x 4).
 # The thresholds and KL points are read off those records (chitchat gold 0.78-0.84 at KL 5-6; code pass@1 0.12-0.18).
-CRITIC_FREE_KL = {"chitchat": ("6", (0.4, 0.6, 0.8), (4.0, 6.0, 8.0)), "code": ("0.2", (0.13, 0.15, 0.17), (0.1, 0.2, 0.3))}
+CRITIC_FREE_KL = {"chitchat": ("6", (0.4, 0.6, 0.8), (4.0, 6.0, 8.0)),
+                  "code": ("0.2", (0.13, 0.15, 0.17), (0.1, 0.2, 0.3))}
 
 
 def critic_free(task):
@@ -395,17 +478,35 @@ CRITIC_FREE = {
     for task in ("chitchat", "code")}
 HYPOTHESES.update(CRITIC_FREE)
 # `all` runs every hypothesis but the real model's (they need requirements-slow.txt and 30-40 minutes a run).
-OPTIONAL = ("real", "real_kl", "real_kl10")
+OPTIONAL = ("real", "real_kl", "real_kl10", "kl_decided")     # kl_decided: 40 runs on seeds of its own
 MATCHED_KL = {c.name for h in HYPOTHESES.values() if h.matched_kl for c in h.configs}
 TIE = 1e-9
-T_975 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262, 10: 2.228}
 TRACED = ("step", "kl", "beta")          # every iteration's, in a record's trace
-KEPT = ("step", "eval/rm", "eval/gold", "eval/exec", "eval/pass@1", "reward/rm", "reward/exec", "kl",
+KEPT = ("step", "eval/rm", "eval/gold", "eval/kl", "eval/exec", "eval/pass@1", "reward/rm", "reward/exec", "kl",
         "eval/gold_strict", "eval/distinct_1", "eval/distinct_2", "eval/repetition", "eval/sft_distinct_2",
         "adv/l2", "q/l2", "adv/l2_macro", "q/l2_macro", "macro/mean_len", "response/len")
 
 
 # ---------------------------------------------------------------- statistics (tested in tests/repo/test_study.py)
+
+@functools.lru_cache(maxsize=None)
+def chi2_quantile(p, df):
+    """The p quantile of the chi-square distribution with `df` >= 2 degrees of freedom (bisection on its CDF, the
+    density integrated by Simpson's rule), for an upper confidence bound on a variance."""
+    c = 1 / (2 ** (df / 2) * math.gamma(df / 2))
+
+    def cdf(x, n=2000):
+        h = x / n
+        return c * h / 3 * sum((1 if i in (0, n) else 4 if i % 2 else 2) * (i * h) ** (df / 2 - 1)
+                               * math.exp(-i * h / 2) for i in range(n + 1))
+    low, high = 0.0, float(df)
+    while cdf(high) < p:
+        high *= 2
+    for _ in range(40):
+        mid = (low + high) / 2
+        low, high = (mid, high) if cdf(mid) < p else (low, mid)
+    return (low + high) / 2
+
 
 def t_interval(values):
     """(mean, half-width of the 95% t-interval); half-width nan for one value."""
@@ -414,7 +515,28 @@ def t_interval(values):
     if n < 2:
         return mean, float("nan")
     sd = math.sqrt(sum((v - mean) ** 2 for v in values) / (n - 1))
-    return mean, T_975.get(n - 1, 1.96) * sd / math.sqrt(n)
+    return mean, t_quantile(0.975, n - 1) * sd / math.sqrt(n)
+
+
+@functools.lru_cache(maxsize=None)
+def t_quantile(p, df):
+    """The p quantile (p > 0.5) of Student's t with `df` degrees of freedom: bisection on its CDF, the density
+    integrated by Simpson's rule (no scipy here). Any df: the tables it replaces stopped at 10 and then took the
+    normal's quantile, too small for the 18 degrees of freedom of 20 seeds."""
+    c = math.exp(math.lgamma((df + 1) / 2) - math.lgamma(df / 2)) / math.sqrt(df * math.pi)
+
+    def cdf(x, n=2000):                  # 0.5 + the density's integral over [0, x]
+        h = x / n
+        total = sum((1 if i in (0, n) else 4 if i % 2 else 2) * (1 + (i * h) ** 2 / df) ** (-(df + 1) / 2)
+                    for i in range(n + 1))
+        return 0.5 + c * total * h / 3
+    low, high = 0.0, 1.0
+    while cdf(high) < p:
+        high *= 2
+    for _ in range(40):
+        mid = (low + high) / 2
+        low, high = (mid, high) if cdf(mid) < p else (low, mid)
+    return (low + high) / 2
 
 
 def smoothed(values, window):
@@ -477,15 +599,16 @@ def paired_gap(base_runs, runs, metric):
 # One KL everywhere: the mean per-sequence KL from the SFT model (the frozen reference, k1 summed over the response)
 # over the training batches of the KL_WINDOW iterations up to a point; 80 samples in the real runs, where one
 # iteration's 16 are noisy and sometimes negative. Records made before the trace was kept have only their evaluation
-# rows: one batch at that iteration (run_kl says so with has_trace). The records hold no held-out KL.
+# rows: one batch at that iteration (run_kl says so with has_trace). Records made from 10e0c81 on also keep eval/kl,
+# ppo.py's held-out KL at each evaluation (final_eval_kl reads the last one).
 KL_WINDOW = 5
 MATCH = 1.2       # two runs are at matched KL when the larger final KL is at most 1.2 times the smaller
-MARGIN = 0.05     # gold: a difference whose 90% interval lies inside +-MARGIN is "level" (two one-sided tests)
-DRAWS = 4000      # seed-then-prompt bootstrap draws (seeded: the same tables every time)
+MOVES = 4         # a margin means something where PPO's final score moved from the SFT model's by MOVES margins
+# The margin and, where the task's scores did not move by MOVES margins, why no verdict: set by report() for the
+# hypothesis it reads (rules_for), read by verdict().
+RULES = {"margin": MARGIN, "void": None}
 UNEQUAL = "no verdict: not at equal KL"   # a comparison whose pairs did not all end at matched KL (the fits decide)
 RERUN_SEEDS = 10  # the seeds of real_kl10: each fit says what it could detect with them
-T_95 = {1: 6.314, 2: 2.920, 3: 2.353, 4: 2.132, 5: 2.015, 6: 1.943, 7: 1.895, 8: 1.860, 9: 1.833, 10: 1.812}
-T_80 = {1: 1.376, 2: 1.061, 3: 0.978, 4: 0.941, 5: 0.920, 6: 0.906, 7: 0.896, 8: 0.889, 9: 0.883, 10: 0.879}
 
 
 def has_trace(record):
@@ -511,40 +634,68 @@ def kl_matched(a, b, tolerance=MATCH):
     return min(a, b) > 0 and max(a, b) <= tolerance * min(a, b)
 
 
-def seed_prompt_draws(units, stat, draws=DRAWS, seed=0):
-    """The seed-then-prompt bootstrap. `units`: one array [runs, prompts] per seed (the runs of a seed answered the
-    same held-out prompts under one sampling seed). Each draw resamples the seeds with replacement, then the prompts
-    of each drawn seed (the same columns for all its runs); stat(picked seed indices, drawn arrays) per draw."""
-    rng = numpy.random.default_rng(seed)
-    out = []
-    for _ in range(draws):
-        picked = rng.integers(len(units), size=len(units))
-        out.append(stat(picked, [units[i][:, rng.integers(units[i].shape[1], size=units[i].shape[1])] for i in picked]))
-    return numpy.array(out)
+def shared_prompt_variance(scores, seeds, arms, weights):
+    """The prompt part of the variance of sum_i weights[i] * mean(scores[i]) when prompts are crossed with seeds:
+    every run answers the same held-out prompts under one sampling seed, so an arm's prompt effects (the prompts it
+    does well on) are shared by all its seeds and no number of seeds averages them out. Sigma[a, b], the covariance
+    over prompts between a run of arm a and a run of arm b of another seed (each run's own noise, and what two runs
+    of one seed share, is independent across seeds and drops out), averaged over such pairs, gives
+    W' Sigma W / prompts, W[a] the total weight on arm a. `scores` [runs, prompts]; 0 when the estimate is negative
+    (a variance) or with fewer than two seeds."""
+    x = numpy.asarray(scores, float)
+    if len(set(seeds)) < 2 or x.shape[1] < 2:
+        return 0.0
+    x = x - x.mean(1, keepdims=True)
+    cov = x @ x.T / (x.shape[1] - 1)                    # [runs, runs], over prompts
+    names = list(dict.fromkeys(arms))
+    arm = numpy.array([names.index(a) for a in arms])
+    other = numpy.not_equal.outer(numpy.asarray(seeds), numpy.asarray(seeds))
+    w = numpy.array([sum(wi for wi, a in zip(weights, arm) if a == k) for k in range(len(names))])
+    sigma = numpy.zeros((len(names), len(names)))
+    for i in range(len(names)):
+        for j in range(len(names)):
+            cells = other & (arm[:, None] == i) & (arm[None, :] == j)
+            sigma[i, j] = cov[cells].mean() if cells.any() else 0.0
+    return max(0.0, float(w @ sigma @ w) / x.shape[1])
 
 
-def verdict(mean, se, seeds, margin=MARGIN):
-    """A difference, its standard error and the seeds behind it -> its 95% interval (t with seeds - 1 degrees of
-    freedom), the 90% interval of the two one-sided tests against +-margin, the minimum detectable effect (80% power,
-    5% two-sided) and the one word the rules allow: "ahead" / "behind" (the 95% interval leaves out 0), "level"
-    (the 90% interval inside the margin; "ahead, within the margin" when both hold), else "undecided"."""
+def verdict(mean, se, seeds, margin=None, df=None, se_parts=None):
+    """A difference, its standard error, the seeds behind it and the degrees of freedom (seeds - 1 for a mean over
+    seeds; a fit passes runs - its parameters) -> its 95% interval (t), the 90% interval of the two one-sided tests
+    against +-margin, the detectable effects and the one word the rules allow: "ahead" / "behind" (the 95% interval
+    leaves out 0), "level" (the 90% interval inside the margin; "ahead, within the margin" when both hold), else
+    "undecided". Detectable effects: "mde", the true difference found 80% of the time at 5% two-sided,
+    (t.975 + t.80) SE; "mde_level", the margin inside which a true difference of 0 is called level 80% of the time,
+    (t.95 + t.90) SE. `se_parts`: (seed part, prompt part) of the SE, for detectable_at. `margin`: RULES's when
+    None; where RULES says the task's scores do not move by it, the numbers stay and the word is "no verdict"."""
+    df = seeds - 1 if df is None else df
+    margin = RULES["margin"] if margin is None else margin
     if seeds < 2 or se != se:
         return {"mean": mean, "seeds": seeds, "verdict": "one seed: no verdict"}
-    t975, t95, t80 = T_975.get(seeds - 1, 1.96), T_95.get(seeds - 1, 1.645), T_80.get(seeds - 1, 0.842)
+    if df < 1:
+        return {"mean": mean, "seeds": seeds, "verdict": "no verdict: no degrees of freedom left"}
+    t975, t95, t90, t80 = (t_quantile(p, df) for p in (0.975, 0.95, 0.90, 0.80))
     low, high, low90, high90 = mean - t975 * se, mean + t975 * se, mean - t95 * se, mean + t95 * se
     level = -margin < low90 and high90 < margin
     word = "ahead" if low > 0 else "behind" if high < 0 else "level" if level else "undecided"
     if word in ("ahead", "behind") and level:
         word += ", within the margin"
-    return {"mean": mean, "se": se, "seeds": seeds, "ci95": (low, high), "ci90": (low90, high90),
-            "mde": (t975 + t80) * se, "margin": margin, "verdict": word}
+    if RULES["void"]:
+        word = f"no verdict: {RULES['void']}"
+    return {"mean": mean, "se": se, "seeds": seeds, "df": df, "ci95": (low, high), "ci90": (low90, high90),
+            "mde": (t975 + t80) * se, "mde_level": (t95 + t90) * se, "margin": margin, "verdict": word,
+            "se_parts": tuple(se_parts or (se, 0.0))}
 
 
-def detectable_at(c, seeds):
-    """The detectable effect of verdict() result `c` had it `seeds` seeds with the same spread (its standard error
-    shrinking as one over the root of the seeds): what a rerun with more seeds can hope to see."""
-    df = seeds - 1
-    return (T_975.get(df, 1.96) + T_80.get(df, 0.842)) * c["se"] * math.sqrt(c["seeds"] / seeds)
+def detectable_at(c, seeds, level=False):
+    """The detectable effect ("mde"; `level`: "mde_level") of verdict() result `c` had it `seeds` seeds with the
+    same spread: the seed part of its SE shrinking as one over the root of the seeds, the prompt part shared by
+    every seed not shrinking, the degrees of freedom moving with the seeds (its parameters unchanged)."""
+    seed_se, prompt_se = c.get("se_parts", (c["se"], 0.0))
+    se = math.sqrt(seed_se ** 2 * c["seeds"] / seeds + prompt_se ** 2)
+    df = seeds - (c["seeds"] - c.get("df", c["seeds"] - 1))
+    quantiles = (0.95, 0.90) if level else (0.975, 0.80)
+    return sum(t_quantile(p, df) for p in quantiles) * se
 
 
 def paired_units(base_runs, runs, key, win=False):
@@ -559,24 +710,27 @@ def paired_units(base_runs, runs, key, win=False):
     return units
 
 
-def mean_of_units(picked, drawn):
-    """The mean over seeds of each seed's mean (over its rows and prompts)."""
-    return float(numpy.mean([u.mean() for u in drawn]))
-
-
-def compare(units, seed=0):
-    """verdict() of the mean over seeds of `units` (paired_units), its SE from the seed-then-prompt bootstrap;
-    None without a seed."""
+def compare(units):
+    """verdict() of the mean over seeds of `units` (paired_units: per seed, rows of per-prompt values on the same
+    prompts), each seed's mean over its rows and prompts; its SE in two parts, prompts crossed with seeds: the
+    spread of the seeds' means (each carries its own prompt noise once), and the prompt effects every seed shares
+    (shared_prompt_variance). None without a seed."""
     if not units:
         return None
-    mean = mean_of_units(None, units)
-    se = float(seed_prompt_draws(units, mean_of_units, seed=seed).std(ddof=1)) if len(units) > 1 else float("nan")
-    return verdict(mean, se, len(units))
+    means = [u.mean() for u in units]
+    mean = float(numpy.mean(means))
+    if len(units) < 2:
+        return verdict(mean, float("nan"), 1)
+    seed_var = float(numpy.var(means, ddof=1)) / len(units)
+    prompt_var = shared_prompt_variance([u.mean(0) for u in units], range(len(units)), [0] * len(units),
+                                        [1 / len(units)] * len(units))
+    return verdict(mean, math.sqrt(seed_var + prompt_var), len(units),
+                   se_parts=(math.sqrt(seed_var), math.sqrt(prompt_var)))
 
 
 def win_rate(base_runs, runs, key):
     """This run's final policies against the same seed's baseline: (win rate, 95% low, high), ties half, the mean
-    over seeds of each seed's rate, the interval from the seed-then-prompt bootstrap's SE; None without a seed."""
+    over seeds of each seed's rate, the interval from compare()'s SE; None without a seed."""
     c = compare(paired_units(base_runs, runs, key, win=True))
     if not c:
         return None
@@ -584,64 +738,78 @@ def win_rate(base_runs, runs, key):
     return c["mean"], low if low is None else max(low, 0.0), high if high is None else min(high, 1.0)   # a rate
 
 
-def equal_kl_fit(runs, seed=0):
-    """MA-PPO minus PPO at equal KL: the least-squares fit of each run's mean final score on log(final KL), a
-    MA-PPO indicator and one intercept per seed (the runs of a seed share prompts and sampling seed), over `runs`
-    [(seed, is MA-PPO, final KL, per-prompt scores)] of the seeds that have both methods; the indicator's
-    coefficient with verdict(), its SE from the seed-then-prompt bootstrap, and the slope per unit of log KL."""
-    by_seed = {}
-    for s, ma, kl, scores in runs:
-        by_seed.setdefault(s, []).append((float(ma), math.log(kl), scores))
-    by_seed = {s: v for s, v in by_seed.items() if len({ma for ma, _, _ in v}) == 2}
-    if len(by_seed) < 2:
-        return None
-    xs = [numpy.array([(ma, lkl) for ma, lkl, _ in v]) for v in by_seed.values()]
-    units = [numpy.array([scores for _, _, scores in v], float) for v in by_seed.values()]
-
-    def fit(picked, drawn):
-        rows = [(*xs[i][r], *(numpy.arange(len(drawn)) == j)) for j, i in enumerate(picked) for r in range(len(xs[i]))]
-        y = [u[r].mean() for u in drawn for r in range(len(u))]
-        coef = numpy.linalg.lstsq(numpy.array(rows, float), numpy.array(y), rcond=None)[0]
-        return coef[0], coef[1]
-    d, slope = fit(range(len(units)), units)
-    se = float(seed_prompt_draws(units, lambda p, u: fit(p, u)[0], seed=seed).std(ddof=1))
-    return {**verdict(float(d), se, len(units)), "slope": float(slope), "runs": sum(len(u) for u in units)}
-
-
-def joint_equal_kl_fit(runs, seed=0):
-    """Every arm minus PPO at equal KL in one fit: each run's mean final score on log(final KL) with one slope shared
-    by all the arms, an indicator per arm and one intercept per seed, over `runs` [(seed, arm, final KL, per-prompt
-    scores)], arm None for PPO, of the seeds that have PPO and another arm. An arm whose KL ended on one side of PPO's
-    on most seeds cannot tell its effect from the KL's in a fit of its own; here it reads the slope off every arm's
-    runs. Returns {"arms": {arm: verdict() of its coefficient, its SE from the seed-then-prompt bootstrap over the
-    draws that determine it ("draws" of "of_draws": a draw of too few distinct seeds, or without the arm, leaves it
-    undetermined and counts for the others only)}, "slope", "runs", "seeds"}, or None under two seeds."""
+def kl_fit(runs):
+    """The least-squares fit behind the comparisons at equal KL: each run's mean final score on an indicator per
+    arm, log(final KL) and one intercept per seed, over `runs` [(seed, arm, final KL, per-prompt scores)] (arm None
+    for PPO) of the seeds that have PPO and another arm, a repeated run once. Its rank is checked: terms that the
+    runs cannot tell apart (an arm whose log KL ratio to PPO is the same on every seed, one seed) give no fit.
+    Returns {"arms": {arm: (coefficient, seed-part SE, prompt-part SE, seeds with the arm)}, "slope", "df" (runs
+    - parameters), "runs", "seeds"}, {"rank": why} when rank-deficient, or None under two seeds. The seed part is
+    the fit's own (residual variance over runs - parameters degrees of freedom, times (X'X)^-1); the prompt part is
+    shared_prompt_variance with the fit's weights on each run (every coefficient but the intercepts weighs the
+    runs of a seed to sum 0, so what a seed's runs share drops out)."""
     by_seed = {}
     for s, arm, kl, scores in runs:
-        by_seed.setdefault(s, {})[(arm, tuple(scores))] = (arm, math.log(kl), scores)     # a repeated run once
+        by_seed.setdefault(s, {})[(arm, tuple(scores))] = (arm, math.log(kl), scores)      # a repeated run once
     by_seed = {s: list(v.values()) for s, v in sorted(by_seed.items())
                if any(a is None for a, _, _ in v.values()) and any(a is not None for a, _, _ in v.values())}
     if len(by_seed) < 2:
         return None
     arms = list(dict.fromkeys(a for v in by_seed.values() for a, _, _ in v if a is not None))
-    xs = [numpy.array([[float(a == b) for b in arms] + [lkl] for a, lkl, _ in v]) for v in by_seed.values()]
-    units = [numpy.array([scores for _, _, scores in v], float) for v in by_seed.values()]
-
-    def fit(picked, drawn):
-        rows = [(*xs[i][r], *(numpy.arange(len(drawn)) == j)) for j, i in enumerate(picked) for r in range(len(xs[i]))]
-        y = [u[r].mean() for u in drawn for r in range(len(u))]
-        x = numpy.array(rows, float)
-        coef, _, rank, _ = numpy.linalg.lstsq(x, numpy.array(y), rcond=None)
-        if rank < x.shape[1]:    # too few distinct seeds for some terms: keep those the draw determines (estimable)
-            return numpy.array([coef[k] if numpy.linalg.matrix_rank(numpy.delete(x, k, axis=1)) < rank else numpy.nan
-                                for k in range(len(arms) + 1)])
-        return coef[:len(arms) + 1]
-    coef = fit(range(len(units)), units)
-    draws = seed_prompt_draws(units, fit, seed=seed)
+    flat = [(j, a, lkl, sc) for j, v in enumerate(by_seed.values()) for a, lkl, sc in v]
+    x = numpy.array([[float(a == b) for b in arms] + [lkl] + [float(j == k) for k in range(len(by_seed))]
+                     for j, a, lkl, _ in flat])
+    scores = numpy.array([sc for *_, sc in flat], float)
+    y = scores.mean(1)
+    rank = numpy.linalg.matrix_rank(x)
+    if rank < x.shape[1]:
+        return {"rank": f"the fit cannot tell its terms apart (rank {rank} of {x.shape[1]})", "runs": len(flat),
+                "seeds": len(by_seed)}
+    inverse = numpy.linalg.inv(x.T @ x)
+    weights = inverse @ x.T                              # coefficient k = weights[k] @ y
+    coef = weights @ y
+    df = len(y) - x.shape[1]
+    residual_var = float(((y - x @ coef) ** 2).sum() / df) if df > 0 else float("nan")
     seeds_of = {a: sum(any(b == a for b, _, _ in v) for v in by_seed.values()) for a in arms}
-    return {"arms": {a: {**verdict(float(coef[k]), float(numpy.nanstd(draws[:, k], ddof=1)), seeds_of[a]),
-                         "draws": int(numpy.isfinite(draws[:, k]).sum())} for k, a in enumerate(arms)},
-            "slope": float(coef[-1]), "runs": sum(len(u) for u in units), "seeds": len(units), "of_draws": len(draws)}
+    labels, seed_ids = [a for _, a, _, _ in flat], [j for j, *_ in flat]
+    parts = {a: (float(coef[k]), math.sqrt(residual_var * inverse[k, k]) if df > 0 else float("nan"),
+                 math.sqrt(shared_prompt_variance(scores, seed_ids, labels, weights[k])), seeds_of[a])
+             for k, a in enumerate(arms)}
+    return {"arms": parts, "slope": float(coef[len(arms)]), "df": df, "runs": len(flat), "seeds": len(by_seed)}
+
+
+def fit_verdict(fit, arm, margin=None):
+    """verdict() of one arm's coefficient in kl_fit's `fit`: the SE from its two parts, t with the fit's degrees of
+    freedom; a rank-deficient fit says so."""
+    if "rank" in fit:
+        return {"mean": float("nan"), "seeds": fit["seeds"], "verdict": f"no verdict: {fit['rank']}"}
+    d, seed_se, prompt_se, seeds = fit["arms"][arm]
+    se = math.sqrt(seed_se ** 2 + prompt_se ** 2) if seed_se == seed_se else float("nan")
+    c = verdict(d, se, seeds, margin, df=fit["df"], se_parts=(seed_se, prompt_se))
+    return c if se == se else {**c, "verdict": "no verdict: no degrees of freedom left"}
+
+
+def equal_kl_fit(runs):
+    """MA-PPO minus PPO at equal KL (kl_fit with one arm) over `runs` [(seed, is MA-PPO, final KL, per-prompt
+    scores)]: the MA-PPO term with verdict(), the slope per unit of log KL; None under two seeds."""
+    fit = kl_fit([(s, True if ma else None, kl, scores) for s, ma, kl, scores in runs])
+    if fit is None:
+        return None
+    return {**fit_verdict(fit, True), "slope": fit.get("slope", float("nan")), "runs": fit["runs"]}
+
+
+def joint_equal_kl_fit(runs):
+    """Every arm minus PPO at equal KL in one fit (kl_fit over `runs` [(seed, arm, final KL, per-prompt scores)], arm
+    None for PPO): one slope shared by every arm, so an arm whose KL ended on one side of PPO's on most seeds reads the
+    slope off the others. Returns {"arms": {arm: verdict()}, "slope", "runs", "seeds"} ({"arms": {}} and "rank" when
+    the fit is rank-deficient), or None under two seeds."""
+    fit = kl_fit(runs)
+    if fit is None:
+        return None
+    if "rank" in fit:
+        return {"arms": {}, "rank": fit["rank"], "slope": float("nan"), "runs": fit["runs"], "seeds": fit["seeds"]}
+    return {"arms": {a: fit_verdict(fit, a) for a in fit["arms"]}, "slope": fit["slope"], "runs": fit["runs"],
+            "seeds": fit["seeds"]}
 
 
 # ---------------------------------------------------------------- runs
@@ -794,6 +962,12 @@ def ppo_command(args, config, seed, run_dir):
     return [sys.executable, "ppo.py", *ppo_flags(args, config, seed, run_dir), *resume]
 
 
+def run_steps(argv):
+    """The iterations a ppo.py command line runs: its last --steps (the code task's --code_args add one after the
+    study's; the records before this said the study's 120 where 80 ran)."""
+    return int(next(argv[i + 1] for i in range(len(argv) - 2, -1, -1) if argv[i] == "--steps"))
+
+
 def committed_record(args, name, seed):
     """The record of one configuration and seed, or None when it has none."""
     path = record_path(args, name, seed)
@@ -815,14 +989,15 @@ def train(args, config, seed):
     if not os.path.exists(done):
         os.makedirs(run_dir, exist_ok=True)
         with open(os.path.join(run_dir, "log.txt"), "a") as log:
-            proc = subprocess.run(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
+            proc = subprocess.run(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         if proc.returncode != 0:
             sys.exit(f"error: {shlex.join(cmd)} failed (exit {proc.returncode}); see {run_dir}/log.txt. "
                      "Run the study again to continue from its checkpoint.")
     rows = evaluate.read_metrics(run_dir)
     with open(os.path.join(run_dir, "log.txt")) as f:
         resumed = "[ppo] resumed at iteration" in f.read()
-    record = {"config": config.name, "seed": seed, "flags": flags, "steps": int(config.flag("--steps", args.steps)),
+    record = {"config": config.name, "seed": seed, "flags": flags,
+              "steps": run_steps(ppo_flags(args, config, seed, run_dir)),
               "seconds": round(time.time() - t0),
               "rows": [{k: r[k] for k in KEPT if k in r} for r in rows if any(k.startswith("eval/") for k in r)],
               "trace": [{k: r[k] for k in TRACED if k in r} for r in rows],
@@ -925,7 +1100,8 @@ def run_stages(stages):
         print(f"[study] {shlex.join(stage)} (log {log})", flush=True)
         os.makedirs(os.path.dirname(log), exist_ok=True)
         with open(log, "a") as f:
-            if subprocess.run([sys.executable, *stage], cwd=ROOT, stdout=f, stderr=subprocess.STDOUT).returncode:
+            if subprocess.run([sys.executable, *stage], cwd=ROOT, stdout=f, stderr=subprocess.STDOUT,
+                              start_new_session=True).returncode:
                 sys.exit(f"error: {shlex.join(stage)} failed; see {log}")
 
 
@@ -944,7 +1120,8 @@ def real_model_stages(models, gguf):
     """The recipe's sft.py and reward_model.py command lines that build the real model's SFT and RM
     (`models`: their folders) from the GGUF file, chat template and 96-token prompts in both."""
     sft_path, rm_path = models
-    return [["sft.py", "--task", "chitchat", "--model", gguf, "--output_dir", sft_path, *REAL_STAGE_FLAGS, *REAL_SFT_FLAGS],
+    return [["sft.py", "--task", "chitchat", "--model", gguf, "--output_dir", sft_path, *REAL_STAGE_FLAGS,
+             *REAL_SFT_FLAGS],
             ["reward_model.py", "--task", "chitchat", "--sft_path", sft_path, "--output_dir", rm_path,
              *REAL_STAGE_FLAGS, *REAL_RM_FLAGS]]
 
@@ -957,6 +1134,32 @@ def build_real_models(args, todo):
         if missing:
             run_stages([s for s in real_model_stages(args.models[key], smollm2_gguf())
                         if s[s.index("--output_dir") + 1] in missing])
+
+
+STUDY_PID = os.getpid()
+
+
+def stop_with_children(signum, frame):
+    """SIGTERM or Ctrl-C to the study: every process it started (ppo.py, sft.py, reward_model.py, or with --jobs the
+    workers that start them, which do the same) gets one SIGTERM, saves at the end of its iteration and exits; the
+    study waits for them, then exits. Left running, they went on writing checkpoints into the run folders of a
+    restarted study. The children run in sessions of their own (start_new_session), so a terminal's Ctrl-C reaches
+    them through here only, once: a second signal makes ppo.py quit without saving, so repeats are ignored."""
+    import psutil
+    for s in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(s, signal.SIG_IGN)
+    children = [c for c in psutil.Process().children() if "resource_tracker" not in " ".join(c.cmdline())]
+    print(f"[study] {signal.Signals(signum).name}: stopping {len(children)} process(es) it started; they save at the "
+          "end of their iteration", file=sys.stderr, flush=True)
+    for child in children:
+        try:
+            child.send_signal(signal.SIGTERM)
+        except psutil.NoSuchProcess:
+            pass
+    psutil.wait_procs(children)
+    if os.getpid() != STUDY_PID:          # a --jobs worker: exit here, not back into the pool's next run
+        os._exit(128 + signum)
+    sys.exit(128 + signum)
 
 
 def _one_job_threads(threads):
@@ -974,6 +1177,8 @@ def train_all(args, todo):
     todo = [t for t in todo if not os.path.exists(record_path(args, t[0].name, t[1]))]
     if args.report_only or not (todo or no_sft):
         return
+    for s in (signal.SIGINT, signal.SIGTERM):        # before the pool: its workers inherit the handler
+        signal.signal(s, stop_with_children)
     build_task_models(args, todo + [(c, 0) for c in no_sft])
     build_segment_rms(args, todo)
     build_real_models(args, todo + [(c, 0) for c in no_sft])
@@ -1076,7 +1281,8 @@ def error_table(args):
     lines = ["", "Where the segment RM puts a counting error: of the held-out responses (chosen and rejected) with at "
              "least one error, how often the segment with the lowest reward (the head's raw value, or normalized at "
              "its location) holds one, against chance (the share of a response's segments that hold one).", "",
-             "| RM | responses | segments per response | lowest raw reward holds an error | lowest normalized | chance |",
+             "| RM | responses | segments per response | lowest raw reward holds an error | lowest normalized | "
+             "chance |",
              "|---" * 6 + "|"]
     for unit, r in result.items():
         lines.append(f"| {unit} | {r['responses']} | {r['mean_segments']:.1f} | {r['raw']:.1%} | {r['normalized']:.1%} "
@@ -1102,16 +1308,48 @@ def fmt_win(win):
     return f"{win[0]:.1%}" + (f" [{win[1]:.1%}, {win[2]:.1%}]" if win[1] is not None else "")
 
 
+def rules_for(h, base_runs, sft, records=None):
+    """RULES for hypothesis `h`: its margin, and "no verdict" where its PPO's mean final score (the head-to-head key)
+    is less than MOVES margins from the SFT model's on the same prompts: a task whose scores barely move cannot tell
+    a difference of the margin from none (code: a pass rate that training moved by about one prompt in a hundred).
+    A hypothesis with `planned` seeds gets no verdict until every configuration has a record of each (`records`)."""
+    if h.planned:
+        have = min(len({r["seed"] for r in (records or {}).get(c.name, []) if r} & set(h.planned)) for c in h.configs)
+        if have < len(h.planned):
+            return {"margin": h.margin, "void": f"in progress ({have} of {len(h.planned)} seeds of every configuration "
+                                                "in; the rule reads the verdict once all are)"}
+    if not (sft and base_runs):
+        return {"margin": h.margin, "void": None}
+    key = h.configs[0].win_key
+    gain = numpy.mean([numpy.mean(r["final"][key]) for r in base_runs]) - numpy.mean(sft["final"][key])
+    void = (f"the task's scores do not move by the margin (PPO's final {key} {gain:+.3f} from the SFT model's, "
+            f"under {MOVES} x ±{h.margin:g})") if gain < MOVES * h.margin else None
+    return {"margin": h.margin, "void": void, "gain": float(gain)}
+
+
 def report(args, hypothesis, records):
-    """records {config name: [record per seed]} -> (markdown lines, json)."""
+    """records {config name: [record per seed]} -> (markdown lines, json), under the hypothesis' RULES."""
+    h = HYPOTHESES[hypothesis]
+    base_runs = [r for r in records.get(h.configs[0].name, []) if r]
+    RULES.clear()
+    RULES.update(rules_for(h, base_runs, committed_sft_record(args, h.configs[0]), records))
+    try:
+        return _report(args, hypothesis, records)
+    finally:
+        RULES.clear()
+        RULES.update(margin=MARGIN, void=None)
+
+
+def _report(args, hypothesis, records):
     h = HYPOTHESES[hypothesis]
     base = h.configs[0]
     score, second = base.metrics
     lines = [f"### {hypothesis}: {h.question}", "",
-             f"| configuration | seeds | final {score} | final {second} | KL | first-half mean {score} | steps to the first "
+             f"| configuration | seeds | final {score} | final {second} | KL | first-half mean {score} | steps to "
+             "the first "
              f"row's final {score}: it / this [95% CI] | same for {second} | win rate vs the first row [95% CI] |",
              "|---" * 9 + "|"]
-    result = {}
+    result = {"rules": dict(RULES)}
     base_runs = [r for r in records.get(base.name, []) if r]
     for config in h.configs:
         runs = [r for r in records.get(config.name, []) if r]
@@ -1133,9 +1371,15 @@ def report(args, hypothesis, records):
                      + f" | {fmt(*early)} | {fmt_parity(parity.get(score))} | {fmt_parity(parity.get(second))} | "
                      + (fmt_win(win) if win else "-") + " |")
     done = [r for c in h.configs for r in records.get(c.name, []) if r]
-    lines += ["", f"KL: each run's mean per-sequence KL from the SFT model over its last {KL_WINDOW} iterations' training "
-              "batches" + ("" if all(map(has_trace, done)) else "; * runs recorded without a trace: the last iteration's "
-                           "batch alone") + f". Win rates: ties half, 95% intervals from a seed-then-prompt bootstrap."]
+    lines += ["", f"KL: each run's mean per-sequence KL from the SFT model over its last {KL_WINDOW} iterations' "
+                  "training "
+              "batches" + ("" if all(map(has_trace, done)) else "; * runs recorded without a trace: the last "
+                                                                "iteration's "
+                           "batch alone") + ". Win rates: ties half, 95% intervals whose standard error counts the "
+                                            "seeds and the "
+              "prompts every seed shares."]
+    if RULES["void"]:
+        lines += ["", f"No verdict on this hypothesis: {RULES['void']}; its intervals are shown, no rule word."]
     sft = committed_sft_record(args, base)
     if sft:
         sft_mean = sum(sft["final"][base.win_key]) / len(sft["final"][base.win_key])
@@ -1165,6 +1409,8 @@ def report(args, hypothesis, records):
     elif h.final_table:
         lines += final_table(h, records, result)
     lines += early_table(h, records, result)
+    if hypothesis == "kl_decided":
+        lines += decided_plan_lines(args)
     return lines, result
 
 
@@ -1189,9 +1435,11 @@ def fmt_verdict(c):
     """The difference, its 95% interval, the 90% interval of the equivalence test, the minimum detectable effect
     and the verdict word, as every verdict line prints them."""
     if "ci95" not in c:
-        return f"{c['mean']:+.3f} over {c['seeds']} seed: {c['verdict']}"
-    return (f"{fmt_cmp(c)} over {c['seeds']} seeds (90% [{c['ci90'][0]:+.3f}, {c['ci90'][1]:+.3f}] against "
-            f"±{c['margin']:g}; detectable effect {c['mde']:.3f}): **{c['verdict']}**")
+        return (f"{c['mean']:+.3f} over {c['seeds']} seed: " if c["mean"] == c["mean"] else "") + c["verdict"]
+    detectable = ([f"detectable difference {c['mde']:.3f}"] if not c["verdict"].startswith("level") else []) + (
+        [f"level detectable within ±{c['mde_level']:.3f}"] if c["verdict"] in ("level", "undecided") else [])
+    return (f"{fmt_cmp(c)} over {c['seeds']} seeds, t with {c['df']} df (90% [{c['ci90'][0]:+.3f}, "
+            f"{c['ci90'][1]:+.3f}] against ±{c['margin']:g}; {', '.join(detectable)}): **{c['verdict']}**")
 
 
 def distinct_runs(runs):
@@ -1212,7 +1460,8 @@ def pair_row(arm, partner, run, ppo_run, key):
     a, b = run_kl(ppo_run), run_kl(run)
     gap = numpy.mean(run["final"][key]) - numpy.mean(ppo_run["final"][key])
     return (f"| {arm} | {partner} | {run['seed']} | {a:.2f} / {b:.2f} | "
-            + (f"{max(a, b) / min(a, b):.2f}" if min(a, b) > 0 else "-") + f" | {'yes' if kl_matched(a, b) else 'no'} | "
+            + (f"{max(a, b) / min(a, b):.2f}" if min(a, b) > 0 else "-")
+            + f" | {'yes' if kl_matched(a, b) else 'no'} | "
             f"{numpy.mean(ppo_run['final'][key]):.3f} / {numpy.mean(run['final'][key]):.3f} | {gap:+.3f} |")
 
 
@@ -1261,19 +1510,27 @@ def equal_kl_lines(fits, key, arm="MA-PPO", ppo="PPO", prefix=""):
     fit, pooled = fits["fit"], fits["matched_pairs"]
     lines = []
     if fit:
-        more = (f"; with {RERUN_SEEDS} seeds of the same spread the detectable effect would be "
-                f"{detectable_at(fit, RERUN_SEEDS):.3f}" if fit["seeds"] < RERUN_SEEDS and "se" in fit else "")
-        lines.append(f"- {prefix}fit of each run's final mean {key} on log final KL, a {arm} term and one intercept per "
-                     f"seed ({fit['runs']} runs of {fit['seeds']} seeds; slope {fit['slope']:+.3f} {key} per unit of log "
+        more = (f"; with {RERUN_SEEDS} seeds of the same spread the detectable difference would be "
+                f"{detectable_at(fit, RERUN_SEEDS):.3f}, level detectable within "
+                f"±{detectable_at(fit, RERUN_SEEDS, level=True):.3f}"
+                if fit["seeds"] < RERUN_SEEDS and "se" in fit else "")
+        lines.append(f"- {prefix}fit of each run's final mean {key} on log final KL, a {arm} term and one intercept "
+                     "per "
+                     f"seed ({fit['runs']} runs of {fit['seeds']} seeds; slope {fit['slope']:+.3f} {key} per unit of "
+                     "log "
                      f"KL): {arm} minus {ppo} " + fmt_verdict(fit) + more + ".")
     if pooled:
-        lines.append(f"- {prefix}the pairs at matched KL alone ({pooled['pairs']} pair(s) of {pooled['seeds']} seed(s), "
+        lines.append(f"- {prefix}the pairs at matched KL alone ({pooled['pairs']} pair(s) of {pooled['seeds']} "
+                     "seed(s), "
                      f"each seed's pairs averaged): {arm} minus {ppo} " + fmt_verdict(pooled) + ".")
     return lines
 
 
 def joint_fit_lines(joint, key, ppo="PPO"):
     """The bullets of joint_equal_kl_fit: one fit over every arm, each arm's coefficient against `ppo`."""
+    if "rank" in joint:
+        return [f"- one fit over every arm ({joint['runs']} runs of {joint['seeds']} seeds): no verdict, "
+                f"{joint['rank']}."]
     lines = [f"- one fit over every arm ({joint['runs']} runs of {joint['seeds']} seeds; one slope shared by the arms, "
              f"{joint['slope']:+.3f} {key} per unit of log KL, an indicator per arm, one intercept per seed):"]
     return lines + [f"  - {arm} minus {ppo} " + fmt_verdict(v) + "." for arm, v in joint["arms"].items()]
@@ -1282,9 +1539,12 @@ def joint_fit_lines(joint, key, ppo="PPO"):
 def equal_kl_intro(key, several):
     """The paragraph before the equal-KL bullets: over every run (one method), or each arm on its own (several)."""
     return ["", ("At equal KL, each arm against its PPO on its own, over the arm's runs and PPO's" if several else
-                 "At equal KL, over every run of this hypothesis") + f" (a repeated run counted once; margin ±{MARGIN:g} "
-            f"{key}, decided by the 90% interval; detectable effect: the true difference these seeds find 80% of "
-            "the time):", ""]
+                 "At equal KL, over every run of this hypothesis") + f" (a repeated run counted once; margin "
+                                                                     f"±{RULES['margin']:g} "
+            f"{key}, decided by the 90% interval; standard errors with a seed part and a prompt part, the prompts "
+            "shared by every seed; detectable difference: the true difference these seeds find 80% of the time at 5%; "
+            "level detectable within: the margin inside which a true difference of 0 is called level 80% of the "
+            "time):", ""]
 
 
 def arms_table(h, done, by_arm, key):
@@ -1293,9 +1553,10 @@ def arms_table(h, done, by_arm, key):
     with its verdict and detectable effect: the figures its prose quotes."""
     base = h.configs[0]
     lines = ["", f"Each arm against {base.label}, final mean {key} at equal KL two ways (the bullets below: the fit "
-             f"on log final KL, and the pairs at matched KL alone), margin ±{MARGIN:g} {key}:", "",
+             f"on log final KL, and the pairs at matched KL alone), margin ±{RULES['margin']:g} {key}:", "",
              "| arm | seeds | final KL | pairs at matched KL | minus PPO at equal KL (fit) [95% CI] | verdict | "
-             "detectable effect | minus PPO, matched pairs alone [95% CI] | verdict | detectable effect |", "|---" * 10 + "|"]
+             "detectable effect | minus PPO, matched pairs alone [95% CI] | verdict | detectable effect |",
+             "|---" * 10 + "|"]
     base_runs = done[base.name]
     if base_runs:
         lines.append(f"| {base.label} | {len(base_runs)} | {fmt(*t_interval([run_kl(r) for r in base_runs]))} "
@@ -1339,20 +1600,24 @@ def matched_kl_table(args, h, records, result):
     lines = ["", "Each method held " + " or ".join(held) + (
              ". The controller steers on each iteration's batch alone, so a run held at a target ends near it on the "
              "KL below, not at it" if controlled else "") + ". KL: each run's mean per-sequence KL over the "
-             f"training batches of its last {KL_WINDOW} iterations. A pair (one seed, {arm} and its {ppo_name}) is at matched KL when the "
+             f"training batches of its last {KL_WINDOW} iterations. A pair (one seed, {arm} and its {ppo_name}) is "
+             "at matched KL when the "
              f"larger final KL is at most {MATCH:g} times the smaller. Final {key}: the final policies' mean on "
-             f"{n_prompts} held-out prompts (one sampling seed); {arm} minus {ppo_name} and the win rate paired by seed, "
+             f"{n_prompts} held-out prompts (one sampling seed); {arm} minus {ppo_name} and the win rate paired by "
+             "seed, "
              "95% intervals from a seed-then-prompt bootstrap (t with seeds - 1 degrees of freedom on its standard "
              f"error); iterations to reach {metric} {thresholds} (median over seeds, the seeds that reach it).", "",
              f"| held at | configuration | seeds | final KL | pairs at matched KL | final mean {key} | minus PPO's, "
              f"same seed [95% CI] | win rate vs PPO [95% CI] | iterations to {metric} {thresholds} |", "|---" * 9 + "|"]
     by_seed = ["", f"Every pair by seed: final KL and final mean {key}, {ppo_name} / {arm}.", "",
-               f"| {'arm' if several else arm} | {ppo_name} | seed | final KL | larger / smaller | matched | final mean "
+               f"| {'arm' if several else arm} | {ppo_name} | seed | final KL | larger / smaller | matched | final "
+               "mean "
                f"{key} | {arm} minus {ppo_name} |", "|---" * 8 + "|"]
     verdicts, fit_runs, matched_gaps = [], {}, {}
     for config in h.configs:
         runs = done[config.name]
-        fit_runs[config.name] = [(r["seed"], not config.is_ppo, run_kl(r), r["final"][key]) for r in runs if has_trace(r)]
+        fit_runs[config.name] = [(r["seed"], not config.is_ppo, run_kl(r), r["final"][key]) for r in runs
+                                 if has_trace(r)]
         if not runs:
             lines.append(f"| {held_at(config)} | {config.label} | 0 | not run yet | | | | | |")
             continue
@@ -1391,7 +1656,8 @@ def matched_kl_table(args, h, records, result):
                             f"{t_interval([run_kl(p) for p in partner])[0]:.2f}, "
                             + ("at matched KL on every pair" if every else
                                f"NOT at matched KL ({n_matched} of {len(pairs)} pairs within {MATCH:g}x)")
-                            + f"; {arm_name(config)} minus {arm_name(configs[config.partner])} {key} " + fmt_verdict(gap)
+                            + f"; {arm_name(config)} minus {arm_name(configs[config.partner])} {key} "
+                            + fmt_verdict(gap)
                             + ("" if every else ", at the KLs these runs ended at") + ".")
     # Each arm's comparison at equal KL: its runs (and its partners') in the order of h.configs, its matched pairs.
     # With one method that is every run of the hypothesis: the pooled comparison of one method at several KLs.
@@ -1440,7 +1706,7 @@ def one_build_lines(args, h, done, key, result):
     build = (lambda r: (r.get("sft_hash"), r.get("rm_hash")))                       # noqa: E731
     one = {name: [r for r in runs if build(r) == build(sft)] for name, runs in done.items()}
     n_all, n_one = sum(map(len, done.values())), sum(map(len, one.values()))
-    if n_one == n_all:
+    if n_one in (0, n_all):          # every run of one build: the comparison above is already over one build
         return []
     fit_runs = [(r["seed"], not c.is_ppo, run_kl(r), r["final"][key]) for c in h.configs for r in one[c.name]
                 if has_trace(r)]
@@ -1480,6 +1746,13 @@ def heldout_kl(args, record):
     return sum(sidecar["kl"]) / len(sidecar["kl"])
 
 
+def final_eval_kl(record):
+    """The held-out KL ppo.py logged at a run's last evaluation (eval/kl, on its --n_eval_prompts prompts: the final
+    policy's), or None for a record made before eval/kl was logged or whose last evaluation is not its last step."""
+    last = record["rows"][-1] if record.get("rows") else {}
+    return last.get("eval/kl") if last.get("step") == record.get("steps") else None
+
+
 def heldout_kl_lines(args, h, done, key, result):
     """The comparison at equal KL again with each run's held-out KL (heldout_kl) in place of run_kl, when every run
     of the hypothesis has one: each pair's held-out KLs, then the fit and the matched pairs by them. A check of the
@@ -1487,7 +1760,8 @@ def heldout_kl_lines(args, h, done, key, result):
     one (a run needs its policy folder): those runs' held-out KL beside their run_kl, and no comparison."""
     done = {name: [{**r, "config": name} for r in runs] for name, runs in done.items()}   # records made by hand
     runs = [(c, r) for c in h.configs for r in done[c.name]]                             # may not name theirs
-    measured = {(r["config"], r["seed"]): heldout_kl(args, r) for _, r in runs}
+    logged = runs and all(final_eval_kl(r) is not None for _, r in runs)       # eval/kl in every record
+    measured = {(r["config"], r["seed"]): final_eval_kl(r) if logged else heldout_kl(args, r) for _, r in runs}
     if not any(v is not None for v in measured.values()):
         return []
     if any(v is None for v in measured.values()):      # the runs measured so far, each beside its run_kl
@@ -1515,11 +1789,16 @@ def heldout_kl_lines(args, h, done, key, result):
     n_matched, n_out = sum(len(v) for v in gaps.values()), sum(kl_of(r) <= 0 for _, r in runs)
     result["equal_kl_heldout"] = {**fits, "pairs_matched": n_matched, "pairs": n_pairs, "left_out": n_out}
     ppo, arm = arm_name(h.configs[0]), arm_name(next(c for c in h.configs if not c.is_ppo))
-    n_prompts = len(json.load(open(os.path.join(args.results_dir, "runs", runs[0][1]["config"],
-                                                f"seed{runs[0][1]['seed']}.heldout_kl.json")))["kl"])
-    return (["", f"The same at the held-out KL (bench/heldout_kl.py, measured after the runs): each final policy's mean "
-             f"per-sequence KL from the SFT model on the {n_prompts} replies its final {key} judged, the replies sampled "
-             f"again and checked against the record. A check of the comparison above on the KL where the scores are "
+    if logged:
+        source = ("The same at the held-out KL that ppo.py logged at each run's last evaluation (eval/kl: the final "
+                  "policy's mean per-sequence KL from the SFT model on its evaluation prompts' replies). ")
+    else:
+        n_prompts = len(json.load(open(os.path.join(args.results_dir, "runs", runs[0][1]["config"],
+                                                    f"seed{runs[0][1]['seed']}.heldout_kl.json")))["kl"])
+        source = ("The same at the held-out KL (bench/heldout_kl.py, measured after the runs): each final policy's "
+                  f"mean per-sequence KL from the SFT model on the {n_prompts} replies its final {key} judged, the "
+                  "replies sampled again and checked against the record. ")
+    return (["", source + "A check of the comparison above on the KL where the scores are "
              f"read; the rules stated before the runs match and fit on run_kl. {n_matched} of {n_pairs} pairs at "
              f"matched held-out KL." + (f" {n_out} run(s) with a held-out KL at or below 0 left out of the fit."
                                         if n_out else ""), "",
@@ -1548,8 +1827,8 @@ def score_at_kl(rows, kl, metric=GOLD_CURVE):
 
 
 def gaps_at_kl(base_runs, runs, kl, metric=GOLD_CURVE):
-    """MA-PPO minus PPO at the KL `kl` (score_at_kl of `metric` on kl_rows), paired by seed: [(seed, PPO's, MA-PPO's)] for the
-    seeds whose two runs both passed through `kl`."""
+    """MA-PPO minus PPO at the KL `kl` (score_at_kl of `metric` on kl_rows), paired by seed: [(seed, PPO's,
+    MA-PPO's)] for the seeds whose two runs both passed through `kl`."""
     by_seed = {r["seed"]: r for r in base_runs}
     pairs = [(r["seed"], score_at_kl(kl_rows(by_seed[r["seed"]]), kl, metric), score_at_kl(kl_rows(r), kl, metric))
              for r in runs if r["seed"] in by_seed]
@@ -1590,19 +1869,22 @@ def kl_points_table(args, hypothesis, records, result):
     fixed = load_records(args, (ppo_name, ma_name)) if ppo_name else {}
     labels = {c.name: c.label for c in (*frontier_configs(hypothesis), *h.configs)}
     traced = bool(fixed) and all(map(has_trace, fixed[ppo_name] + fixed[ma_name]))
-    sources = [(f"{labels[ma_name]} vs {labels[ppo_name]}, fixed beta", fixed[ppo_name], fixed[ma_name])] if traced else []
+    sources = ([(f"{labels[ma_name]} vs {labels[ppo_name]}, fixed beta", fixed[ppo_name], fixed[ma_name])]
+               if traced else [])
     sources += [(f"{c.label} vs {labels[c.partner]}", [r for r in records.get(c.partner, []) if r],
                  [r for r in records.get(c.name, []) if r]) for c in h.configs if c.partner]
     lines = ["", f"Read at the same KL: each run's {curve} against its KL (run_kl: the last {KL_WINDOW} iterations' "
              "batches) at every evaluation, "
-             f"sorted by KL and interpolated linearly, read at each KL below; {arm} minus PPO paired by seed where both "
+             f"sorted by KL and interpolated linearly, read at each KL below; {arm} minus PPO paired by seed where "
+             "both "
              "runs passed through that KL (95% t-interval over the pairs" + (")" if several else "; `all` averages the "
              "pairs of each seed over every row and gives one gap per seed: the runs of one seed share their sampling "
              "seeds, and a run whose KL stayed below both targets repeats its run at the other target)")
              + ". A description, not a test: the evaluations keep means, not per-prompt scores, so these intervals "
              "count the seeds alone (every seed answers the same prompts) and no verdict is read from them; the "
              "fits and matched pairs above give the verdicts."
-             + ("" if traced or not fixed else f" The fixed-beta pair ({ma_name} against {ppo_name}) is left out: its records keep no "
+             + ("" if traced or not fixed else f" The fixed-beta pair ({ma_name} against {ppo_name}) is left out: "
+                                               "its records keep no "
                 "trace, so their KL would be one batch's."), "",
              "| pair | " + " | ".join(f"KL {k}: pairs, PPO / {arm}, {arm} minus PPO" for k in h.kl_points) + " |",
              "|---" * (len(h.kl_points) + 1) + "|"]
@@ -1663,7 +1945,8 @@ def kl_frontier(args, hypothesis, records):
     handles, labels = ax.get_legend_handles_labels()
     unique = dict(zip(labels, handles))
     ax.legend(unique.values(), unique.keys(), fontsize=7)
-    ax.set_xlabel(f"per-sequence KL from the SFT model (the last {KL_WINDOW} iterations' batches; one batch without a trace)")
+    ax.set_xlabel(f"per-sequence KL from the SFT model (the last {KL_WINDOW} iterations' batches; one batch without "
+                  "a trace)")
     ax.set_ylabel(metric)
     ax.set_title(f"{hypothesis}: every evaluation of every run")
     fig.tight_layout()
@@ -1697,7 +1980,8 @@ def final_table(h, records, result):
         lines.append(f"| {config.label} | {len(runs)} | {fmt(*score)} | " + (fmt_cmp(gap) if gap else "-")
                      + f" | {gap['seeds'] if gap else '-'} |")
     by_seed = {r["seed"]: r for r in base_runs}
-    lines += ["", f"By seed: final KL (run_kl; * one batch, no trace) and final mean {key}, this against PPO's, and the "
+    lines += ["", f"By seed: final KL (run_kl; * one batch, no trace) and final mean {key}, this against PPO's, and "
+                  "the "
               "win rate against PPO's on the same prompts.", "",
               f"| configuration | seed | final KL, PPO / this | final mean {key}, PPO / this | win rate vs PPO |",
               "|---" * 5 + "|"]
@@ -1717,8 +2001,10 @@ def paired_table(h, records, result):
     win_key = h.configs[0].win_key
     labels = {c.name: c.label for c in h.configs}
     lines = ["", f"Paired by seed with PPO under the same change: first-half mean {score}, this minus that "
-             f"PPO (95% t-interval over seeds alone: the evaluations keep means, so the prompts, which every seed shares, "
-             f"are not counted; a description, no verdict), and the {win_key} win rate of the final policies against it (95% "
+             f"PPO (95% t-interval over seeds alone: the evaluations keep means, so the prompts, which every seed "
+             "shares, "
+             f"are not counted; a description, no verdict), and the {win_key} win rate of the final policies against "
+             "it (95% "
              "interval from a seed-then-prompt bootstrap).", "",
              "| configuration | against | seeds | first-half mean gap | win rate [95% CI] |", "|---" * 5 + "|"]
     for config in h.configs[1:]:
@@ -1748,7 +2034,8 @@ def early_table(h, records, result):
     diverse = all("eval/distinct_2" in runs[0]["rows"][-1] for runs in done.values() if runs)
     lines = ["", f"The first evaluation (iteration {first}), the final mean macro length and response length (tokens)"
              + (" and the share of exact counts among the final policies' answers" if exact else "")
-             + (", the final distinct-2 of the held-out replies (the SFT model's: degenerate below half of it)" if diverse else "")
+             + (", the final distinct-2 of the held-out replies (the SFT model's: degenerate below half of it)"
+                if diverse else "")
              + f". KL: run_kl, the {KL_WINDOW} iterations up to it"
              + ("; * runs recorded without a trace, whose KL is that iteration's batch alone (not comparable with the "
                 "others)" if not all(map(has_trace, (r for v in done.values() for r in v))) else "") + ":", "",
@@ -1804,7 +2091,8 @@ def plot(args, hypothesis, records):
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("hypotheses", nargs="*", default=["baseline"],
-                        help=f"which: {', '.join(HYPOTHESES)}, `all` (every one but {', '.join(OPTIONAL)}), or `report` "
+                        help=f"which: {', '.join(HYPOTHESES)}, `all` (every one but {', '.join(OPTIONAL)}), or "
+                             "`report` "
                              "(tables from committed results)")
     parser.add_argument("--seeds", default="1,2,3,4,5", help="training seeds (every configuration gets all of them)")
     parser.add_argument("--configs", default="", help="run only these configurations (names separated by commas, "
@@ -1818,9 +2106,13 @@ def main(argv=None):
     parser.add_argument("--code_args", default="--sft_args '--max_steps 200' --steps 80 --policy_lr 1e-4",
                         help="extra ppo.py flags for the code task's runs (after --steps, so they win)")
     parser.add_argument("--count_args", default="--reward gold --policy_lr 1e-4 --critic_lr 3e-4",
-                        help="extra ppo.py flags for the count task's runs (the gold judge is the reward: its RM is weak)")
-    parser.add_argument("--sft_path", default=data.run_dir("chitchat", "sft"), help="SFT model (built with sft.py's defaults if missing)")
-    parser.add_argument("--rm_path", default=data.run_dir("chitchat", "rm"), help="reward model (built with reward_model.py's defaults if missing)")
+                        help="extra ppo.py flags for the count task's runs (the gold judge is the reward: its RM is "
+                             "weak)")
+    parser.add_argument("--sft_path", default=data.run_dir("chitchat", "sft"), help="SFT model (built with sft.py's "
+                                                                                    "defaults if missing)")
+    parser.add_argument("--rm_path", default=data.run_dir("chitchat", "rm"), help="reward model (built with "
+                                                                                  "reward_model.py's defaults if "
+                                                                                  "missing)")
     parser.add_argument("--seed_eval", type=int, default=4321, help="sampling seed of the final per-prompt scores")
     parser.add_argument("--jobs", type=int, default=1, help="runs at a time (each gets cores / jobs threads)")
     parser.add_argument("--threads", type=int, default=0, help="threads per run (default cores / jobs); with "
@@ -1838,7 +2130,8 @@ def main(argv=None):
     if unknown:
         parser.error(f"unknown hypothesis {unknown[0]!r}; choose from {', '.join(HYPOTHESES)}, all, report")
     if args.quick:
-        args.seeds, args.steps, args.eval_every, args.n_eval_prompts, args.win_prompts, args.smooth = "1,2", 12, 4, 32, 64, 1
+        args.seeds, args.steps, args.eval_every = "1,2", 12, 4
+        args.n_eval_prompts, args.win_prompts, args.smooth = 32, 64, 1
         args.code_args = "--sft_args '--max_steps 60' --steps 12"
         args.count_args = "--reward gold --sft_args '--max_steps 60' --rm_args '--max_steps 30' --steps 12"
         if not os.path.exists(os.path.join(ROOT, args.sft_path, "config.json")):    # small models of its own
@@ -1862,12 +2155,14 @@ def main(argv=None):
     train_all(args, list(dict.fromkeys(todo)))
     lines, result, blocks = [], {}, {}
     for hypothesis in names:
-        records = {c.name: [committed_record(args, c.name, seed) for seed in sorted(set(seeds) | committed_seeds(args, c.name))]
+        records = {c.name: [committed_record(args, c.name, seed)
+                            for seed in sorted(set(seeds) | committed_seeds(args, c.name))]
                    for c in HYPOTHESES[hypothesis].configs}           # train_all ran what was asked: only read
         h_lines, result[hypothesis] = report(args, hypothesis, records)
         if hypothesis == "segment_count":
             h_lines += error_table(args)
-        png = kl_frontier(args, hypothesis, records) if HYPOTHESES[hypothesis].matched_kl else plot(args, hypothesis, records)
+        png = (kl_frontier(args, hypothesis, records) if HYPOTHESES[hypothesis].matched_kl
+               else plot(args, hypothesis, records))
         h_lines += ["", f"![{hypothesis}]({os.path.basename(png)})"] if png else []
         blocks[hypothesis] = h_lines[2:]                 # the page has its own heading
         lines += h_lines + [""]
