@@ -149,5 +149,18 @@ def test_the_files_a_reader_follows_keep_their_lines_and_sizes():
     source = (ROOT / "ppo.py").read_text()
     assert len(source.splitlines()) <= 450 and len(source.encode()) <= 36_000
     lengths = {f.name: f.end_lineno - f.lineno + 1 for f in ast.parse(source).body if isinstance(f, ast.FunctionDef)}
-    assert lengths.pop("main") <= 90 and max(lengths.values()) <= 50, lengths
+    assert lengths.pop("main") <= 90 and lengths["ppo_update"] <= 40 and max(lengths.values()) <= 50, lengths
     assert len(dataclasses.fields(ppo.PPOArgs)) <= 40 and ppo.ARGS[0] is ppo.PPOArgs
+
+
+def test_the_readmes_first_screen_is_the_pitch_the_picture_and_the_quick_start():
+    """A newcomer meets what it is, the picture and how to run it before any of the study's statistics: the Quick
+    start heading within the first 20 lines, the picture above it, no verdict word of the study above it."""
+    import re
+    lines = (ROOT / "README.md").read_text().splitlines()
+    start = lines.index("## Quick start")
+    above = "\n".join(lines[:start]).lower()
+    assert start < 20 and "![" in above and (ROOT / re.search(r"\]\((docs/[^)]+\.png)\)", above).group(1)).exists()
+    assert not [w for w in ("undecided", "level", "detectable effect") if re.search(rf"(?<![-\w]){w}\b", above)]
+    assert len(re.findall(r"\d+\.\d+|\d+%", above)) <= 3
+    assert "reward model" in "\n".join(lines[start:start + 12]).lower()    # it says it builds the SFT model and the RM
