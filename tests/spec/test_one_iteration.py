@@ -90,7 +90,7 @@ def test_the_recorded_tensors_are_the_logged_iteration(recorded):
 
 
 def test_code_that_moved_stops_the_page():
-    import ppo
+    import macro_actions as ma
     with pytest.raises(ValueError, match="whiten: no line holds"):
-        one_iteration.code(ppo.whiten, "a line that is not there")
+        one_iteration.code(ma.whiten, "a line that is not there")
     assert "# 5. Advantages" in one_iteration.step(5) and "# 6." not in one_iteration.step(5)
