@@ -1435,7 +1435,8 @@ def fmt_verdict(c):
     """The difference, its 95% interval, the 90% interval of the equivalence test, the minimum detectable effect
     and the verdict word, as every verdict line prints them."""
     if "ci95" not in c:
-        return (f"{c['mean']:+.3f} over {c['seeds']} seed: " if c["mean"] == c["mean"] else "") + c["verdict"]
+        seeds = f"{c['seeds']} seed" + ("s" if c["seeds"] != 1 else "")
+        return (f"{c['mean']:+.3f} over {seeds}: " if c["mean"] == c["mean"] else "") + c["verdict"]
     detectable = ([f"detectable difference {c['mde']:.3f}"] if not c["verdict"].startswith("level") else []) + (
         [f"level detectable within ±{c['mde_level']:.3f}"] if c["verdict"] in ("level", "undecided") else [])
     return (f"{fmt_cmp(c)} over {c['seeds']} seeds, t with {c['df']} df (90% [{c['ci90'][0]:+.3f}, "
