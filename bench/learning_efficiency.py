@@ -499,7 +499,12 @@ def chi2_quantile(p, df):
         h = x / n
         return c * h / 3 * sum((1 if i in (0, n) else 4 if i % 2 else 2) * (i * h) ** (df / 2 - 1)
                                * math.exp(-i * h / 2) for i in range(n + 1))
-    low, high = 0.0, float(df)
+    return inverse(cdf, p, float(df))
+
+
+def inverse(cdf, p, high):
+    """The x where an increasing `cdf` reaches `p`: `high` doubled until it is past it, then 40 bisections from 0."""
+    low = 0.0
     while cdf(high) < p:
         high *= 2
     for _ in range(40):
@@ -530,13 +535,7 @@ def t_quantile(p, df):
         total = sum((1 if i in (0, n) else 4 if i % 2 else 2) * (1 + (i * h) ** 2 / df) ** (-(df + 1) / 2)
                     for i in range(n + 1))
         return 0.5 + c * total * h / 3
-    low, high = 0.0, 1.0
-    while cdf(high) < p:
-        high *= 2
-    for _ in range(40):
-        mid = (low + high) / 2
-        low, high = (mid, high) if cdf(mid) < p else (low, mid)
-    return (low + high) / 2
+    return inverse(cdf, p, 1.0)
 
 
 def smoothed(values, window):
