@@ -724,24 +724,20 @@ def batch_indices(n_rows, batch_size, step, seed, rank=0, world=1, repeats=1):
     return [i for i in order[torch.arange(start, start + batch_size) % n_rows].tolist() for _ in range(repeats)]
 
 
-def encode_prompts(tokenizer, prompts, max_len):
-    """Left-padded prompt ids [B, P] and mask; a long prompt keeps its *end* (the question is
+def encode_prompts(tokenizer, prompts, max_len, device=None):
+    """Left-padded prompt ids [B, P] and mask (on `device`); a long prompt keeps its *end* (the question is
     last). BOS, when the tokenizer has one, stays first. Returns (ids, mask, n_truncated)."""
     bos = [tokenizer.bos_token_id] if tokenizer.bos_token_id is not None else []
     keep = max_len - len(bos)
     if keep < 1:        # ids[-0:] would keep the whole prompt
         raise ValueError(f"max_len {max_len}: keeps no prompt token after BOS; 2 at least (--max_prompt_len)")
-    rows, truncated = [], 0
-    for ids in tokenizer(list(prompts), add_special_tokens=False)["input_ids"]:
-        truncated += len(ids) > keep
-        rows.append(bos + ids[-keep:])
-    width = max(map(len, rows))
-    ids = torch.full((len(rows), width), tokenizer.pad_token_id, dtype=torch.long)
-    mask = torch.zeros_like(ids)
-    for b, r in enumerate(rows):
-        ids[b, width - len(r):] = torch.tensor(r)
-        mask[b, width - len(r):] = 1
-    return ids, mask, truncated
+    encoded = tokenizer(list(prompts), add_special_tokens=False)["input_ids"]
+    rows = [bos + ids[-keep:] for ids in encoded]
+    lengths = torch.tensor([len(r) for r in rows], device=device)
+    mask = torch.arange(int(lengths.max()), device=device) >= lengths.max() - lengths.unsqueeze(1)   # the last len(r)
+    ids = torch.full(mask.shape, tokenizer.pad_token_id, device=device).masked_scatter(
+        mask, torch.tensor(sum(rows, []), device=device))
+    return ids, mask.long(), sum(len(e) > keep for e in encoded)
 
 
 def encode_responses(tokenizer, responses, max_len):
@@ -816,6 +812,16 @@ def generation_config(model, max_new_tokens, temperature, top_k, top_p, greedy, 
     return GenerationConfig(max_new_tokens=max_new_tokens, do_sample=not greedy,
                             temperature=None if greedy else temperature, top_k=None if greedy else top_k,
                             top_p=None if greedy else top_p, pad_token_id=pad_id, eos_token_id=eos_id)
+
+
+def own_generation_config(model, tokenizer, max_new_tokens, temperature, top_k, top_p):
+    """The sampling config of ppo.py's rollouts (generation_config above), made `model`'s own (a peft model's: its
+    LM's), so that generate() fills none of its unset fields from the model's saved generation_config.json: one
+    config, built once, nothing to swap at each rollout (`sample` swaps a blank one in for the time of its call)."""
+    config = generation_config(model, max_new_tokens, temperature, top_k, top_p, False, tokenizer.pad_token_id,
+                               tokenizer.eos_token_id)
+    (model.get_base_model() if hasattr(model, "get_base_model") else model).generation_config = config
+    return config
 
 
 @contextlib.contextmanager

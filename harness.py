@@ -415,6 +415,15 @@ def same_on_every_rank(accelerator, value):
     return bool((every == every[0]).all())
 
 
+def print_ranks_in_sync(accelerator, models, *values):
+    """The end of a run: print whether every process holds the same weights of each of `models` (unsharded: a sharded
+    model has one copy) and the same `values` (e.g. the adaptive KL coefficient). Collective."""
+    same = all([same_on_every_rank(accelerator, v) for v in values])
+    if not is_sharded(accelerator):
+        in_sync = all([ranks_in_sync(accelerator, m) for m in models])
+        accelerator.print(f"[ppo] ranks in sync: {in_sync and same}")
+
+
 def in_chunks(accelerator, forward, n_rows, chunk):
     """`forward(rows)` (a tensor, rows first) over rows 0 .. n_rows - 1 in slices of at most `chunk` rows, concatenated:
     the memory of one slice's forward, not of all rows at once. Every process runs the same number of forwards, the
@@ -428,20 +437,13 @@ def in_chunks(accelerator, forward, n_rows, chunk):
     return torch.cat(out)
 
 
-def all_finite(accelerator, *tensors):
-    """True when every tensor is finite on every process. One reduction over the processes, so that all
-    of them stop together: a process that raised alone would leave the others waiting for it in their
-    next collective (a hang instead of an error)."""
-    finite = torch.tensor([float(all(bool(torch.isfinite(t).all()) for t in tensors))], device=accelerator.device)
-    if accelerator.num_processes > 1:
-        finite = accelerator.reduce(finite, "sum") / accelerator.num_processes
-    return bool(finite.item() == 1.0)
-
-
 def stop_unless_finite(accelerator, what, output_dir, *tensors):
     """Every process stops (FloatingPointError) unless every tensor is finite on every one; the message names
-    `what` (e.g. "loss at iteration 3") and the last good checkpoint, which stays in place."""
-    if not all_finite(accelerator, *tensors):
+    `what` (e.g. "loss at iteration 3") and the last good checkpoint, which stays in place. One reduction over the
+    processes, so that all of them stop together: a process that raised alone would leave the others waiting for it
+    in their next collective (a hang instead of an error)."""
+    finite = torch.tensor([float(all(bool(torch.isfinite(t).all()) for t in tensors))], device=accelerator.device)
+    if accelerator.reduce(finite, "sum").item() < accelerator.num_processes:
         raise FloatingPointError(f"non-finite {what}; last good checkpoint in {checkpoint_dir(output_dir)}")
 
 
@@ -693,11 +695,6 @@ def mean_over_processes(accelerator, values):
     return dict(zip(names, means.tolist()))
 
 
-def rounded(values, digits=5):
-    """The numbers a log line keeps: `digits` after the point."""
-    return {k: round(v, digits) for k, v in values.items()}
-
-
 # ---------------------------------------------------------------------------------------------
 # LoRA (peft): the memory lever for real models
 # ---------------------------------------------------------------------------------------------
@@ -820,7 +817,7 @@ class GracefulStop:
     weights, optimizer, schedule and RNG all agree with the step counter, so the checkpoint saved
     there resumes to exactly the uninterrupted run. (An exception raised mid-step, after an optimizer
     step, would save weights one step ahead of their counter.)
-    - `requested()` is collective: every rank calls it at the same point and they agree (any rank
+    - `stop_after()` is collective: every rank calls it at the same point and they agree (any rank
       signalled -> all stop), so no rank is left waiting in a collective the others have left;
     - `accelerate launch` forwards the terminal's SIGINT (and its own SIGTERM) to its workers, which
       thus get it twice: a repeat within `grace` seconds is the same request; a later one raises
@@ -846,24 +843,15 @@ class GracefulStop:
         elif time.monotonic() - self.first > self.grace:
             raise KeyboardInterrupt
 
-    def requested(self):
-        """True on every rank once any rank was signalled."""
-        flag = torch.tensor([float(self.first is not None)], device=self.accelerator.device)
-        if self.accelerator.num_processes > 1:
-            flag = self.accelerator.reduce(flag, "sum")
-        return flag.item() > 0
-
     def stop_after(self, done, last, save_every, save):
-        """At the end of step `done`, on every rank: the periodic `save(done)`, and if a stop was asked
-        for before the last step, a checkpoint here; True when the loop should stop."""
-        if done % save_every == 0:
+        """At the end of step `done`, on every rank: the periodic `save(done)`, or a checkpoint here if any rank was
+        signalled before the last step; True when the loop should stop (then on every rank)."""
+        signalled = torch.tensor([float(self.first is not None)], device=self.accelerator.device)
+        stop = self.accelerator.reduce(signalled, "sum").item() > 0 and done < last
+        if stop or done % save_every == 0:
             save(done)
             self.saved = done
-        if self.requested() and done < last:
-            if self.saved != done:
-                save(done)
-            return True
-        return False
+        return stop
 
     def end_of_step(self, done, last, save_every, save):
         """stop_after, and when stopping: say where the checkpoint is and exit (130, or 143 for SIGTERM)."""

@@ -3,9 +3,9 @@
     accelerate launch ppo.py --n 5       # builds (or reuses) runs/chitchat/{sft,rm}, then trains MA-PPO
 
 Top to bottom: the arguments, the helpers of the steps, the setup, then `main()`: Algorithm 1 as numbered steps (1.
-rollout, 2. score, 3. rewards, 4. macro actions, 5. advantages, 6. PPO update, 7. log). The macro-action math is in
-macro_actions.py; each extension joins the loop at one call site that does nothing by default, with its flags beside
-its code (segment_rewards.py, critic_free.py, reward_model.py's scorers, harness.py's LoRA and engines, evaluate.py).
+rollout, 2. score, 3. rewards, 4. macro actions, 5. advantages, 6. PPO update, 7. log); the macro-action math is in
+macro_actions.py. Each extension joins the loop at one call site that does nothing by default, its flags beside its
+code (segment_rewards.py, critic_free.py, reward_model.py's scorers, harness.py's LoRA and engines, evaluate.py).
 """
 import functools
 import os
@@ -109,16 +109,15 @@ def response_logprobs(model, ids, attention_mask, prompt_width, temperature, wit
     return logp, entropy
 
 
-def scoring_forwards(accelerator, policy, critic, ids, attention_mask, prompt_width, args):
-    """2. The policy's logprobs and entropy, the critic's values V(s_t) (None: no critic), [B, R] each, and whether
-    they keep their graphs for the update (`reusable_forwards`: then in train mode, as in the update)."""
-    reuse = reusable_forwards(accelerator, policy, critic, args)
+def scoring_forwards(policy, critic, ids, attention_mask, prompt_width, temperature, reuse):
+    """2. The policy's logprobs and entropy, the critic's values V(s_t) (None: no critic), [B, R] each; with `reuse`
+    (`reusable_forwards`) they keep their graphs for the update, in train mode as there."""
     policy.train(reuse)
     with torch.set_grad_enabled(reuse):
-        logp, entropy = response_logprobs(policy, ids, attention_mask, prompt_width, args.temperature, True)
+        logp, entropy = response_logprobs(policy, ids, attention_mask, prompt_width, temperature, True)
         values = critic(ids, attention_mask, prompt_width) if critic is not None else None
     policy.eval()
-    return logp, entropy, values, reuse
+    return logp, entropy, values
 
 
 def reference_logprobs(ref, accelerator, policy, ids, attention_mask, prompt_width, temperature, t1_entropy=False):
@@ -251,8 +250,7 @@ def resolve(args, *extensions):
     """Derived settings in one place, flags that cannot go together refused at start (each extension's by its module).
     Returns each extension's arguments (defaults where not given) and whether the score is running code."""
     seg, credit, models, report = harness.split_flags(ARGS[1:], {}) if not extensions else extensions
-    for part in (args, seg, credit, models, report):
-        harness.check_flags(part)
+    harness.check_flags(args, seg, credit, models, report)
     # runs/<task>/ppo_n<n>_fixed for fixed n-grams, else ppo_<termination> (the other terminations ignore --n)
     data.resolve_paths(args, f"ppo_n{args.n}_fixed" if args.termination == "fixed" else f"ppo_{args.termination}")
     args.max_response_len = data.response_len(args.task, args.max_response_len)
@@ -275,8 +273,7 @@ def resolve(args, *extensions):
 
 
 @dataclass
-class Setup:
-    """What `setup` builds for `main`."""
+class Setup:       # what `setup` builds for `main`
     tokenizer: object
     trained: dict                   # {"policy": harness.Trained, "critic": harness.Trained}; no critic: no key
     ref: object                     # the frozen SFT model; None under LoRA (the policy with its adapters off)
@@ -287,6 +284,8 @@ class Setup:
     segmenter: object               # a segment / token RM's held-out e(x, y) (segment_rewards.segmenter) or None
     sampling: evaluate.Sampling     # how the held-out replies are sampled and judged
     config: dict                    # every flag of the run, as the log and the checkpoints keep it
+    generation: object              # step 1's GenerationConfig (--temperature, --top_k, --top_p), the policy's own
+    reuse: bool                     # step 2's forwards keep their graphs for step 6 (`reusable_forwards`)
     sft_replies: dict = field(default_factory=dict)     # the SFT model's held-out replies' diversity, measured once
 
 
@@ -306,6 +305,8 @@ def setup(args, seg, credit, models, report, code_task):
     tokenizer, policy, critic, ref, reward_model = harness.load_ppo_models(     # critic: from the RM (App. B.2)
         models, args.sft_path, args.rm_path, models.critic_path if credit.advantage == "gae" else "", rm,
         code_task=code_task, resume_dir=args.output_dir if args.resume else None, sharded=harness.is_sharded(acc))
+    generation = data.own_generation_config(policy, tokenizer, args.max_response_len, args.temperature, args.top_k,
+                                            args.top_p)     # step 1's sampling, and nothing of the saved file's
     own = None if code_task else sr.read_segment_settings(args.rm_path)     # a segment / token RM's own settings
     segmenter = sr.segmenter(own, ref, tokenizer.eos_token_id)      # the held-out score: the RM's own e(x, y)
     splits = data.load_task(args.task, only=("ppo", "test"))
@@ -325,7 +326,8 @@ def setup(args, seg, credit, models, report, code_task):
                                                         chunk=args.rollout_batch_size))
     sampling = evaluate.Sampling(args.task, args.max_prompt_len, args.max_response_len, args.temperature, args.top_k,
                                  args.top_p, args.seed)
-    return Setup(tokenizer, trained, ref, reward_model, scorer, rows, eval_rows, segmenter, sampling, config)
+    return Setup(tokenizer, trained, ref, reward_model, scorer, rows, eval_rows, segmenter, sampling, config,
+                 generation, reusable_forwards(acc, policy, critic, args))
 
 
 # --- Algorithm 1 ------------------------------------------------------------------------------------------------------
@@ -346,18 +348,20 @@ def main(args, *extensions):
                 # 1. Rollout: sample responses to this rank's prompts (a prompt's K samples in adjacent rows)
                 idx = data.batch_indices(len(s.rows), args.rollout_batch_size // K, step, args.seed,
                                          acc.process_index, world, K)
+                p_ids, p_mask, n_cut = data.encode_prompts(tokenizer, [s.rows[i]["prompt"] for i in idx],
+                                                           args.max_prompt_len, acc.device)   # left-padded, [B, P]
+                P, truncated = p_ids.shape[1], truncated + n_cut
                 policy.model.eval()
                 with harness.generation_model(acc, policy.model, models.gather_for_generation) as (m, synced):
-                    p_ids, p_mask, r_ids, r_mask, n_cut = data.sample(
-                        m, tokenizer, [s.rows[i]["prompt"] for i in idx], args.max_prompt_len, args.max_response_len,
-                        args.temperature, args.top_k, args.top_p, synced_gpus=synced)
-                truncated += n_cut
-            P, ids, attention_mask = p_ids.shape[1], torch.cat([p_ids, r_ids], 1), torch.cat([p_mask, r_mask], 1)
+                    out = m.generate(input_ids=p_ids, attention_mask=p_mask, generation_config=s.generation,
+                                     synced_gpus=synced)
+                r_ids, r_mask = data.cut_after_eos(out[:, P:], tokenizer.eos_token_id, tokenizer.pad_token_id)  # [B, R]
+            ids, attention_mask = torch.cat([p_ids, r_ids], 1), torch.cat([p_mask, r_mask], 1)
             mask, rows = r_mask.float(), [s.rows[i] for i in idx]      # [B, R]; ids, attention_mask [B, P + R]
             with clock.phase("forward"):
                 # 2. Score: the policy's logprobs and the critic's values V(s_t), the reference logprobs, the score
-                logp, entropy, values, reuse = scoring_forwards(acc, policy.model, critic and critic.model, ids,
-                                                                attention_mask, P, args)
+                logp, entropy, values = scoring_forwards(policy.model, critic and critic.model, ids, attention_mask, P,
+                                                         args.temperature, s.reuse)
                 old_logp, old_values = logp.detach(), values.detach() * mask if critic else None
                 with torch.no_grad():
                     ref_logp, sft_entropy = reference_logprobs(s.ref, acc, policy.model, ids, attention_mask, P,
@@ -397,15 +401,15 @@ def main(args, *extensions):
                          if args.whiten_advantages else advantages,      # group / mc: scaled, never shifted
                          "starts": starts, **({"old_values": old_values, "returns": returns} if critic else {}),
                          **({"ref_logp": ref_logp} if credit.kl_penalty == "loss" else {}),
-                         **({"reused_logp": logp, "reused_values": values} if reuse else {})}
+                         **({"reused_logp": logp, "reused_values": values} if s.reuse else {})}
                 update_stats = ppo_update(policy, critic, batch, args, credit, train_policy=step >= args.critic_warmup,
                                           generator=generator, prompt_width=P, beta=beta, step=step)
                 logp = values = batch = None        # step 2's graphs (if reused) not kept into the next rollout
             # 7. Log (means over every process), evaluate on held-out prompts, checkpoint
             means = harness.mean_over_processes(acc, iteration_metrics(scorer.name, score, kl, rewards, mask, starts,
                 entropy, has_eos, advantages, returns, old_values, stats, update_stats))
-            metrics = {**harness.rounded(means), "step": step + 1, "beta": beta, "prompts/truncated": truncated,
-                       **clock.metrics(float(mask.sum()) * world)}
+            metrics = {**{k: round(v, 5) for k, v in means.items()}, "step": step + 1, "beta": beta,
+                       "prompts/truncated": truncated, **clock.metrics(float(mask.sum()) * world)}
             if (step + 1) % report.eval_every == 0 or step + 1 == args.steps:
                 evaluate.during_training(metrics, s.sampling, accelerator=acc, policy=policy.model,
                                          reward_model=s.reward_model, tokenizer=tokenizer, eval_rows=s.eval_rows,
@@ -428,10 +432,7 @@ def finish(args, models, report, s, truncated, beta, run_log):
                   f"tokens and lost their beginning")
     if args.kl_target:
         acc.print(f"[ppo] adaptive KL: beta {args.beta} -> {beta:.5g} (--kl_target {args.kl_target})")
-    same_beta = harness.same_on_every_rank(acc, beta)
-    if not harness.is_sharded(acc):
-        in_sync = all(harness.ranks_in_sync(acc, t.model) for t in s.trained.values())
-        acc.print(f"[ppo] ranks in sync: {in_sync and same_beta}")
+    harness.print_ranks_in_sync(acc, [t.model for t in s.trained.values()], beta)
     final_policy = harness.final_model(acc, s.trained["policy"].model)     # collective: whole weights, LoRA merged
     if acc.is_main_process:
         final = os.path.join(args.output_dir, "policy")

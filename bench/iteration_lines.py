@@ -8,7 +8,7 @@ update, log, then up to the next rollout's sampling), per file.
 
 It runs ppo.main in this process on random tiny models (bench/same_numbers.py's recipe: the same layout as the
 default run's, built in a second) with every other flag at its default, and traces with sys.settrace from the
-moment data.sample is entered for the second time until it is entered for the third. A reader who follows one
+moment data.batch_indices (the rollout's first call) is entered for the second time until it is entered for the third. A reader who follows one
 iteration line by line reads these lines; the count is what the tutorial core keeps small.
 """
 import argparse
@@ -47,23 +47,23 @@ def traced_iteration(flags, workdir):
             seen[frame.f_code.co_filename].add(frame.f_lineno)
         return tracer
 
-    sample = data.sample
+    batch_indices = data.batch_indices
 
-    def watched_sample(*a, **k):     # the second rollout starts the trace, the third ends it
+    def watched(*a, **k):     # the second rollout starts the trace, the third ends it
         calls[0] += 1
         if calls[0] == 2:
             sys.settrace(tracer)
             sys._getframe().f_back.f_trace = tracer     # the running loop's own frame too
         elif calls[0] == 3:
             sys.settrace(None)
-        return sample(*a, **k)
+        return batch_indices(*a, **k)
 
-    data.sample = watched_sample
+    data.batch_indices = watched
     try:
         ppo.main(*args)
     finally:
         sys.settrace(None)
-        data.sample = sample
+        data.batch_indices = batch_indices
     if calls[0] < 3:
         sys.exit(f"error: ppo.py sampled {calls[0]} rollouts, not 3: the iteration was not traced whole")
     return {os.path.basename(f): sorted(lines) for f, lines in seen.items()}

@@ -62,9 +62,9 @@ def run_main(sft_path, rm_path, out):
     parsed = HfArgumentParser(ppo.ARGS).parse_args_into_dataclasses(
         args=["--sft_path", sft_path, "--rm_path", rm_path, "--output_dir", out, *FLAGS])
     rec = Recorder()
-    for owner, name in [(data, "sample"), (ppo, "response_logprobs"), (ppo, "reference_logprobs"),
-                        (rm.Critic, "forward"), (rm.Scorer, "__call__"), (ma, "termination_starts"),
-                        (ma, "macro_rewards"), (ma, "sigma_weights"), (ma, "macro_advantages"), (ma, "whiten"),
+    for owner, name in [(data, "encode_prompts"), (data, "cut_after_eos"), (ppo, "response_logprobs"),
+                        (ppo, "reference_logprobs"), (rm.Critic, "forward"), (rm.Scorer, "__call__"),
+                        (ma, "termination_starts"), (ma, "macro_rewards"), (ma, "sigma_weights"), (ma, "macro_advantages"), (ma, "whiten"),
                         (ppo, "minibatches"), (ppo, "policy_loss"), (ma, "clipped_policy_loss"), (ppo, "value_loss")]:
         rec.wrap(owner, name)
     rec.wrap(ppo, "iteration_metrics", closes=True)
@@ -143,7 +143,7 @@ def table(header, rows):
 def tensors(calls, args):
     """The shown iteration's tensors by name, [B, R] unless said, each as main() passed or got it."""
     first = lambda name: calls[name][0]     # noqa: E731  (args, kwargs, result) of the iteration's first call
-    p_ids, p_mask, r_ids, r_mask, _ = first("sample")[2]
+    (p_ids, p_mask, _), (r_ids, r_mask) = first("encode_prompts")[2], first("cut_after_eos")[2]
     x = dict(p_ids=p_ids, p_mask=p_mask, r_ids=r_ids, mask=r_mask.float(), score=first("__call__")[2][0],
              old_logp=first("response_logprobs")[2][0].detach(), ref_logp=first("reference_logprobs")[2][0],
              starts=first("termination_starts")[2][0], kl_rewards=first("macro_rewards")[0][0],

@@ -1,6 +1,6 @@
 """Run by tests/spec/test_critic_free.py under one 2-process `accelerate launch` (gloo, CPU): ppo.py command lines one
 after the other, as tests/launch/launched_stages.py runs them, with two spies that call the real functions and keep what
-each rank gave them: the prompts of every rollout (data.sample) and the scores and advantages of every call of
+each rank gave them: the prompts of every rollout and evaluation (data.encode_prompts) and the scores and advantages of every call of
 macro_actions.group_advantages. Stage i of rank r writes LOG_DIR/<i>.<r>.pt ({"prompts": [...], "groups":
 [(scores, advantages), ...]}) and what it printed to LOG_DIR/<i>.<r>.txt.
 
@@ -22,22 +22,22 @@ from stages import run_stage  # noqa: E402
 
 def main(log_dir, command_lines):
     rank = os.environ.get("RANK", "0")
-    sample, group_advantages = data.sample, ma.group_advantages
+    encode, group_advantages = data.encode_prompts, ma.group_advantages
     for i, argv in enumerate(command_lines):
         AcceleratorState._reset_state()
         GradientState._reset_state()
         seen = {"prompts": [], "groups": []}
 
-        def spied_sample(model, tokenizer, prompts, *args, **kwargs):
+        def spied_encode(tokenizer, prompts, *args, **kwargs):
             seen["prompts"].append(list(prompts))
-            return sample(model, tokenizer, prompts, *args, **kwargs)
+            return encode(tokenizer, prompts, *args, **kwargs)
 
         def spied_group_advantages(scores, *args, **kwargs):
             advantages = group_advantages(scores, *args, **kwargs)
             seen["groups"].append((scores.clone(), advantages.clone()))
             return advantages
 
-        data.sample, ma.group_advantages = spied_sample, spied_group_advantages
+        data.encode_prompts, ma.group_advantages = spied_encode, spied_group_advantages
         printed = run_stage(*argv)
         with open(os.path.join(log_dir, f"{i}.{rank}.txt"), "w") as f:
             f.write(printed)

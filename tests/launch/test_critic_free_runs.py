@@ -15,12 +15,12 @@ def metrics_of(out):
 
 @pytest.mark.launch
 def test_group_rollout_samples_each_prompt_k_times_in_adjacent_rows(tiny_models, tmp_path, monkeypatch):
-    """--rollout_batch_size 4 --group_size 2: two prompts, each twice, side by side (data.sample, spied on)."""
+    """--rollout_batch_size 4 --group_size 2: two prompts, each twice, side by side (data.encode_prompts, spied on)."""
     import data
     import ppo
-    asked, sample = [], data.sample
-    monkeypatch.setattr(data, "sample", lambda model, tokenizer, prompts, *a, **k: asked.append(prompts) or
-                        sample(model, tokenizer, prompts, *a, **k))
+    asked, encode = [], data.encode_prompts
+    monkeypatch.setattr(data, "encode_prompts", lambda tokenizer, prompts, *a, **k: asked.append(prompts) or
+                        encode(tokenizer, prompts, *a, **k))
     ppo.main(*ppo_args(tiny_models, tmp_path, steps=1, advantage="group", group_size=2))
     prompts = asked[0]
     assert len(prompts) == 4 and prompts[0] == prompts[1] != prompts[2] == prompts[3]
@@ -116,9 +116,9 @@ def test_two_processes_hold_one_processs_groups_whole_and_stay_in_sync(tiny_mode
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     ranks = [torch.load(tmp_path / f"0.{r}.pt", weights_only=False) for r in (0, 1)]
-    asked, sample = [], data.sample           # one process, 8 samples: the same seed, the same prompt order
-    monkeypatch.setattr(data, "sample", lambda model, tokenizer, prompts, *a, **k: asked.append(list(prompts)) or
-                        sample(model, tokenizer, prompts, *a, **k))
+    asked, encode = [], data.encode_prompts   # one process, 8 samples: the same seed, the same prompt order
+    monkeypatch.setattr(data, "encode_prompts", lambda tokenizer, prompts, *a, **k: asked.append(list(prompts)) or
+                        encode(tokenizer, prompts, *a, **k))
     ppo.main(*ppo_args(tiny_models, tmp_path / "one", steps=2, advantage="group", group_size=2, rollout_batch_size=8,
                       eval_every=1000))
     for step in range(2):

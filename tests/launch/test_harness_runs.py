@@ -8,7 +8,7 @@ import harness
 
 @pytest.mark.launch
 def test_a_non_finite_loss_on_one_process_is_seen_by_every_process(tmp_path):
-    """harness.all_finite reduces over the processes: under a 2-process launch, a NaN on rank 1 alone makes
+    """harness.stop_unless_finite reduces over the processes: under a 2-process launch, a NaN on rank 1 alone makes
     both ranks stop (a rank that raised alone would leave the other waiting in its next collective)."""
     import subprocess
     import textwrap
@@ -22,8 +22,14 @@ def test_a_non_finite_loss_on_one_process_is_seen_by_every_process(tmp_path):
         acc = harness.make_accelerator()
         loss = torch.tensor(float("nan") if acc.process_index == 1 else 1.0)
         ok = torch.tensor(2.0)
-        print(f"rank {{acc.process_index}}: nan seen {{not harness.all_finite(acc, ok, loss)}}, "
-              f"finite seen {{harness.all_finite(acc, ok)}}", flush=True)
+
+        def stops(*tensors):
+            try:
+                harness.stop_unless_finite(acc, "loss at iteration 3", "out", *tensors)
+            except FloatingPointError as e:
+                return "loss at iteration 3" in str(e) and "out/checkpoint" in str(e)
+            return False
+        print(f"rank {{acc.process_index}}: nan seen {{stops(ok, loss)}}, finite seen {{not stops(ok)}}", flush=True)
         acc.wait_for_everyone()                      # neither rank leaves while the other still talks to it
         torch.distributed.destroy_process_group()
     """))

@@ -306,6 +306,35 @@ def test_sampling_ignores_a_saved_generation_config_that_would_change_the_distri
     assert torch.allclose(logp[r_mask.bool()], gen_logp[r_mask.bool()], atol=1e-4)
 
 
+def test_the_policys_own_generation_config_leaves_nothing_to_the_saved_one(policy, tokenizer, tmp_path):
+    """ppo.py's step 1: data.own_generation_config makes the rollout's config the model's own, so that a plain
+    generate() with it (no swap) draws what data.sample draws from the plain model, whatever the saved file says
+    (repetition_penalty=1.3 here), with the warning; without it, generate() would take the saved penalty."""
+    import copy
+    peaked = copy.deepcopy(policy)
+    with torch.no_grad():
+        peaked.model.embed_tokens.weight.mul_(30)          # peaked logits: repeats likely, the penalty bites
+    peaked.save_pretrained(tmp_path / "penalized")
+    peaked.generation_config.repetition_penalty = 1.3
+    peaked.generation_config.save_pretrained(tmp_path / "penalized")
+    p_ids, p_mask, _ = data.encode_prompts(tokenizer, PROMPTS, 32)
+    P, draws = p_ids.shape[1], []
+    for own in (False, True):
+        penalized = type(policy).from_pretrained(tmp_path / "penalized").eval()
+        with pytest.warns(UserWarning, match="repetition_penalty"):
+            config = (data.own_generation_config(penalized, tokenizer, 24, 0.7, 0, 1.0) if own else
+                      data.generation_config(penalized, 24, 0.7, 0, 1.0, False, tokenizer.pad_token_id,
+                                             tokenizer.eos_token_id))
+        assert (penalized.generation_config is config) == own
+        torch.manual_seed(3)
+        draws.append(penalized.generate(input_ids=p_ids, attention_mask=p_mask, generation_config=config)[:, P:])
+    torch.manual_seed(3)
+    plain = data.sample(type(policy).from_pretrained(tmp_path / "penalized").eval(), tokenizer, PROMPTS, 32, 24,
+                        temperature=0.7)[2]
+    assert torch.equal(data.cut_after_eos(draws[1], tokenizer.eos_token_id, tokenizer.pad_token_id)[0], plain)
+    assert not torch.equal(draws[0], draws[1])      # the saved penalty, had the config not been the model's own
+
+
 def test_training_warns_when_the_policys_replies_are_degenerate(tiny_models, parrot, capsys):
     """ppo.py's held-out evaluation (evaluate.during_training) of a policy that says one word over and over: its distinct-2 is below half
     the SFT model's, and the log says so, what it means and what to do."""
