@@ -16,6 +16,7 @@ ppo.py's held-out evaluation and final report are here too (`held_out`, `final_r
 evaluation samples through `sample_responses` and scores the decoded text, so that policies, the
 dataset's chosen responses and LLM judges are all compared on the same footing.
 """
+import contextlib
 import functools
 import glob
 import hashlib
@@ -350,15 +351,19 @@ class LLMJudge:
 
 @torch.no_grad()
 def sample_responses(model, tokenizer, prompts, seed, max_prompt_len, max_response_len, temperature,
-                     top_k=0, top_p=1.0, synced_gpus=False, chunk=256):
+                     top_k=0, top_p=1.0, synced_gpus=False, chunk=256, batches=None):
     """Responses (text) to `prompts`, sampled under their own seed (forked RNG: evaluating never
-    changes a training run's random numbers), `chunk` prompts per generate call."""
+    changes a training run's random numbers), `chunk` prompts per generate call. Given a list `batches`,
+    each call's (prompt ids, prompt mask, response ids, response mask) is appended to it."""
     texts = []
     with torch.random.fork_rng():
         torch.manual_seed(seed)
         for i in range(0, len(prompts), chunk):
-            r_ids = data.sample(model, tokenizer, prompts[i:i + chunk], max_prompt_len, max_response_len,
-                                temperature, top_k, top_p, synced_gpus=synced_gpus)[2]
+            p_ids, p_mask, r_ids, r_mask, _ = data.sample(model, tokenizer, prompts[i:i + chunk], max_prompt_len,
+                                                          max_response_len, temperature, top_k, top_p,
+                                                          synced_gpus=synced_gpus)
+            if batches is not None:
+                batches.append((p_ids, p_mask, r_ids, r_mask))
             texts += tokenizer.batch_decode(r_ids, skip_special_tokens=True)
     return texts
 
@@ -376,14 +381,14 @@ class Sampling:
     seed: int = 1234
 
 
-def held_out(policy, reward_model, tokenizer, rows, sampling, seed, synced_gpus=False, segmenter=None):
+def held_out(policy, reward_model, tokenizer, rows, sampling, seed, synced_gpus=False, segmenter=None, batches=None):
     """ppo.py's evaluation: held-out rows -> (responses, score, second score); RM score and gold score
     (tasks with a gold judge: chitchat, count; else None), or for code tasks the execution reward and
     pass (1.0 / 0.0). Sampled as in training (`sampling`: a Sampling) under `seed`. With `segmenter` (a
-    segment RM's `segment_rewards.segmenter`) the RM score is e(x, y)."""
+    segment RM's `segment_rewards.segmenter`) the RM score is e(x, y). `batches`: as in sample_responses."""
     prompts, sp = [r["prompt"] for r in rows], sampling
     texts = sample_responses(policy, tokenizer, prompts, seed, sp.max_prompt_len, sp.max_response_len,
-                             sp.temperature, sp.top_k, sp.top_p, synced_gpus)
+                             sp.temperature, sp.top_k, sp.top_p, synced_gpus, batches=batches)
     if sp.task in data.CODE_TASKS:
         return (texts, *map(torch.tensor, sandbox.execution_reward(rows, texts)))
     scores = rm.score(reward_model, tokenizer, prompts, texts, sp.max_prompt_len, sp.max_response_len,
@@ -393,23 +398,19 @@ def held_out(policy, reward_model, tokenizer, rows, sampling, seed, synced_gpus=
 
 
 @torch.no_grad()
-def held_out_kl(policy, ref, tokenizer, rows, sampling, synced_gpus=False, chunk=256):
+@torch.no_grad()
+def held_out_kl(policy, ref, batches, temperature):
     """eval/kl: per prompt, KL(x) = sum_t log pi(y_t | x, y_<t) - log pi_sft(y_t | x, y_<t) at the sampling
-    temperature (ppo.py's step 2, its `response_logprobs`), on the very replies `held_out` judged: sampled again under
-    the same seed and chunks (forked RNG, so the run's random numbers are untouched). One reply can give a negative
-    KL(x); the mean estimates the KL. `ref` None (LoRA): the policy with its adapters off, which is the SFT model."""
+    temperature (ppo.py's step 2, its `response_logprobs`), on the very replies `held_out` judged (the `batches` it
+    appended: not sampled again). One reply can give a negative KL(x); the mean estimates the KL. `ref` None (LoRA):
+    the policy with its adapters off, which is the SFT model."""
     from ppo import response_logprobs       # a lazy import: ppo.py imports this module
-    sp, kls = sampling, []
-    with torch.random.fork_rng():
-        torch.manual_seed(sp.seed)
-        for i in range(0, len(rows), chunk):
-            p_ids, p_mask, r_ids, r_mask, _ = data.sample(policy, tokenizer, [r["prompt"] for r in rows[i:i + chunk]],
-                                                          sp.max_prompt_len, sp.max_response_len, sp.temperature,
-                                                          sp.top_k, sp.top_p, synced_gpus=synced_gpus)
-            ids, mask, width = torch.cat([p_ids, r_ids], 1), torch.cat([p_mask, r_mask], 1), p_ids.shape[1]
-            with policy.disable_adapter() if ref is None else torch.no_grad():
-                ref_logp = response_logprobs(policy if ref is None else ref, ids, mask, width, sp.temperature)[0]
-            kls.append(((response_logprobs(policy, ids, mask, width, sp.temperature)[0] - ref_logp) * r_mask).sum(-1))
+    kls = []
+    for p_ids, p_mask, r_ids, r_mask in batches:
+        ids, mask, width = torch.cat([p_ids, r_ids], 1), torch.cat([p_mask, r_mask], 1), p_ids.shape[1]
+        with policy.disable_adapter() if ref is None else contextlib.nullcontext():
+            ref_logp = response_logprobs(policy if ref is None else ref, ids, mask, width, temperature)[0]
+        kls.append(((response_logprobs(policy, ids, mask, width, temperature)[0] - ref_logp) * r_mask).sum(-1))
     return torch.cat(kls)
 
 
@@ -474,9 +475,10 @@ def during_training(metrics, sampling, *, accelerator, policy, reward_model, tok
     harness.release_freed_memory(acc.device, at_least=0)    # the held-out generation starts lean
     if acc.is_main_process or sharded:               # sharded weights: every rank takes part
         with harness.generation_model(acc, policy, gather) as (model, synced):
+            batches = []        # the judged replies' ids: eval/kl reads the same replies
             texts, scores, second = held_out(model.eval(), reward_model, tokenizer, eval_rows, sampling, sampling.seed,
-                                             synced, segmenter)
-            kl = held_out_kl(model, sft[0], tokenizer, eval_rows, sampling, synced)    # beside the batches' kl
+                                             synced, segmenter, batches)
+            kl = held_out_kl(model, sft[0], batches, sampling.temperature)    # beside the training batches' kl
     if acc.is_main_process:
         key, second_key = ("exec", "pass@1") if code else ("rm", "gold")
         metrics[f"eval/{key}"], metrics["eval/kl"] = round(scores.mean().item(), 4), round(kl.mean().item(), 4)

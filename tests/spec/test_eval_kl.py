@@ -71,3 +71,13 @@ def test_eval_kl_under_lora_reads_the_policy_with_its_adapters_off(tiny_models, 
                 p.add_(10 * torch.randn_like(p))
     moved = run_evaluation(tiny_models, policy.eval(), None)[0]["eval/kl"]
     assert moved > 0 and moved == run_evaluation(tiny_models, policy.eval(), load(tiny_models / "sft"))[0]["eval/kl"]
+
+
+def test_an_evaluation_samples_the_policy_once(tiny_models, parrot, monkeypatch):
+    """eval/kl reads the replies the evaluation judged (their ids kept), not a second sampling of them: one
+    data.sample call of the policy per evaluation (the SFT model's replies aside, measured once a run)."""
+    policy = load(parrot)
+    sampled, sample = [], data.sample
+    monkeypatch.setattr(data, "sample", lambda model, *a, **k: sampled.append(model) or sample(model, *a, **k))
+    metrics, *_ = run_evaluation(tiny_models, policy, load(tiny_models / "sft"))
+    assert sum(m is policy for m in sampled) == 1 and metrics["eval/kl"] > 1.0
