@@ -1578,7 +1578,7 @@ def arms_table(h, done, by_arm, key):
 
 def matched_kl_table(args, h, records, result):
     """Each arm against its partner PPO, paired by seed: final KLs (run_kl) and how many pairs are within MATCH of each
-    other, the final policies' mean score, the arm minus PPO and the win rate (seed-then-prompt bootstrap), the
+    other, the final policies' mean score, the arm minus PPO and the win rate (compare: prompts crossed with seeds), the
     iterations to the thresholds `h.matched_kl`; every pair by seed; then the comparison at equal KL two ways
     (equal_kl_fits): over every run of the hypothesis when its arms are one method at several KLs or betas, or per
     method (arms_of) against PPO when they are several methods, with a table of those (arms_table)."""
@@ -1605,8 +1605,8 @@ def matched_kl_table(args, h, records, result):
              f"larger final KL is at most {MATCH:g} times the smaller. Final {key}: the final policies' mean on "
              f"{n_prompts} held-out prompts (one sampling seed); {arm} minus {ppo_name} and the win rate paired by "
              "seed, "
-             "95% intervals from a seed-then-prompt bootstrap (t with seeds - 1 degrees of freedom on its standard "
-             f"error); iterations to reach {metric} {thresholds} (median over seeds, the seeds that reach it).", "",
+             "95% intervals whose standard error has a seed part and the prompt part every seed shares (prompts "
+             f"crossed with seeds; t with seeds - 1 degrees of freedom); iterations to reach {metric} {thresholds} (median over seeds, the seeds that reach it).", "",
              f"| held at | configuration | seeds | final KL | pairs at matched KL | final mean {key} | minus PPO's, "
              f"same seed [95% CI] | win rate vs PPO [95% CI] | iterations to {metric} {thresholds} |", "|---" * 9 + "|"]
     by_seed = ["", f"Every pair by seed: final KL and final mean {key}, {ppo_name} / {arm}.", "",
@@ -1965,7 +1965,7 @@ def final_table(h, records, result):
     base_runs = [r for r in records.get(base.name, []) if r]
     n_prompts = next((len(r["final"][key]) for c in h.configs for r in records.get(c.name, []) if r), 0)
     lines = ["", f"The final policies on {n_prompts} held-out prompts (mean {key} per seed, then over seeds), "
-             "and this minus PPO's, paired by seed (95% interval from a seed-then-prompt bootstrap):", "",
+             "and this minus PPO's, paired by seed (95% interval: a seed part and the prompt part every seed shares):", "",
              f"| configuration | seeds | final mean {key} | minus PPO's, same seed [95% CI] | seeds paired |",
              "|---" * 5 + "|"]
     for config in h.configs:
@@ -2005,7 +2005,7 @@ def paired_table(h, records, result):
              "shares, "
              f"are not counted; a description, no verdict), and the {win_key} win rate of the final policies against "
              "it (95% "
-             "interval from a seed-then-prompt bootstrap).", "",
+             "interval: a seed part and the prompt part every seed shares).", "",
              "| configuration | against | seeds | first-half mean gap | win rate [95% CI] |", "|---" * 5 + "|"]
     for config in h.configs[1:]:
         if config.is_ppo:
