@@ -5,11 +5,12 @@ peak RSS, on the same SFT and RM folders, prompts, batch, lengths and LoRA setti
         [--steps 4] [--trl_python /path/to/trl-venv/bin/python] [--sides ours,trl] [--record FILE] [--lora_r 0]
         [--arms group]                                           # GRPO: ours' group arm against TRL's GRPOTrainer
     python bench/real_ppo.py --show bench/records/real_ppo.json      # the committed baseline's table
-    python bench/real_ppo.py --tiny [--rounds 2] [--arms gae,group,mc] [--configs 1x1,2x2]   # no folders needed
+    python bench/real_ppo.py --tiny [--rounds 2] [--arms gae,group,mc] [--configs 1x1,2x2] [--record FILE]
+    python bench/real_ppo.py --show bench/records/tiny_grpo.json     # a --tiny record's tables
 
 --record writes the sitting's figures with what they depend on (commit, command, versions, threads, load
 average, the weights' hashes): bench/records/real_ppo.json is the baseline that docs/real_models.md quotes
-and that changes to the real-model path are compared with.
+and that changes to the real-model path are compared with. Under --tiny it holds every round's summaries.
 
 Sizes: 16 prompts (at most 48 tokens, the chat template's), at most 64 new tokens, temperature 0.8, one
 PPO epoch over one minibatch of 16, LoRA r=16 (alpha 16) on every linear layer of the policy and of the
@@ -441,9 +442,24 @@ def run_side(cli, side, batches, tmp, result, *flags, log=None):
               open(result, "w"))
 
 
+def sitting(cli):
+    """What every record says it came from: the command, the commit (and whether the tree differed from it), when,
+    the machine's CPUs and its load average."""
+    return {"command": " ".join(["python", os.path.relpath(__file__, ROOT), *sys.argv[1:]]),
+            "commit": git("rev-parse", "HEAD"), "dirty": bool(git("status", "--porcelain", "--untracked-files=no")),
+            "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "cpus": os.cpu_count(),
+            "load_average": [round(x, 2) for x in os.getloadavg()]}
+
+
 def tiny_main(cli):
     """--tiny: the random models built, then for every round, each update configuration (--configs) and each arm
-    (ours' advantage kinds, TRL beside gae) one process, interleaved; a table per round, ratios from its sitting."""
+    (ours' advantage kinds, TRL's trainers beside gae and group) one process, interleaved; a table per round, ratios
+    from its sitting. --record: every round's summaries with the sitting's command, commit, versions and load."""
+    record = {**sitting(cli), "sizes": {**{k: TINY[k] for k in ("prompts", "prompt_len", "new_tokens", "hidden",
+                                                                "layers", "vocab")},
+                                        "threads": cli.threads, "steps": cli.steps, "temperature": TEMPERATURE,
+                                        "lr": LR, "seed": SEED, "group_size": K},
+              "rounds": []}
     tmp = tempfile.mkdtemp(prefix="real_ppo_tiny_")
     keep = cli.results_dir or tmp
     os.makedirs(keep, exist_ok=True)
@@ -477,10 +493,24 @@ def tiny_main(cli):
                          str(minibatches), "--advantage", arm, "--threads", str(cli.threads),
                          log=result[:-len(".json")] + ".log")
                 summaries[name] = side_summary(json.load(open(result)))
-            print(f"\nround {rnd + 1}, {epochs} epoch(s) x {minibatches} minibatch(es) of "
-                  f"{z['prompts'] // minibatches}\n")
-            print(tiny_table(summaries), flush=True)
+            record["rounds"].append({"round": rnd + 1, "update": f"{epochs}x{minibatches}", "arms": summaries})
+            print(tiny_tables({"rounds": record["rounds"][-1:]}), flush=True)
     print(f"\nraw: {keep}/round<k>_<epochs>x<minibatches>_<arm>.json (and .log, its output)")
+    if cli.record:
+        record["load_average_end"] = [round(x, 2) for x in os.getloadavg()]
+        with open(cli.record, "w") as f:
+            json.dump(record, f, indent=1)
+        print(f"record: {cli.record}")
+
+
+def tiny_tables(record):
+    """A --tiny record's tables (each round and update configuration), as the sitting printed them."""
+    parts = []
+    for r in record["rounds"]:
+        epochs, minibatches = (int(x) for x in r["update"].split("x"))
+        parts.append(f"\nround {r['round']}, {epochs} epoch(s) x {minibatches} minibatch(es) of "
+                     f"{TINY['prompts'] // minibatches}\n\n{tiny_table(r['arms'])}")
+    return "\n".join(parts)
 
 
 def tiny_table(summaries):
@@ -519,7 +549,8 @@ def main():
     parser.add_argument("--results_dir", default="", help="keep each side's timings here (<side>.json) and print the "
                         "table of every side found there: one side per call, e.g. with a pause in between (--tiny: keeps its files)")
     parser.add_argument("--record", default="", help="also write the record (JSON) here: the table's figures, every "
-                        "iteration, commit, command, versions, threads, load, the folders' weights hashes")
+                        "iteration, commit, command, versions, threads, load, the folders' weights hashes (--tiny: "
+                        "every round's)")
     parser.add_argument("--show", default="", help="print the table of a record written by --record, and exit")
     parser.add_argument("--tiny", action="store_true", help="the tiny sizes instead: random models built here, "
                         "1x1 and 2x2 updates, TRL without its venv skipped")
@@ -544,7 +575,8 @@ def main():
     parser.add_argument("--advantage", default="gae", help=argparse.SUPPRESS)
     cli = parser.parse_args()
     if cli.show:
-        print(table(json.load(open(cli.show))))
+        record = json.load(open(cli.show))
+        print(tiny_tables(record) if "rounds" in record else table(record))
         return
     cli.steps = cli.steps or (6 if cli.tiny else 4)
     if cli.steps < 2:
@@ -567,8 +599,6 @@ def main():
                 TINY["prompts"] % int(c.split("x")[1]) for c in cli.configs.split(",")):
             parser.error(f"--configs {cli.configs}: <epochs>x<minibatches>, separated by commas, the minibatches "
                          f"dividing the {TINY['prompts']} samples (e.g. 1x1,2x2)")
-        if cli.record:
-            parser.error("--record: the SmolLM2 sizes only (--tiny prints its tables; --results_dir keeps the raw)")
         return tiny_main(cli)
     if cli.arms not in TRL_ARMS:
         parser.error(f"--arms {cli.arms}: at the SmolLM2 sizes one of {', '.join(TRL_ARMS)} (the arms TRL has)")
@@ -576,10 +606,7 @@ def main():
         parser.error("--sft_path and --rm_path are required (unless --show or --tiny)")
     if "trl" in cli.sides.split(",") and not os.path.exists(cli.trl_python):
         sys.exit(f"error: --trl_python {cli.trl_python!r} does not exist: make TRL's venv first (see --help)")
-    record = {"command": " ".join(["python", os.path.relpath(__file__, ROOT), *sys.argv[1:]]),
-              "commit": git("rev-parse", "HEAD"), "dirty": bool(git("status", "--porcelain", "--untracked-files=no")),
-              "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "cpus": os.cpu_count(),
-              "load_average": [round(x, 2) for x in os.getloadavg()],
+    record = {**sitting(cli),
               "sizes": {"prompts": B, "max_prompt_len": PROMPT, "max_new_tokens": RESPONSE, "lora_r": cli.lora_r,
                         "temperature": TEMPERATURE, "lr": LR, "seed": SEED, "steps": cli.steps,
                         **({"arm": "group", "group_size": K} if cli.arms == "group" else {})},

@@ -147,3 +147,14 @@ def test_ours_group_arm_reports_the_split_and_samples_the_prompts_trl_is_given(t
     assert [len(b) for b in trl_batches] == [4, 4]
     assert sampled == [[ids for ids in batch for _ in range(bench.K)] for batch in trl_batches]
     assert sampled[0] != sampled[1]
+
+
+def test_a_tiny_record_prints_every_rounds_table_as_the_sitting_did():
+    """--show of a --tiny record: each round and update configuration under its heading, its table and ratios."""
+    bench = real_ppo()
+    arms = {"ours group": summary(0.6, 700), "trl grpo": summary(0.8, 560)}
+    shown = bench.tiny_tables({"rounds": [{"round": 1, "update": "1x1", "arms": arms},
+                                          {"round": 2, "update": "2x2", "arms": {"ours group": summary(0.9, 650)}}]})
+    first, second = shown.split("round 2, 2 epoch(s) x 2 minibatch(es) of 8")
+    assert first.startswith("\nround 1, 1 epoch(s) x 1 minibatch(es) of 16\n\n" + bench.tiny_table(arms))
+    assert "ours group / TRL grpo: 0.75x" in first and "/ TRL" not in second and "| ours group | 0.300" in second
