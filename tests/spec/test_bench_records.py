@@ -83,3 +83,78 @@ def test_real_ppo_refuses_a_lora_rank_it_cannot_run():
         done = subprocess.run([sys.executable, str(ROOT / "bench" / "real_ppo.py"), *flags], capture_output=True,
                               text=True)
         assert done.returncode == 2 and f"--lora_r {flags[flags.index('--lora_r') + 1]}: a rank >= 0" in done.stderr
+
+
+def test_real_ppo_refuses_an_arm_trl_has_not_at_the_smollm2_sizes():
+    """At the SmolLM2 sizes one arm a sitting, gae (TRL's PPOTrainer beside it) or group (its GRPOTrainer)."""
+    import subprocess
+    import sys
+    for arms in ("mc", "gae,group"):
+        done = subprocess.run([sys.executable, str(ROOT / "bench" / "real_ppo.py"), "--sft_path", "x", "--rm_path", "y",
+                               "--arms", arms], capture_output=True, text=True)
+        assert done.returncode == 2 and f"--arms {arms}: at the SmolLM2 sizes one of gae, group" in done.stderr
+
+
+def summary(total, rss, tokens=512):
+    phase = {"wall": total / 3, "cpu": total / 3}
+    return {"median_s": {"generate": phase, "forwards": phase, "update": phase, "total": {"wall": total, "cpu": total}},
+            "peak_rss_mb": rss, "tokens": tokens}
+
+
+def test_tiny_table_sets_each_arm_against_the_trl_trainer_matched_with_it():
+    """ours gae against TRL's PPOTrainer, ours group against its GRPOTrainer, never across; tokens shown."""
+    table = real_ppo().tiny_table({"ours gae": summary(1.0, 800), "trl ppo": summary(2.0, 1000),
+                                   "ours group": summary(0.6, 700), "trl grpo": summary(0.8, 560, 500)})
+    assert "ours gae / TRL ppo: 0.50x the s/iteration (0.50x its CPU s), 0.80x the peak RSS" in table
+    assert "ours group / TRL grpo: 0.75x the s/iteration (0.75x its CPU s), 1.25x the peak RSS" in table
+    assert "| trl grpo | 0.267 (0.267) | 0.267 (0.267) | 0.267 (0.267) | **0.800 (0.800)** | 500 | 560 |" in table
+    assert "group / gae: 0.60x" in table
+    alone = real_ppo().tiny_table({"ours group": summary(0.6, 700), "trl ppo": summary(2.0, 1000)})
+    assert "/ TRL" not in alone                           # group is never set against PPOTrainer
+
+
+def test_ours_group_arm_reports_the_split_and_samples_the_prompts_trl_is_given(tiny_models, tmp_path, monkeypatch):
+    """bench/real_ppo.py's ours side, --advantage group at the tiny sizes: every iteration split into generate /
+    forwards / update within its total, with the tokens it generated; and the prompts of each rollout are the ones
+    our_batches hands TRL's GRPOTrainer (4 a step, each sampled K=4 times in adjacent rows), token for token."""
+    import argparse
+    import data
+    import harness
+    import ppo
+    bench = real_ppo()
+    for module, name in ((harness, "Stopwatch"), (ppo.evaluate, "during_training"), (ppo, "finish"),
+                         (data, "sample")):
+        monkeypatch.setattr(module, name, getattr(module, name))     # the side patches them: put back after
+    cli = argparse.Namespace(tiny=True, task="chitchat", sft_path=str(tiny_models / "sft"),
+                             rm_path=str(tiny_models / "rm"), steps=2, tmp=str(tmp_path), lora_r=0, minibatches=1,
+                             epochs=1, advantage="group", threads=1)
+    sampled, sample = [], data.sample
+
+    def seen(model, tokenizer, prompts, max_prompt_len, *a, **k):
+        ids, mask, _ = data.encode_prompts(tokenizer, prompts, max_prompt_len)
+        sampled.append([row[m.bool()].tolist() for row, m in zip(ids, mask)])
+        return sample(model, tokenizer, prompts, max_prompt_len, *a, **k)
+
+    monkeypatch.setattr(data, "sample", seen)
+    result = bench.ours(cli)
+    its = result["iterations"]
+    assert len(its) == 2 and result["peak_rss_mb"] > 0
+    for i in its:
+        parts = [i[k] for k in ("generate", "forwards", "update")]
+        assert all(p > 0 for p in parts) and sum(parts) <= i["total"] + 1e-3
+        assert i["tokens"] == round(i["response_len"] * 16) and 1 <= i["longest"] <= 32
+    trl_batches = bench.our_batches(cli, bench.K)
+    assert [len(b) for b in trl_batches] == [4, 4]
+    assert sampled == [[ids for ids in batch for _ in range(bench.K)] for batch in trl_batches]
+    assert sampled[0] != sampled[1]
+
+
+def test_a_tiny_record_prints_every_rounds_table_as_the_sitting_did():
+    """--show of a --tiny record: each round and update configuration under its heading, its table and ratios."""
+    bench = real_ppo()
+    arms = {"ours group": summary(0.6, 700), "trl grpo": summary(0.8, 560)}
+    shown = bench.tiny_tables({"rounds": [{"round": 1, "update": "1x1", "arms": arms},
+                                          {"round": 2, "update": "2x2", "arms": {"ours group": summary(0.9, 650)}}]})
+    first, second = shown.split("round 2, 2 epoch(s) x 2 minibatch(es) of 8")
+    assert first.startswith("\nround 1, 1 epoch(s) x 1 minibatch(es) of 16\n\n" + bench.tiny_table(arms))
+    assert "ours group / TRL grpo: 0.75x" in first and "/ TRL" not in second and "| ours group | 0.300" in second

@@ -313,3 +313,21 @@ def test_termination_starts_picks_each_termination_by_name_and_refuses_an_unknow
     assert torch.equal(randomized, ma.randomized_ngram_starts(mask, generator=torch.Generator().manual_seed(1)))
     with pytest.raises(ValueError, match="unknown termination 'bigram'"):
         ma.termination_starts("bigram", mask)
+
+
+def test_entropy_in_place_is_the_plain_formula_bit_for_bit():
+    """ma.entropy multiplies in one buffer of its own: the same bits as -(p * logp, 0 where p is 0).sum(-1), the input
+    untouched, no gradient; a logit of -inf (probability 0) adds 0."""
+    torch.manual_seed(0)
+    logits = torch.randn(3, 5, 4096, requires_grad=True)
+    logp = (logits / 0.8).log_softmax(-1)
+    with torch.no_grad():
+        logp_inf = logp.clone()
+        logp_inf[0, 0, :7] = float("-inf")
+    for x in (logp, logp_inf):
+        before = x.detach().clone()
+        p = x.detach().exp()
+        plain = -(p * x.detach().masked_fill(p == 0, 0.0)).sum(-1)
+        got = ma.entropy(x)
+        assert torch.equal(got, plain) and torch.isfinite(got).all() and not got.requires_grad
+        assert torch.equal(x.detach(), before)
