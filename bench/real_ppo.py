@@ -155,7 +155,7 @@ def ours(cli):
     sys.path.insert(0, ROOT)
     import harness
     import ppo
-    cpu = []            # the CPU seconds of every phase, beside ppo.py's wall-clock laps
+    cpu, now = [], [None]   # the CPU seconds of every phase, beside ppo.py's wall-clock laps; the phase running
 
     class Both(harness.Stopwatch):
         def __init__(self, device=None):
@@ -165,21 +165,22 @@ def ours(cli):
 
         @contextlib.contextmanager
         def phase(self, name):
-            start = time.process_time()
+            start, now[0] = time.process_time(), name
             with super().phase(name):
                 yield
             self.cpu_laps[name] = self.cpu_laps.get(name, 0.0) + time.process_time() - start
 
     harness.Stopwatch = Both
-    sampled, sample = [], ppo.data.sample       # each rollout's generated tokens (EOS included), its longest response
+    sampled, cut = [], ppo.data.cut_after_eos    # each rollout's generated tokens (EOS included), its longest response
 
     def counted(*a, **k):
-        out = sample(*a, **k)
-        lengths = out[3].sum(-1)
-        sampled.append({"tokens": int(lengths.sum()), "longest": int(lengths.max())})
+        out = cut(*a, **k)
+        if now[0] == "generate":        # the rollout's responses (not --advantage mc's continuations)
+            lengths = out[1].sum(-1)
+            sampled.append({"tokens": int(lengths.sum()), "longest": int(lengths.max())})
         return out
 
-    ppo.data.sample = counted
+    ppo.data.cut_after_eos = counted
     ppo.evaluate.during_training = lambda *a, **k: None     # the loop only: no held-out evaluation,
     ppo.finish = lambda *a, **k: None                # no final report
     out = os.path.join(cli.tmp, "ours")

@@ -123,20 +123,21 @@ def test_ours_group_arm_reports_the_split_and_samples_the_prompts_trl_is_given(t
     import ppo
     bench = real_ppo()
     for module, name in ((harness, "Stopwatch"), (ppo.evaluate, "during_training"), (ppo, "finish"),
-                         (data, "sample")):
+                         (data, "cut_after_eos")):
         monkeypatch.setattr(module, name, getattr(module, name))     # the side patches them: put back after
     cli = argparse.Namespace(tiny=True, task="chitchat", sft_path=str(tiny_models / "sft"),
                              rm_path=str(tiny_models / "rm"), steps=2, tmp=str(tmp_path), lora_r=0, minibatches=1,
                              epochs=1, advantage="group", threads=1)
-    sampled, sample = [], data.sample
+    sampled, encode = [], data.encode_prompts
 
-    def seen(model, tokenizer, prompts, max_prompt_len, *a, **k):
-        ids, mask, _ = data.encode_prompts(tokenizer, prompts, max_prompt_len)
+    def seen(tokenizer, prompts, max_prompt_len, *a, **k):
+        ids, mask, n_cut = encode(tokenizer, prompts, max_prompt_len, *a, **k)
         sampled.append([row[m.bool()].tolist() for row, m in zip(ids, mask)])
-        return sample(model, tokenizer, prompts, max_prompt_len, *a, **k)
+        return ids, mask, n_cut
 
-    monkeypatch.setattr(data, "sample", seen)
+    monkeypatch.setattr(data, "encode_prompts", seen)
     result = bench.ours(cli)
+    rollouts = list(sampled)        # our_batches below encodes prompts too
     its = result["iterations"]
     assert len(its) == 2 and result["peak_rss_mb"] > 0
     for i in its:
@@ -145,8 +146,8 @@ def test_ours_group_arm_reports_the_split_and_samples_the_prompts_trl_is_given(t
         assert i["tokens"] == round(i["response_len"] * 16) and 1 <= i["longest"] <= 32
     trl_batches = bench.our_batches(cli, bench.K)
     assert [len(b) for b in trl_batches] == [4, 4]
-    assert sampled == [[ids for ids in batch for _ in range(bench.K)] for batch in trl_batches]
-    assert sampled[0] != sampled[1]
+    assert rollouts == [[ids for ids in batch for _ in range(bench.K)] for batch in trl_batches]
+    assert rollouts[0] != rollouts[1]
 
 
 def test_a_tiny_record_prints_every_rounds_table_as_the_sitting_did():
