@@ -531,10 +531,10 @@ def tiny_table(summaries):
     lines.append("")
     for arm, trainer in TRL_ARMS.items():
         if f"ours {arm}" in summaries and f"trl {trainer}" in summaries:
-            lines.append(f"ours {arm} / TRL {trainer}: {ratio(f'ours {arm}', f'trl {trainer}')}")
+            lines.append(f"- ours {arm} / TRL {trainer}: {ratio(f'ours {arm}', f'trl {trainer}')}")
     for name in summaries:
         if name.startswith("ours") and name != "ours gae" and "ours gae" in summaries:
-            lines.append(f"{name.split()[1]} / gae: {ratio(name, 'ours gae')}")
+            lines.append(f"- {name.split()[1]} / gae: {ratio(name, 'ours gae')}")
     return "\n".join(lines)
 
 

@@ -777,6 +777,10 @@ UNRECORDED = {
     "(its table tested)",
     ("docs/real_models.md", "Here ours is the slower side"): "bench/records/real_ppo_full.json and real_ppo.json "
     "(their tables tested), and differences of their medians",
+    ("docs/real_models.md", "**GRPO beside it**"): "bench/records/real_grpo_1.json and real_grpo_2.json: their load "
+    "averages at the start",
+    ("docs/real_models.md", "Under GRPO ours is the slower side"): "bench/records/real_grpo_1.json and real_grpo_2.json "
+    "(their tables tested), their iterations' response lengths, and sums and differences of their medians",
 }
 
 

@@ -32,7 +32,7 @@ def test_a_side_summary_is_the_median_of_the_iterations_after_the_warm_up():
     assert summary["iterations"] == its
 
 
-@pytest.mark.parametrize("name", ["real_ppo.json", "real_ppo_full.json"])
+@pytest.mark.parametrize("name", ["real_ppo.json", "real_ppo_full.json", "real_grpo_1.json", "real_grpo_2.json"])
 def test_the_committed_record_says_what_produced_it(name):
     record = json.loads(RECORD.with_name(name).read_text())
     assert re.fullmatch(r"[0-9a-f]{40}", record["commit"]) and record["command"].startswith("python bench/real_ppo.py")
@@ -44,7 +44,9 @@ def test_the_committed_record_says_what_produced_it(name):
 
 
 def test_real_models_tables_are_printed_from_the_committed_records():
-    for record in (RECORD, RECORD.with_name("real_ppo_full.json")):       # LoRA r=16, and full fine-tuning
+    # LoRA r=16, full fine-tuning, and GRPO against TRL's GRPOTrainer at LoRA r=16 (two sittings)
+    for record in (RECORD, *(RECORD.with_name(n) for n in ("real_ppo_full.json", "real_grpo_1.json",
+                                                            "real_grpo_2.json"))):
         table = real_ppo().table(json.loads(record.read_text()))
         assert table in (ROOT / "docs" / "real_models.md").read_text()
 
@@ -159,3 +161,22 @@ def test_a_tiny_record_prints_every_rounds_table_as_the_sitting_did():
     first, second = shown.split("round 2, 2 epoch(s) x 2 minibatch(es) of 8")
     assert first.startswith("\nround 1, 1 epoch(s) x 1 minibatch(es) of 16\n\n" + bench.tiny_table(arms))
     assert "ours group / TRL grpo: 0.75x" in first and "/ TRL" not in second and "| ours group | 0.300" in second
+
+
+def test_the_grpo_records_set_ours_group_arm_against_trls_grpotrainer_at_the_same_tokens():
+    """The GRPO sittings (tiny: both sides alternated twice; SmolLM2 with LoRA: two records): ours' group arm beside
+    TRL's GRPOTrainer, each side's generation running to the same limit, the tiny tables printed in training.md."""
+    tiny = json.loads((ROOT / "bench" / "records" / "tiny_grpo.json").read_text())
+    assert re.fullmatch(r"[0-9a-f]{40}", tiny["commit"]) and tiny["command"].startswith("python bench/real_ppo.py --tiny")
+    assert [r["round"] for r in tiny["rounds"]] == [1, 2] and all(r["update"] == "1x1" for r in tiny["rounds"])
+    for r in tiny["rounds"]:
+        ours, trl = r["arms"]["ours group"], r["arms"]["trl grpo"]
+        assert "trl" in trl["versions"] and len(ours["iterations"]) == len(trl["iterations"]) == tiny["sizes"]["steps"]
+        assert all(i["longest"] == tiny["sizes"]["new_tokens"] for i in ours["iterations"] + trl["iterations"])
+        assert abs(ours["tokens"] - trl["tokens"]) <= 0.05 * trl["tokens"]
+    assert real_ppo().tiny_tables(tiny) in (ROOT / "docs" / "training.md").read_text()
+    for name in ("real_grpo_1.json", "real_grpo_2.json"):
+        record = json.loads(RECORD.with_name(name).read_text())
+        assert record["sizes"]["arm"] == "group" and record["sizes"]["lora_r"] == 16 and "--arms group" in record["command"]
+        assert all(i["longest"] == record["sizes"]["max_new_tokens"] for side in record["sides"].values()
+                   for i in side["iterations"])
