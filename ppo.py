@@ -99,10 +99,10 @@ ARGS = (PPOArgs, sr.SegmentArgs, cf.CreditArgs, harness.ModelArgs, evaluate.Repo
 def response_logprobs(model, ids, attention_mask, prompt_width, temperature, with_entropy=False):
     """2, 6. log pi(y_t | x, y_<t) of each response token under the sampling distribution (logits / temperature),
     and the policy's entropy there (no graph) if `with_entropy`, else None: both [B, R]."""
-    # the LM head only where a response token is predicted: positions P-1 .. T-2 (no [B, P, V] prompt logits)
-    logits = model(input_ids=ids, attention_mask=attention_mask, position_ids=data.position_ids(attention_mask),
-                   logits_to_keep=ids.shape[1] - prompt_width + 1).logits[:, :-1].float()
-    logp_all = (logits / temperature).log_softmax(-1)
+    # the LM head only where a response token is predicted (positions P-1 .. T-2), its logits freed once read
+    logp_all = (model(input_ids=ids, attention_mask=attention_mask, position_ids=data.position_ids(attention_mask),
+                      logits_to_keep=ids.shape[1] - prompt_width + 1).logits[:, :-1].float() / temperature
+                ).log_softmax(-1)
     logp = logp_all.gather(-1, ids[:, prompt_width:].unsqueeze(-1)).squeeze(-1)
     with torch.no_grad():
         entropy = ma.entropy(logp_all) if with_entropy else None    # -inf-safe: a token of probability 0 adds 0
@@ -359,14 +359,14 @@ def main(args, *extensions):
             ids, attention_mask = torch.cat([p_ids, r_ids], 1), torch.cat([p_mask, r_mask], 1)
             mask, rows = r_mask.float(), [s.rows[i] for i in idx]      # [B, R]; ids, attention_mask [B, P + R]
             with clock.phase("forward"):
-                # 2. Score: the policy's logprobs and the critic's values V(s_t), the reference logprobs, the score
-                logp, entropy, values = scoring_forwards(policy.model, critic and critic.model, ids, attention_mask, P,
-                                                         args.temperature, s.reuse)
-                old_logp, old_values = logp.detach(), values.detach() * mask if critic else None
+                # 2. Score: the reference logprobs and the score, then (graphs last) the policy's and the values V(s_t)
                 with torch.no_grad():
                     ref_logp, sft_entropy = reference_logprobs(s.ref, acc, policy.model, ids, attention_mask, P,
                                                                args.temperature, scorer.reads_sft_entropy)
                     score, dense, segments, stats = scorer(ids, attention_mask, P, rows, sft_entropy)
+                logp, entropy, values = scoring_forwards(policy.model, critic and critic.model, ids, attention_mask, P,
+                                                         args.temperature, s.reuse)
+                old_logp, old_values = logp.detach(), values.detach() * mask if critic else None
                 # 3. Rewards (§2): r_t = -beta * KL_t per token; the score, a missing EOS penalized, at the last token
                 has_eos = ((r_ids == tokenizer.eos_token_id) & mask.bool()).any(-1)
                 penalty = args.missing_eos_penalty * (~has_eos).float()

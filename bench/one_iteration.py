@@ -64,7 +64,8 @@ def run_main(sft_path, rm_path, out):
     rec = Recorder()
     for owner, name in [(data, "encode_prompts"), (data, "cut_after_eos"), (ppo, "response_logprobs"),
                         (ppo, "reference_logprobs"), (rm.Critic, "forward"), (rm.Scorer, "__call__"),
-                        (ma, "termination_starts"), (ma, "macro_rewards"), (ma, "sigma_weights"), (ma, "macro_advantages"), (ma, "whiten"),
+                        (ma, "termination_starts"), (ma, "macro_rewards"), (ma, "sigma_weights"),
+                        (ma, "macro_advantages"), (ma, "whiten"),
                         (ppo, "minibatches"), (ppo, "policy_loss"), (ma, "clipped_policy_loss"), (ppo, "value_loss")]:
         rec.wrap(owner, name)
     rec.wrap(ppo, "iteration_metrics", closes=True)
@@ -140,12 +141,19 @@ def table(header, rows):
                      + ["| " + " | ".join(map(str, r)) + " |" for r in rows]) + "\n"
 
 
+def policy_call(calls):
+    """Of step 2's response_logprobs calls, the policy's: the one that also takes the entropy (the reference's
+    runs first and does not)."""
+    return next(c for c in calls if (c[0][5:6] or [c[1].get("with_entropy")])[0])
+
+
 def tensors(calls, args):
     """The shown iteration's tensors by name, [B, R] unless said, each as main() passed or got it."""
     first = lambda name: calls[name][0]     # noqa: E731  (args, kwargs, result) of the iteration's first call
     (p_ids, p_mask, _), (r_ids, r_mask) = first("encode_prompts")[2], first("cut_after_eos")[2]
     x = dict(p_ids=p_ids, p_mask=p_mask, r_ids=r_ids, mask=r_mask.float(), score=first("__call__")[2][0],
-             old_logp=first("response_logprobs")[2][0].detach(), ref_logp=first("reference_logprobs")[2][0],
+             old_logp=policy_call(calls["response_logprobs"])[2][0].detach(),
+             ref_logp=first("reference_logprobs")[2][0],
              starts=first("termination_starts")[2][0], kl_rewards=first("macro_rewards")[0][0],
              rewards=first("macro_rewards")[2], sigma=first("sigma_weights")[2], whitened=first("whiten")[2],
              order=first("minibatches")[2])       # score [B]; p_ids, p_mask [B, P]; order: each minibatch's rows
@@ -198,7 +206,7 @@ def part_score(x, shown, tokenizer):
     import reward_model as rm
     lines = ["## 2. Score", "", step(2),
              "The logprobs are the policy's and the SFT model's, of each sampled token, at the sampling temperature:",
-             "", code(ppo.response_logprobs, "logits = model(", "squeeze(-1)"),
+             "", code(ppo.response_logprobs, "logp_all = (model(", "squeeze(-1)"),
              "The critic (initialised from the RM) reads V(s_t) for the state before each reply token, at the "
              "position before it; the RM's score is its head at the last real token:", "",
              code(rm.Critic.forward, "values = token_values", "return values"),

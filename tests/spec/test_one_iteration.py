@@ -83,7 +83,7 @@ def test_the_recorded_tensors_are_the_logged_iteration(recorded):
     calls, metrics = recorded[:2]
     assert metrics["step"] == one_iteration.SHOWN + 1
     mask = calls["cut_after_eos"][0][2][1].float()
-    kl = calls["response_logprobs"][0][2][0].detach() - calls["reference_logprobs"][0][2][0]
+    kl = one_iteration.policy_call(calls["response_logprobs"])[2][0].detach() - calls["reference_logprobs"][0][2][0]
     assert metrics["kl"] == pytest.approx(float((kl * mask).sum(-1).mean()), abs=1e-4)
     assert metrics["reward/rm"] == pytest.approx(float(calls["__call__"][0][2][0].mean()), abs=1e-4)
     assert float(kl.abs().max()) > 0     # the policy moved in the first iteration: a KL to show
