@@ -13,21 +13,25 @@ def pytest_configure(config):
     if "slow" not in (config.getoption("markexpr") or ""):
         os.environ.setdefault("OMP_NUM_THREADS", "1")
         os.environ.setdefault("MA_RLHF_CPU_THREADS", "1")
-    if hasattr(config.option, "loadscopereorder"):      # pytest-xdist: hand out files in LONGEST_FIRST's order
+    if hasattr(config.option, "loadscopereorder"):      # pytest-xdist: hand out files in FIRST's order
         config.option.loadscopereorder = False
 
 
-# The files that take longest, most of it in multi-process launches (measured one after another on 2 cores:
-# about 95, 55, 50 and 45 s). `pytest -n 2 --dist loadfile` hands whole files to its two workers in collection
-# order; started first, these overlap with the many short files instead of leaving one worker alone with them
-# at the end. Without -n the order changes nothing but the order.
-LONGEST_FIRST = ("test_ppo_runs.py", "test_gpu_paths_on_cpu_runs.py", "test_scale.py", "test_two_processes.py")
+# The files that start first. `pytest -n 2 --dist loadfile` hands whole files to its two workers in collection
+# order, each worker taking the next file as it finishes one; these go first, the many short files last, so that
+# the two workers end together instead of one of them alone with a long file at the end. Most of the long files'
+# time is multi-process launches, which keep both cores busy (CPU seconds, measured on 2 cores: about 70, 70, 70,
+# 45, 35); test_sandbox_hostile.py starts beside the first of them: most of its ~40 s waits on sandboxed programs
+# that sleep or hold threads, which at the end of the run left a core idle (the launches' processes take that core
+# now). Without -n the order changes nothing but the order.
+FIRST = ("test_gpu_paths_on_cpu_runs.py", "test_sandbox_hostile.py", "test_ppo_runs.py", "test_scale.py",
+         "test_two_processes.py", "test_audit5_runs.py")
 
 
 def pytest_collection_modifyitems(config, items):
     """Slow tests run only when -m names them (python -m pytest -m slow); any other selection leaves them out.
-    The longest files go first (LONGEST_FIRST), each file's tests in their own order."""
-    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    The files of FIRST go first, in its order, each file's tests in their own order."""
+    rank = {name: i for i, name in enumerate(FIRST)}
     items.sort(key=lambda item: rank.get(item.path.name, len(rank)))
     if "slow" in (config.getoption("markexpr") or ""):
         return
