@@ -20,8 +20,8 @@ def pytest_configure(config):
 # The files that start first. `pytest -n 2 --dist loadfile` hands whole files to its two workers in collection
 # order, each worker taking the next file as it finishes one; these go first, the many short files last, so that
 # the two workers end together instead of one of them alone with a long file at the end. Most of the long files'
-# time is multi-process launches, which keep both cores busy (CPU seconds, measured on 2 cores: about 70, 70, 60,
-# 45, 35; test_sandbox.py 25, in sandboxed programs); test_sandbox_hostile.py starts beside the first of them: most
+# time is multi-process launches, which keep both cores busy (CPU seconds on 2 cores, in FIRST's order: about 70,
+# 60, 70, 45, 35; test_sandbox.py 25, in sandboxed programs); test_sandbox_hostile.py starts beside the first: most
 # of its ~40 s waits on sandboxed programs that sleep or hold threads, which at the end of the run left a core idle
 # (the launches' processes take that core now). Without -n the order changes nothing but the order.
 FIRST = ("test_gpu_paths_on_cpu_runs.py", "test_sandbox_hostile.py", "test_ppo_runs.py", "test_scale.py",
@@ -63,6 +63,16 @@ def tiny_lm(tokenizer):
     import sft
     torch.manual_seed(0)
     return sft.tiny_gemma(tokenizer, hidden_size=32, num_layers=2).eval()
+
+
+@pytest.fixture(scope="session")
+def gold_labels():
+    """The embedded task's gold labels (its rm and test splits), labelled in this process into the cache that every
+    stage reads (data.cached_gold_score: runs/cache, or $MA_RLHF_CACHE), unless it holds them already. On a fresh
+    clone a launch that starts several processes at once (test_gpu_paths_on_cpu_runs.py's four, test_scale.py's
+    four) had each of them label the same ~80k texts (~3 CPU-s each)."""
+    import data
+    data.load_chitchat(only=("rm", "test"))
 
 
 @pytest.fixture(scope="session")

@@ -53,7 +53,7 @@ def command_lines(tiny_models, out, machines):
 
 
 @pytest.fixture(scope="module")
-def launches(tiny_models, tmp_path_factory):
+def launches(tiny_models, tmp_path_factory, gold_labels):
     """{1 or 2 machines: {name: (output folder, [what rank 0 printed, rank 1])}}; both launches run at once."""
     procs, runs = {}, {}
     port = free_port()
