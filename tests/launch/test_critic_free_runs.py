@@ -101,7 +101,7 @@ def ranks_launch(tiny_models, tmp_path_factory):
     and 1 in the folder returned), then tests/launch/in_chunks_ranks.py's check (its "in_chunks" subfolder)."""
     import json
     import subprocess
-    from stages import LAUNCH
+    from stages import launch
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     out = tmp_path_factory.mktemp("ranks")
     flags = ["--sft_path", str(tiny_models / "sft"), "--rm_path", str(tiny_models / "rm"), "--mini_batch_size", "2",
@@ -110,8 +110,8 @@ def ranks_launch(tiny_models, tmp_path_factory):
     lines = [["ppo.py", *flags, "--advantage", kind, "--rollout_batch_size", "4", "--output_dir", str(out / kind)]
              for kind in ("group", "mc")]
     (out / "in_chunks").mkdir()
-    proc = subprocess.run([*LAUNCH, "tests/launch/critic_free_ranks.py", str(out), json.dumps(lines),
-                           str(out / "in_chunks")], cwd=root, capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(launch("tests/launch/critic_free_ranks.py", out, json.dumps(lines), out / "in_chunks"),
+                          cwd=root, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return out
 
