@@ -13,21 +13,25 @@ def pytest_configure(config):
     if "slow" not in (config.getoption("markexpr") or ""):
         os.environ.setdefault("OMP_NUM_THREADS", "1")
         os.environ.setdefault("MA_RLHF_CPU_THREADS", "1")
-    if hasattr(config.option, "loadscopereorder"):      # pytest-xdist: hand out files in LONGEST_FIRST's order
+    if hasattr(config.option, "loadscopereorder"):      # pytest-xdist: hand out files in FIRST's order
         config.option.loadscopereorder = False
 
 
-# The files that take longest, most of it in multi-process launches (measured one after another on 2 cores:
-# about 95, 55, 50 and 45 s). `pytest -n 2 --dist loadfile` hands whole files to its two workers in collection
-# order; started first, these overlap with the many short files instead of leaving one worker alone with them
-# at the end. Without -n the order changes nothing but the order.
-LONGEST_FIRST = ("test_ppo_runs.py", "test_gpu_paths_on_cpu_runs.py", "test_scale.py", "test_two_processes.py")
+# The files that start first. `pytest -n 2 --dist loadfile` hands whole files to its two workers in collection
+# order, each worker taking the next file as it finishes one; these go first, the many short files last, so that
+# the two workers end together instead of one of them alone with a long file at the end. Most of the long files'
+# time is multi-process launches, which keep both cores busy (CPU seconds on 2 cores, in FIRST's order: about 70,
+# 60, 70, 45, 35; test_sandbox.py 25, in sandboxed programs); test_sandbox_hostile.py starts beside the first: most
+# of its ~40 s waits on sandboxed programs that sleep or hold threads, which at the end of the run left a core idle
+# (the launches' processes take that core now). Without -n the order changes nothing but the order.
+FIRST = ("test_gpu_paths_on_cpu_runs.py", "test_sandbox_hostile.py", "test_ppo_runs.py", "test_scale.py",
+         "test_two_processes.py", "test_audit5_runs.py", "test_sandbox.py")
 
 
 def pytest_collection_modifyitems(config, items):
     """Slow tests run only when -m names them (python -m pytest -m slow); any other selection leaves them out.
-    The longest files go first (LONGEST_FIRST), each file's tests in their own order."""
-    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    The files of FIRST go first, in its order, each file's tests in their own order."""
+    rank = {name: i for i, name in enumerate(FIRST)}
     items.sort(key=lambda item: rank.get(item.path.name, len(rank)))
     if "slow" in (config.getoption("markexpr") or ""):
         return
@@ -59,6 +63,16 @@ def tiny_lm(tokenizer):
     import sft
     torch.manual_seed(0)
     return sft.tiny_gemma(tokenizer, hidden_size=32, num_layers=2).eval()
+
+
+@pytest.fixture(scope="session")
+def gold_labels():
+    """The embedded task's gold labels (its rm and test splits), labelled in this process into the cache that every
+    stage reads (data.cached_gold_score: runs/cache, or $MA_RLHF_CACHE), unless it holds them already. On a fresh
+    clone a launch that starts several processes at once (test_gpu_paths_on_cpu_runs.py's four, test_scale.py's
+    four) had each of them label the same ~80k texts (~3 CPU-s each)."""
+    import data
+    data.load_chitchat(only=("rm", "test"))
 
 
 @pytest.fixture(scope="session")

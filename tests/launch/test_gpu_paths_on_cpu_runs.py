@@ -1,7 +1,6 @@
 """The launch tests of test_gpu_paths_on_cpu.py: ppo.py, reward_model.py and sft.py run in processes of their own."""
 import json
 import pathlib
-import socket
 import subprocess
 import sys
 
@@ -9,7 +8,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from stages import LAUNCH, comparable
+from stages import LAUNCH, comparable, free_port
 from test_gpu_paths_on_cpu import TINY, assert_same_weights, metrics, ppo_flags, weights
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent.parent
@@ -18,12 +17,6 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent.parent
 # a few tokens may differ; every number here stays within this
 BF16_RTOL, BF16_ATOL = 0.05, 0.02
 BF16_METRICS = ("reward/rm", "kl", "entropy", "response/len", "loss/value", "value/explained_variance")
-
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def two_machines(machine_rank, port):
@@ -53,7 +46,7 @@ def command_lines(tiny_models, out, machines):
 
 
 @pytest.fixture(scope="module")
-def launches(tiny_models, tmp_path_factory):
+def launches(tiny_models, tmp_path_factory, gold_labels):
     """{1 or 2 machines: {name: (output folder, [what rank 0 printed, rank 1])}}; both launches run at once."""
     procs, runs = {}, {}
     port = free_port()
@@ -124,9 +117,9 @@ def test_an_fsdp_launch_on_a_cpu_stops_instead_of_running_ddp(tmp_path):
     """accelerate starts FSDP only on an accelerator: configs/fsdp.yaml on a CPU ran plain DDP with nothing
     said (exit 0). Now every rank stops at its accelerator with an error that says so."""
     proc = subprocess.run([sys.executable, "-m", "accelerate.commands.launch", "--config_file", "configs/fsdp.yaml",
-                           "--num_processes", "2", "sft.py", "--hidden_size", "32", "--num_layers", "1", "--vocab_size",
-                           "300", *TINY, "--output_dir", tmp_path / "sft"], cwd=ROOT, capture_output=True, text=True,
-                          timeout=300)
+                           "--num_processes", "2", "--main_process_port", str(free_port()), "sft.py", "--hidden_size",
+                           "32", "--num_layers", "1", "--vocab_size", "300", *TINY, "--output_dir", tmp_path / "sft"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode != 0
     assert "this is an FSDP launch, but accelerate started MULTI_CPU" in proc.stderr, proc.stderr[-3000:]
     assert not (tmp_path / "sft" / "config.json").exists()
@@ -158,7 +151,8 @@ def fsdp_launch(tiny_models, tmp_path_factory):
     lines["ppo_lora_sharded"] = [*lines["ppo_lora"][:-2], "--gather_for_generation", "false", "--output_dir",
                                  str(out / "ppo_lora_sharded")]
     launch = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", "configs/fsdp.yaml",
-              "--num_processes", "2", "--mixed_precision", "no", "--dynamo_backend", "no", "tests/launch/fsdp_cpu.py"]
+              "--num_processes", "2", "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port",
+              str(free_port()), "tests/launch/fsdp_cpu.py"]
     proc = subprocess.run([*launch, "tests/launch/launched_stages.py", str(out), json.dumps(list(lines.values()))], cwd=ROOT,
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-4000:]

@@ -12,7 +12,7 @@ def test_a_non_finite_loss_on_one_process_is_seen_by_every_process(tmp_path):
     both ranks stop (a rank that raised alone would leave the other waiting in its next collective)."""
     import subprocess
     import textwrap
-    from stages import LAUNCH
+    from stages import launch
     script = tmp_path / "nan_on_rank1.py"
     script.write_text(textwrap.dedent(f"""
         import sys
@@ -33,7 +33,7 @@ def test_a_non_finite_loss_on_one_process_is_seen_by_every_process(tmp_path):
         acc.wait_for_everyone()                      # neither rank leaves while the other still talks to it
         torch.distributed.destroy_process_group()
     """))
-    out = subprocess.run([*LAUNCH, str(script)], capture_output=True, text=True, timeout=300)
+    out = subprocess.run(launch(script), capture_output=True, text=True, timeout=300)
     for rank in (0, 1):
         assert f"rank {rank}: nan seen True, finite seen True" in out.stdout, out.stdout + out.stderr[-3000:]
     assert out.returncode == 0, out.stderr[-3000:]

@@ -140,19 +140,21 @@ def test_kl_controller_moves_beta_the_right_way_logs_it_and_resumes_it(tiny_mode
 def test_a_run_is_quiet_no_deepspeed_warning_no_shard_bars_no_deprecation(tiny_models, tmp_path):
     """Without a DeepSpeed config nothing imports DeepSpeed (so nothing says it guessed a CPU), checkpoints draw no
     "Writing model shards" bars, and LoRA, new or resumed, raises no transformers deprecation warning (peft reads
-    is_gradient_checkpointing)."""
-    def run(*flags):
-        cmd = [sys.executable, "-W", "always", "-X", "importtime", "ppo.py", "--sft_path", str(tiny_models / "sft"),
-               "--rm_path", str(tiny_models / "rm"), "--output_dir", str(tmp_path / "run"), "--rollout_batch_size", "4",
-               "--mini_batch_size", "2", "--max_prompt_len", "16", "--max_response_len", "8", "--n_eval_prompts", "4",
-               "--save_every", "1", "--lora_r", "4", *flags]
-        proc = subprocess.run(cmd, cwd=os.path.dirname(os.path.dirname(os.path.dirname(__file__))), capture_output=True, text=True,
-                              timeout=300)
-        assert proc.returncode == 0, proc.stderr[-3000:]
-        imported = {line.split("|")[-1].strip() for line in proc.stderr.splitlines() if line.startswith("import time:")}
-        assert "peft" in imported and not {m for m in imported if m.split(".")[0] == "deepspeed"}
-        return "\n".join(line for line in (proc.stdout + proc.stderr).splitlines() if not line.startswith("import time:"))
-    out = run("--steps", "2") + run("--steps", "3", "--resume")
+    is_gradient_checkpointing). Both runs in one fresh process (one interpreter start less): ppo.py's command line
+    twice through stages.run_stage, new then --resume, every warning shown (-W always), what each printed passed on."""
+    flags = ["--sft_path", str(tiny_models / "sft"), "--rm_path", str(tiny_models / "rm"), "--output_dir",
+             str(tmp_path / "run"), "--rollout_batch_size", "4", "--mini_batch_size", "2", "--max_prompt_len", "16",
+             "--max_response_len", "8", "--n_eval_prompts", "4", "--save_every", "1", "--lora_r", "4"]
+    runs = "import json, sys\nsys.path.insert(0, 'tests/spec')\nfrom stages import run_stage\n" \
+           "for argv in json.loads(sys.argv[1]):\n    print(run_stage('ppo.py', *argv), flush=True)\n"
+    proc = subprocess.run([sys.executable, "-W", "always", "-X", "importtime", "-c", runs,
+                           json.dumps([[*flags, "--steps", "2"], [*flags, "--steps", "3", "--resume"]])],
+                          cwd=os.path.dirname(os.path.dirname(os.path.dirname(__file__))), capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    imported = {line.split("|")[-1].strip() for line in proc.stderr.splitlines() if line.startswith("import time:")}
+    assert "peft" in imported and not {m for m in imported if m.split(".")[0] == "deepspeed"}
+    out = "\n".join(line for line in (proc.stdout + proc.stderr).splitlines() if not line.startswith("import time:"))
     assert (tmp_path / "run" / "checkpoint").exists() and "resumed at iteration 2" in out
     for noise in ("Setting accelerator to CPU", "Writing model shards", "is_gradient_checkpointing", "FutureWarning"):
         assert noise not in out, noise

@@ -39,7 +39,7 @@ def two_machines_launch(out):
 
 
 @pytest.fixture(scope="module")
-def zero_launches(tmp_path_factory):
+def zero_launches(tmp_path_factory, gold_labels):
     """This file's DeepSpeed launches, all at once (each leaves the 2 cores idle at times, e.g. while rank 0
     alone saves and reports): tests/launch/zero_stages.py on 1 machine x 2 processes, and five of its ZeRO-2 stages on
     2 machines x 1 process. {"one": (output folder, stdout), "two": output folder of the two machines}."""

@@ -18,7 +18,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from stages import LAUNCH, comparable
+from stages import comparable, launch
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent.parent
 SFT = ["--hidden_size", "32", "--num_layers", "1", "--vocab_size", "300", "--batch_size", "4", "--max_prompt_len",
@@ -48,7 +48,7 @@ def worker(launcher_pid, rank):
 def signal_launch(argv, ready, send):
     """Start `accelerate launch` with two processes, wait until `ready()`, then `send(launcher)` a signal;
     returns (returncode, stdout, stderr)."""
-    proc = subprocess.Popen([*LAUNCH, *map(str, argv)], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+    proc = subprocess.Popen(launch(*argv), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True, start_new_session=True)
     deadline = time.time() + 180
     while not ready() and time.time() < deadline:
@@ -139,7 +139,7 @@ def launched(tiny_models, tmp_path_factory, sft_interrupted, ppo_interrupted, eo
     runs["rng_split"] = (tmp / "rng_split", ["ppo.py", *rng, "--steps", "2", "--save_every", "2"])
     runs["rng_resumed"] = (tmp / "rng_split", ["ppo.py", *rng, "--steps", "4", "--resume"])
     lines = [[*argv, "--output_dir", str(out)] for out, argv in runs.values()]
-    proc = subprocess.run([*LAUNCH, "tests/launch/launched_stages.py", str(tmp), json.dumps(lines)], cwd=ROOT,
+    proc = subprocess.run(launch("tests/launch/launched_stages.py", tmp, json.dumps(lines)), cwd=ROOT,
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return {name: (out, [(tmp / f"{i}.{rank}.txt").read_text() for rank in (0, 1)])

@@ -15,6 +15,20 @@ LAUNCH = (sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--
           "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no")
 
 
+def free_port():
+    """A port for a launch's rendezvous: launches that run at once (the two pytest workers' files) must not share
+    accelerate's default one, 29500 (the second fails: address already in use)."""
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch(*argv):
+    """LAUNCH on a port of its own (free_port), then argv: the script and its arguments."""
+    return [*LAUNCH, "--main_process_port", str(free_port()), *map(str, argv)]
+
+
 def run_stage(script, *argv, printed=None):
     """`python script *argv` in this process; returns what it printed (stdout and stderr). `printed`: a stream
     to print to instead (a file keeps what a stage printed before it raised)."""
