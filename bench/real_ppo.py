@@ -13,8 +13,9 @@ average, the weights' hashes): bench/records/real_ppo.json is the baseline that 
 and that changes to the real-model path are compared with. Under --tiny it holds every round's summaries.
 
 Sizes: 16 prompts (at most 48 tokens, the chat template's), at most 64 new tokens, temperature 0.8, one
-PPO epoch over one minibatch of 16, LoRA r=16 (alpha 16) on every linear layer of the policy and of the
-critic (the critic's score head trains too; --lora_r 0: full fine-tuning on both sides instead), token-level PPO
+PPO epoch over one minibatch of 16, one learning rate for the policy and the critic on both sides (TRL's
+PPOTrainer steps both with one optimizer; ours gets --critic_lr = --policy_lr), LoRA r=16 (alpha 16) on every
+linear layer of the policy and of the critic (the critic's score head trains too; --lora_r 0: full fine-tuning on both sides instead), token-level PPO
 (ours: --n 1). The first iteration is
 warm-up; the table gives the median of the others, wall-clock and CPU seconds (all threads of the
 process: the steadier number on a machine shared with other jobs). Each side runs in a subprocess of its own and reports
@@ -189,7 +190,8 @@ def ours(cli):
                       chat_template=z["chat_template"], lora_r=z["lora_r"], lora_alpha=R, lora_target_modules=TARGETS,
                       rollout_batch_size=z["prompts"], mini_batch_size=z["prompts"] // cli.minibatches,
                       ppo_epochs=cli.epochs, max_prompt_len=z["prompt_len"], max_response_len=z["new_tokens"],
-                      temperature=TEMPERATURE, policy_lr=LR, eval_every=10 ** 9, save_every=10 ** 9, seed=SEED,
+                      temperature=TEMPERATURE, policy_lr=LR, critic_lr=LR, eval_every=10 ** 9, save_every=10 ** 9,
+                      seed=SEED,
                       **TINY_ARMS[cli.advantage]))
     ppo.main(*args)
     rows = [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl"))]
@@ -609,7 +611,7 @@ def main():
         sys.exit(f"error: --trl_python {cli.trl_python!r} does not exist: make TRL's venv first (see --help)")
     record = {**sitting(cli),
               "sizes": {"prompts": B, "max_prompt_len": PROMPT, "max_new_tokens": RESPONSE, "lora_r": cli.lora_r,
-                        "temperature": TEMPERATURE, "lr": LR, "seed": SEED, "steps": cli.steps,
+                        "temperature": TEMPERATURE, "lr": LR, "critic_lr": LR, "seed": SEED, "steps": cli.steps,
                         **({"arm": "group", "group_size": K} if cli.arms == "group" else {})},
               "weights_sha256": {"sft": weights_hash(cli.sft_path), "rm": weights_hash(cli.rm_path)}}
     tmp = tempfile.mkdtemp(prefix="real_ppo_bench_")
