@@ -32,7 +32,11 @@ def test_a_side_summary_is_the_median_of_the_iterations_after_the_warm_up():
     assert summary["iterations"] == its
 
 
-@pytest.mark.parametrize("name", ["real_ppo.json", "real_ppo_full.json", "real_grpo_1.json", "real_grpo_2.json"])
+SITTINGS = ("real_ppo_full.json", "real_grpo_1.json", "real_grpo_2.json", "real_ppo_samelr_loaded.json",
+            "real_ppo_full_samelr_loaded.json")
+
+
+@pytest.mark.parametrize("name", ["real_ppo.json", *SITTINGS])
 def test_the_committed_record_says_what_produced_it(name):
     record = json.loads(RECORD.with_name(name).read_text())
     assert re.fullmatch(r"[0-9a-f]{40}", record["commit"]) and record["command"].startswith("python bench/real_ppo.py")
@@ -44,9 +48,9 @@ def test_the_committed_record_says_what_produced_it(name):
 
 
 def test_real_models_tables_are_printed_from_the_committed_records():
-    # LoRA r=16, full fine-tuning, and GRPO against TRL's GRPOTrainer at LoRA r=16 (two sittings)
-    for record in (RECORD, *(RECORD.with_name(n) for n in ("real_ppo_full.json", "real_grpo_1.json",
-                                                            "real_grpo_2.json"))):
+    # LoRA r=16, full fine-tuning, GRPO against TRL's GRPOTrainer at LoRA r=16 (two sittings), and both PPO sizes
+    # again with one learning rate on both sides (a loaded sitting)
+    for record in (RECORD, *(RECORD.with_name(n) for n in SITTINGS)):
         table = real_ppo().table(json.loads(record.read_text()))
         assert table in (ROOT / "docs" / "real_models.md").read_text()
 
