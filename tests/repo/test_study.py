@@ -781,6 +781,13 @@ UNRECORDED = {
     "averages at the start",
     ("docs/real_models.md", "Under GRPO ours is the slower side"): "bench/records/real_grpo_1.json and real_grpo_2.json "
     "(their tables tested), their iterations' response lengths, and sums and differences of their medians",
+    ("docs/real_models.md", "**One learning rate on both sides"): "bench/records/real_ppo_samelr_loaded.json and "
+    "real_ppo_full_samelr_loaded.json: the learning rate of their sizes, their load averages at the start, and the "
+    "count of same_numbers' flag sets",
+    ("docs/real_models.md", "Generation, the same `generate()`"): "bench/records/real_ppo_samelr_loaded.json (its "
+    "table tested) and real_ppo.json's ratios, and differences of their medians",
+    ("docs/real_models.md", "With full fine-tuning ours is now"): "bench/records/real_ppo_full_samelr_loaded.json and "
+    "real_ppo_full.json (their tables tested): their ratios, forwards and response lengths",
 }
 
 
