@@ -1323,11 +1323,17 @@ def test_a_study_stopped_by_sigterm_stops_the_runs_it_started(tmp_path):
                                    "--sft_path", str(tmp_path / "sft"), "--rm_path", str(tmp_path / "rm"),
                                    "--results_dir", str(tmp_path / "results"), "--runs_dir", str(tmp_path / "runs")],
                                   cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+
+    def cmdline(proc):         # () for a child that has exited but is not reaped yet (a zombie, e.g. a git call)
+        try:
+            return proc.cmdline()
+        except (psutil.ZombieProcess, psutil.NoSuchProcess):
+            return ()
     child = None
     try:
         deadline = time.time() + 300
         while child is None and time.time() < deadline and study_proc.poll() is None:
-            child = next((c for c in psutil.Process(study_proc.pid).children() if "sft.py" in c.cmdline()), None)
+            child = next((c for c in psutil.Process(study_proc.pid).children() if "sft.py" in cmdline(c)), None)
             time.sleep(0.5)
         assert child is not None, "the study started no sft.py"
         time.sleep(3)                                     # past its start, into its steps
