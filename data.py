@@ -52,29 +52,41 @@ def cache_dir():
     return os.environ.get("MA_RLHF_CACHE") or os.path.join(os.path.dirname(os.path.abspath(__file__)), "runs", "cache")
 
 
-def cached_gold_score(texts):
-    """gold_score, kept on disk under a hash of the texts and the judge's version. Labelling the embedded
-    task's rm and test splits scores ~80k texts (seconds), and every stage reads them; the cache is keyed by
-    content, so it cannot go stale. Unwritable or corrupt cache files are ignored (scored again)."""
-    from importlib.metadata import version
-    key = hashlib.sha256("\0".join([version("nltk-vader-sentiment"), *texts]).encode()).hexdigest()[:24]
-    path = os.path.join(cache_dir(), f"gold-{key}.json")
+def cached_json(name, build, valid):
+    """`build()` kept on disk as <cache_dir()>/<name> (JSON; `name` holds a hash of everything it depends on, so the
+    file cannot go stale), or read back from there when `valid(value)` accepts it. Unwritable or corrupt cache files
+    are ignored (built again); written atomically, as ranks may build it at once."""
+    path = os.path.join(cache_dir(), name)
     try:
         with open(path) as f:
-            scores = json.load(f)
-        if isinstance(scores, list) and len(scores) == len(texts):
-            return scores
+            value = json.load(f)
+        if valid(value):
+            return value
     except (OSError, ValueError):
         pass
-    scores = gold_score(texts)
+    value = build()
     try:
         os.makedirs(os.path.dirname(path), exist_ok=True)
-        with open(f"{path}.{os.getpid()}.tmp", "w") as f:        # atomic: ranks may build it at once
-            json.dump(scores, f)
+        with open(f"{path}.{os.getpid()}.tmp", "w") as f:
+            json.dump(value, f)
         os.replace(f"{path}.{os.getpid()}.tmp", path)
     except OSError:
         pass
-    return scores
+    return value
+
+
+def cached_gold_score(texts):
+    """gold_score, kept on disk under a hash of the texts and the judge's version. Labelling the embedded
+    task's rm and test splits scores ~80k texts (seconds), and every stage reads them; the cache is keyed by
+    content, so it cannot go stale. A text said more than once is scored once."""
+    from importlib.metadata import version
+    key = hashlib.sha256("\0".join([version("nltk-vader-sentiment"), *texts]).encode()).hexdigest()[:24]
+
+    def score():
+        unique = list(dict.fromkeys(texts))     # a split's distractors are its own responses again
+        by_text = dict(zip(unique, gold_score(unique)))
+        return [by_text[t] for t in texts]
+    return cached_json(f"gold-{key}.json", score, lambda scores: isinstance(scores, list) and len(scores) == len(texts))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -200,9 +212,20 @@ def _chitchat_pairs(examples, split, seed):
 
 @functools.lru_cache(maxsize=1)
 def _chitchat_split(seed):
-    """The conversations' examples split by conversation: read once per process (a few seconds on one
-    core), then shared by every stage or evaluation that runs in it; read-only, never handed out."""
-    return split_by_group(chitchat_examples(chitchat_conversations()), seed, test_fraction=TEST_FRACTION)
+    """The conversations' examples split by conversation: built once (a few seconds on one core: reading the
+    package's 30 MB of JSON, cutting ~100k examples) and kept on disk under a hash of this file's text, the package's
+    version and the seed (it cannot go stale: any change here is another key), read back in a fraction of a second
+    by every later process; then shared by every stage or evaluation in the process; read-only, never handed out.
+    An unwritable or corrupt cache file is ignored (built again)."""
+    from importlib.metadata import version
+    with open(os.path.abspath(__file__), "rb") as f:
+        key = hashlib.sha256(f.read() + f"\0{version('chitchat-dataset')}\0{seed}".encode()).hexdigest()[:24]
+    return cached_json(f"chitchat-{key}.json",
+                       lambda: split_by_group(chitchat_examples(chitchat_conversations()), seed,
+                                              test_fraction=TEST_FRACTION),
+                       lambda split: isinstance(split, dict) and set(split) == {*SPLIT_FRACTIONS, "test"} and all(
+                           isinstance(r, dict) and {"prompt", "response", "group"} <= r.keys()
+                           for rows in split.values() for r in rows))
 
 
 def load_chitchat(seed=SEED, only=None):

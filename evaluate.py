@@ -466,11 +466,11 @@ def no_collapse(policy, sft):
 def during_training(metrics, sampling, *, accelerator, policy, reward_model, tokenizer, eval_rows, segmenter=None,
                     sft=(None, None), sft_path="", bf16=False, gather=True, score_name="rm"):
     """ppo.py's step 7 every --eval_every iterations: the held-out score (and gold score / pass rate), gold_strict
-    and the replies' diversity of the current policy into `metrics`, beside the SFT model's diversity; a log line,
-    and a warning when the replies are degenerate. `sampling`: a Sampling; `sft`: (the frozen SFT model or None
+    and the replies' diversity of the current policy into `metrics`, beside the SFT model's diversity, and its own
+    seconds (time/eval); a log line, and a warning when the replies are degenerate. `sampling`: a Sampling; `sft`: (the frozen SFT model or None
     under LoRA, then read from `sft_path`; a dict that keeps its diversity once measured); `segmenter`: as in
     `held_out`; `gather`: ppo.py's --gather_for_generation; `score_name`: the score the run trains on."""
-    acc, sharded, task = accelerator, harness.is_sharded(accelerator), sampling.task
+    acc, sharded, task, start = accelerator, harness.is_sharded(accelerator), sampling.task, time.time()
     code = task in data.CODE_TASKS
     harness.release_freed_memory(acc.device, at_least=0)    # the held-out generation starts lean
     if acc.is_main_process or sharded:               # sharded weights: every rank takes part
@@ -497,6 +497,7 @@ def during_training(metrics, sampling, *, accelerator, policy, reward_model, tok
             acc.print(f"[ppo] warning: {verdict}. A larger --beta (or a --kl_target) keeps the policy nearer the "
                       "SFT model; read eval/gold_strict beside eval/gold")
     acc.wait_for_everyone()
+    metrics["time/eval"] = round(time.time() - start, 3)      # outside time/step, which ends before the evaluation
 
 
 def diversity_lines(sft, policy):

@@ -11,6 +11,12 @@ each stage's (sft.py, reward_model.py, and ppo.py less the two it started), the 
 (the figure `/usr/bin/time -v` reports for the tree) and of each stage, and the run's final table; the record also
 keeps what the run built (the SFT model's held-out loss, the RM's rm_eval.json, the PPO run's held-out curve).
 
+The output is read as it comes, each line (and each progress-bar update) stamped with its second: the run is cut
+into phases at the stages' starts and ends and at the lines that open and close each training loop (LOOP_MARKS),
+ppo.py's loop further into its iterations (`time/step` summed from its metrics.jsonl), its held-out evaluations
+(`time/eval`) and the rest. What lies outside the three training loops (start-ups, data, tokenizer, the builds'
+evaluations, ppo.py's held-out evaluations and report) is the run's overhead, `overhead_s` in the record.
+
 --record writes all that with what it depends on (commit, command, CPUs, threads, load average, versions);
 docs/training.md's "measured default run" is the `--show` output of bench/records/default_run.json.
 """
@@ -22,6 +28,7 @@ import re
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -62,11 +69,32 @@ def stage_of(cmd):
     return next((s for s in STAGES for w in words[1:3] if os.path.basename(w) == s), None)
 
 
+def stamped_reader(stream, log, lines, t0):
+    """Copy `stream` (the run's merged stdout and stderr, bytes) to the file `log`, appending (seconds since `t0`,
+    text) to `lines` for each piece that ends in a newline or a carriage return (a progress bar's update), stamped
+    when its first byte came (a bar is drawn, then left unfinished until its next update)."""
+    pending, since = b"", None
+    for chunk in iter(lambda: os.read(stream.fileno(), 65536), b""):
+        now = time.time() - t0
+        log.write(chunk.decode(errors="replace"))
+        pieces = re.split(rb"[\r\n]", pending + chunk)
+        stamps = [now if pending == b"" or since is None else since] + [now] * (len(pieces) - 1)
+        pending, since = pieces.pop(), stamps.pop()
+        lines += [(t, piece.decode(errors="replace")) for t, piece in zip(stamps, pieces) if piece.strip()]
+    if pending.strip():
+        lines.append((since, pending.decode(errors="replace")))
+    log.flush()
+
+
 def run(command, cwd):
-    """Run `command` in `cwd`, watching its process tree: (wall s, stdout text, {pid: facts})."""
-    seen, t0 = {}, time.time()
+    """Run `command` in `cwd`, watching its process tree: (wall s, stdout text, {pid: facts}, [(s, line)]): the
+    output's lines stamped with when they came (progress bars' updates each a line of its own)."""
+    seen, lines, t0 = {}, [], time.time()
     out = open(os.path.join(cwd, "default_run.log"), "w+")
-    proc = subprocess.Popen(command, shell=True, cwd=cwd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    proc = subprocess.Popen(command, shell=True, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            start_new_session=True)
+    reader = threading.Thread(target=stamped_reader, args=(proc.stdout, out, lines, t0), daemon=True)
+    reader.start()
     try:
         while proc.poll() is None:
             now = time.time() - t0
@@ -82,11 +110,12 @@ def run(command, cwd):
         os.killpg(proc.pid, 2)
         raise
     wall = time.time() - t0
+    reader.join()
     out.seek(0)
     text = out.read()
     if proc.returncode:
         sys.exit(f"error: {command!r} exited with {proc.returncode}; its log: {out.name}\n{text[-3000:]}")
-    return wall, text, seen
+    return wall, text, seen, lines
 
 
 def summary(wall, text, seen):
@@ -110,6 +139,61 @@ def summary(wall, text, seen):
             "final_table": final}
 
 
+# Where each stage's training loop starts and ends in the output: its progress bar's first line, and the line it
+# prints after its last step (ppo.py's bar is named after its --output_dir, runs/<task>/ppo by default).
+LOOP_MARKS = {"sft.py": (r"sft:", r"\[sft\] saved "), "reward_model.py": (r"rm:", r"\[rm\] held-out pairwise accuracy"),
+              "ppo.py": (r"ppo:", r"\[ppo\] ranks in sync")}
+
+
+def phases(seen, lines, metrics_rows):
+    """The run's wall time cut at its stages' start and end (the process tree) and at the lines that open and close
+    each training loop (LOOP_MARKS, stamped as they came): [(phase, seconds)], in order, and the seconds of the three
+    training loops (SFT's and the RM's steps with their held-out evaluations, and ppo.py's iterations: their
+    `time/step` summed from `metrics_rows`, evaluations and logging left out). ppo.py's loop is cut further into its
+    held-out evaluations (`time/eval` summed) and the rest. ([], None) when a mark is missing."""
+    span = {}
+    for facts in seen.values():
+        stage = stage_of(facts["cmd"])
+        if stage:
+            lo, hi = span.get(stage, (facts["start"], facts["end"]))
+            span[stage] = (min(lo, facts["start"]), max(hi, facts["end"]))
+    marks = {}
+    for stage, (opens, closes) in LOOP_MARKS.items():     # a bar opens a piece; a line may follow an unclosed bar
+        marks[stage, "open"] = next((t for t, line in lines if re.match(opens, line.strip())), None)
+        marks[stage, "close"] = next((t for t, line in lines if re.search(closes, line)), None)
+    if set(span) != set(STAGES) or None in marks.values():
+        return [], None
+    (sft_in, sft_out), (_, rm_out), (ppo_in, ppo_out) = (span[s] for s in STAGES)
+    ppo_loop = marks["ppo.py", "close"] - marks["ppo.py", "open"]
+    steps = sum(r.get("time/step", 0.0) for r in metrics_rows)
+    evals = sum(r.get("time/eval", 0.0) for r in metrics_rows)
+    cut = [("accelerate launch, until ppo.py starts", ppo_in),
+           ("ppo.py: imports, accelerator, config", sft_in - ppo_in),
+           ("sft.py: imports, data, tokenizer, model", marks["sft.py", "open"] - sft_in),
+           ("sft.py: training loop (steps, held-out losses)", marks["sft.py", "close"] - marks["sft.py", "open"]),
+           ("sft.py: samples, exit", sft_out - marks["sft.py", "close"]),
+           ("reward_model.py: start, imports, labelled data, model", marks["reward_model.py", "open"] - sft_out),
+           ("reward_model.py: training loop (steps, held-out accuracy)",
+            marks["reward_model.py", "close"] - marks["reward_model.py", "open"]),
+           ("reward_model.py: RM-gold agreement, exit", rm_out - marks["reward_model.py", "close"]),
+           ("ppo.py: models, data, optimizers", marks["ppo.py", "open"] - rm_out),
+           ("ppo.py: iterations (time/step summed)", steps),
+           ("ppo.py: held-out evaluations (time/eval summed)", evals),
+           ("ppo.py: the loop's logging and progress bar", ppo_loop - steps - evals),
+           ("ppo.py: final policy, report, pictures, exit", ppo_out - marks["ppo.py", "close"])]
+    loops = cut[3][1] + cut[6][1] + steps
+    return [(name, round(s, 1)) for name, s in cut], round(loops, 1)
+
+
+def metrics_rows(clone, text):
+    """The rows of the metrics.jsonl that the run's report names (`metrics: <path>`), [] if none."""
+    metrics = re.findall(r"^metrics: (\S+)$", text, re.M)
+    if not metrics or not os.path.exists(os.path.join(clone, metrics[-1])):
+        return []
+    with open(os.path.join(clone, metrics[-1])) as f:
+        return [json.loads(line) for line in f]
+
+
 def built_models(clone, text):
     """The figures of what the run built and trained, from the clone: the SFT model's last held-out loss (its log
     line), the RM's rm_eval.json, and the PPO run's held-out curve [(iteration, eval/gold, KL)] (its metrics.jsonl)."""
@@ -120,15 +204,14 @@ def built_models(clone, text):
     rm_eval = os.path.join(clone, "runs", "chitchat", "rm", "rm_eval.json")
     if os.path.exists(rm_eval):
         out["rm_eval"] = json.load(open(rm_eval))
-    metrics = re.findall(r"^metrics: (\S+)$", text, re.M)
-    if metrics and os.path.exists(os.path.join(clone, metrics[-1])):
-        rows = [json.loads(line) for line in open(os.path.join(clone, metrics[-1]))]
+    rows = metrics_rows(clone, text)
+    if rows:
         out["curve"] = [[r["step"], round(r["eval/gold"], 4), round(r["kl"], 3)] for r in rows if "eval/gold" in r]
     return out
 
 
 def table(record):
-    """The markdown the docs quote: the run's time and memory by stage, then its final table."""
+    """The markdown the docs quote: the run's time and memory by stage, its final table, and its phases."""
     s = record["stages"]
     lines = [f"`{record['command']}` on a fresh clone of {record['commit'][:7]}, {record['cpus']} CPUs, "
              f"{record['threads']} threads, load average {record['load_average'][0]} at the start:", "",
@@ -137,6 +220,11 @@ def table(record):
              f"| peak RSS | **{record['peak_rss_mb']} MB** | " + " | ".join(f"{s[k]['peak_mb']} MB" for k in STAGES) + " |",
              "", "| held-out (256 prompts) | SFT | policy |", "|---|---|---|"]
     lines += [f"| {row} | {sft} | {policy} |" for row, (sft, policy) in record["final_table"].items()]
+    if record.get("phases"):        # records from before the output was stamped have no phases
+        lines += ["", "| phase of the run | s |", "|---|---|"]
+        lines += [f"| {name} | {s:.1f} |" for name, s in record["phases"]]
+        lines += [f"| **the three training loops** | **{record['loops_s']:.1f}** |",
+                  f"| **outside them** | **{record['overhead_s']:.1f}** |"]
     return "\n".join(lines)
 
 
@@ -168,8 +256,10 @@ def main():
               "versions": {"python": platform.python_version(), "torch": torch.__version__,
                            "transformers": transformers.__version__}}
     print(f"[default_run] {cli.command!r} in {clone} ...", flush=True)
-    wall, text, seen = run(command, clone)
+    wall, text, seen, lines = run(command, clone)
     record.update(summary(wall, text, seen), models=built_models(clone, text))
+    cut, loops = phases(seen, lines, metrics_rows(clone, text))
+    record.update(phases=cut, loops_s=loops, overhead_s=None if loops is None else round(wall - loops, 1))
     record["load_average_end"] = [round(x, 2) for x in os.getloadavg()]
     print(table(record))
     if cli.record:

@@ -37,8 +37,30 @@ def test_chitchat_is_deterministic_and_its_cache_gives_the_same_rows(chitchat, t
     data._chitchat_split.cache_clear()                             # the conversations read and split again,
     fresh = data.load_chitchat()                                   # an empty cache: labelled by the judge again
     assert len(list(tmp_path.glob("gold-*.json"))) == 2            # the rm and test splits' labels
+    assert len(list(tmp_path.glob("chitchat-*.json"))) == 1        # the split, kept for the next process
+    data._chitchat_split.cache_clear()                             # the next process: the split read from disk
     cached = data.load_chitchat()
     assert all(fresh[k] == chitchat[k] and cached[k] == chitchat[k] for k in chitchat)
+    data._chitchat_split.cache_clear()                             # the next tests: this process's own again
+
+
+def test_a_cached_value_is_built_once_and_a_corrupt_or_foreign_file_is_built_again(tmp_path, monkeypatch):
+    monkeypatch.setenv("MA_RLHF_CACHE", str(tmp_path))
+    builds = []
+
+    def build():
+        builds.append(1)
+        return {"rows": [1, 2, 3]}
+    valid = (lambda value: isinstance(value, dict) and isinstance(value.get("rows"), list))
+    assert data.cached_json("x-1.json", build, valid) == {"rows": [1, 2, 3]} and len(builds) == 1
+    assert data.cached_json("x-1.json", build, valid) == {"rows": [1, 2, 3]} and len(builds) == 1    # read back
+    for bad in ('{"rows": [1, 2', '[1, 2, 3]'):                    # truncated; JSON of another shape
+        (tmp_path / "x-1.json").write_text(bad)
+        assert data.cached_json("x-1.json", build, valid) == {"rows": [1, 2, 3]}
+    assert len(builds) == 3 and json.loads((tmp_path / "x-1.json").read_text()) == {"rows": [1, 2, 3]}
+    monkeypatch.setenv("MA_RLHF_CACHE", str(tmp_path / "file" / "under"))
+    (tmp_path / "file").write_text("not a folder")                # unwritable: built, handed back, not kept
+    assert data.cached_json("x-1.json", build, valid) == {"rows": [1, 2, 3]} and len(builds) == 4
 
 
 def test_the_gold_cache_is_read_and_a_corrupt_one_is_scored_again(tmp_path, monkeypatch):
@@ -52,6 +74,16 @@ def test_the_gold_cache_is_read_and_a_corrupt_one_is_scored_again(tmp_path, monk
     assert data.cached_gold_score(texts[:2]) == expected[:2]       # other texts, another key
     path.write_text("[0.5, 0.")                                    # truncated
     assert data.cached_gold_score(texts) == expected
+
+
+def test_a_text_said_twice_is_scored_once_and_gets_the_same_score_in_each_place(tmp_path, monkeypatch):
+    monkeypatch.setenv("MA_RLHF_CACHE", str(tmp_path))
+    scored = []
+    judge = data.gold_score
+    monkeypatch.setattr(data, "gold_score", lambda texts: scored.append(list(texts)) or judge(texts))
+    texts = ["what a lovely day", "ok", "what a lovely day", "this is awful", "ok"]
+    assert data.cached_gold_score(texts) == judge(texts)
+    assert scored == [["what a lovely day", "ok", "this is awful"]]
 
 
 def test_chitchat_rm_and_test_pairs_are_labelled_by_the_gold_judge(chitchat):

@@ -35,13 +35,60 @@ def test_the_watched_tree_gives_each_stage_its_own_time_and_peak_memory(tmp_path
         print("| mean gold score | 0.235 | 0.814 |")
         """))
     module = bench()
-    result = module.summary(*module.run(f"{sys.executable} ppo.py", str(tmp_path)))
+    result = module.summary(*module.run(f"{sys.executable} ppo.py", str(tmp_path))[:3])
     sft, ppo = result["stages"]["sft.py"], result["stages"]["ppo.py"]
     assert 150 <= sft["peak_mb"] < 200 and 20 <= ppo["peak_mb"] < 150
     assert result["peak_rss_mb"] == sft["peak_mb"]
     assert 0.8 <= sft["s"] < 5 and 0.3 <= ppo["s"] < sft["s"]
     assert result["final_table"] == {"mean gold score": ["0.235", "0.814"]}
     assert result["wall_s"] >= sft["s"] + ppo["s"]
+
+
+def test_the_run_is_cut_into_phases_at_its_stages_and_at_the_lines_that_open_and_close_their_loops(tmp_path):
+    """A real process tree of three stages that print their loops' marks (progress bars with carriage returns, as
+    tqdm writes them) after measured sleeps; ppo.py's metrics.jsonl says how much of its loop was iterations and
+    evaluations. Each phase is the time between its marks, and the phases add up to the run."""
+    def stage(name, before, bar, during, close, after):
+        (tmp_path / name).write_text(textwrap.dedent(f"""\
+            import sys, time
+            time.sleep({before})
+            sys.stderr.write({bar!r}); sys.stderr.flush()
+            time.sleep({during})
+            sys.stderr.write("\\r" + {bar!r} + " 50%\\n"); sys.stderr.flush()     # tqdm's close: a newline
+            print({close!r}, flush=True)
+            time.sleep({after})
+            """))
+    stage("sft.py", 0.4, "sft:   0%", 0.8, "[sft] saved runs/x", 0.2)
+    stage("reward_model.py", 0.2, "rm:   0%", 0.6, "[rm] held-out pairwise accuracy 0.800", 0.4)
+    rows = [{"step": 1, "time/step": 0.3}, {"step": 2, "time/step": 0.2, "time/eval": 0.4}]
+    (tmp_path / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
+    (tmp_path / "ppo.py").write_text(textwrap.dedent(f"""\
+        import subprocess, sys, time
+        time.sleep(0.3)
+        for script in ("sft.py", "reward_model.py"):
+            subprocess.run([{sys.executable!r}, script], check=True)
+        time.sleep(0.3)
+        sys.stderr.write("ppo:   0%|"); sys.stderr.flush()
+        time.sleep(1.0)
+        sys.stderr.write("\\rppo: 100%|"); sys.stderr.flush()
+        print("[ppo] ranks in sync: True", flush=True)       # after the bar's last update, on its line
+        time.sleep(0.5)
+        print("metrics: metrics.jsonl")
+        """))
+    module = bench()
+    wall, text, seen, lines = module.run(f"{sys.executable} ppo.py", str(tmp_path))
+    assert any(line.startswith("sft:") for _, line in lines) and any("[ppo] ranks" in line for _, line in lines)
+    cut, loops = module.phases(seen, lines, module.metrics_rows(str(tmp_path), text))
+    cut = dict(cut)
+    assert 0.7 <= cut["sft.py: training loop (steps, held-out losses)"] < 2.0
+    assert 0.5 <= cut["reward_model.py: training loop (steps, held-out accuracy)"] < 1.8
+    assert cut["ppo.py: iterations (time/step summed)"] == 0.5 and cut["ppo.py: held-out evaluations (time/eval summed)"] == 0.4
+    assert 0.0 <= cut["ppo.py: the loop's logging and progress bar"] < 1.0       # the loop's 1 s less 0.9
+    assert 0.4 <= cut["ppo.py: final policy, report, pictures, exit"] < 1.5
+    assert loops == round(cut["sft.py: training loop (steps, held-out losses)"]
+                          + cut["reward_model.py: training loop (steps, held-out accuracy)"] + 0.5, 1)
+    assert abs(sum(cut.values()) - wall) < 0.5         # the phases cover the run, up to the launcher's exit
+    assert module.phases(seen, [line for line in lines if "ranks in sync" not in line[1]], []) == ([], None)
 
 
 def test_the_committed_record_says_what_produced_it_and_the_docs_quote_its_table():

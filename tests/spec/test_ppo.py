@@ -1,5 +1,6 @@
 """ppo.py: rollout and training forwards agree; n=1 is token-level PPO; every flag runs a step."""
 import json
+import time
 
 import pytest
 import torch
@@ -351,10 +352,13 @@ def test_training_warns_when_the_policys_replies_are_degenerate(tiny_models, par
     sft_replies, metrics = {}, {"step": 20, "kl": 40.0, "reward/rm": 0.5}
     for policy in (load(tiny_models / "sft"), load(parrot)):
         sampling = evaluate.Sampling(args.task, args.max_prompt_len, args.max_response_len, seed=args.seed)
+        metrics.pop("time/eval", None)
+        start = time.time()
         evaluate.during_training(metrics, sampling, accelerator=harness.make_accelerator(), policy=policy,
                          reward_model=rm.load_reward_model(args.rm_path)[0], tokenizer=tokenizer, eval_rows=rows,
                          sft=(load(tiny_models / "sft"), sft_replies))
         printed = capsys.readouterr().out
+        assert 0 < metrics["time/eval"] <= time.time() - start + 1e-3       # the evaluation's own seconds
         if policy.name_or_path.endswith("sft"):
             assert "warning" not in printed and metrics["eval/distinct_2"] == metrics["eval/sft_distinct_2"]
     assert metrics["eval/distinct_2"] < 0.5 * metrics["eval/sft_distinct_2"] and metrics["eval/repetition"] > 0.5
