@@ -467,9 +467,10 @@ def during_training(metrics, sampling, *, accelerator, policy, reward_model, tok
                     sft=(None, None), sft_path="", bf16=False, gather=True, score_name="rm"):
     """ppo.py's step 7 every --eval_every iterations: the held-out score (and gold score / pass rate), gold_strict
     and the replies' diversity of the current policy into `metrics`, beside the SFT model's diversity, and its own
-    seconds (time/eval); a log line, and a warning when the replies are degenerate. `sampling`: a Sampling; `sft`: (the frozen SFT model or None
-    under LoRA, then read from `sft_path`; a dict that keeps its diversity once measured); `segmenter`: as in
-    `held_out`; `gather`: ppo.py's --gather_for_generation; `score_name`: the score the run trains on."""
+    seconds (time/eval); a log line, and a warning when the replies are degenerate. `sampling`: a Sampling; `sft`:
+    (the frozen SFT model or None under LoRA, then read from `sft_path`; a dict that keeps its diversity once
+    measured); `segmenter`: as in `held_out`; `gather`: ppo.py's --gather_for_generation; `score_name`: the score the
+    run trains on."""
     acc, sharded, task, start = accelerator, harness.is_sharded(accelerator), sampling.task, time.time()
     code = task in data.CODE_TASKS
     harness.release_freed_memory(acc.device, at_least=0)    # the held-out generation starts lean

@@ -12,7 +12,7 @@ each stage's (sft.py, reward_model.py, and ppo.py less the two it started), the 
 keeps what the run built (the SFT model's held-out loss, the RM's rm_eval.json, the PPO run's held-out curve).
 
 The output is read as it comes, each line (and each progress-bar update) stamped with its second: the run is cut
-into phases at the stages' starts and ends and at the lines that open and close each training loop (LOOP_MARKS),
+into phases at the stages' starts and ends and at the lines that open and close each training loop (BAR, LOOP_MARKS),
 ppo.py's loop further into its iterations (`time/step` summed from its metrics.jsonl), its held-out evaluations
 (`time/eval`) and the rest. What lies outside the three training loops (start-ups, data, tokenizer, the builds'
 evaluations, ppo.py's held-out evaluations and report) is the run's overhead, `overhead_s` in the record.
@@ -139,16 +139,17 @@ def summary(wall, text, seen):
             "final_table": final}
 
 
-# Where each stage's training loop starts and ends in the output: its progress bar's first line, and the line it
-# prints after its last step (ppo.py's bar is named after its --output_dir, runs/<task>/ppo by default).
-LOOP_MARKS = {"sft.py": (r"sft:", r"\[sft\] saved "), "reward_model.py": (r"rm:", r"\[rm\] held-out pairwise accuracy"),
-              "ppo.py": (r"ppo:", r"\[ppo\] ranks in sync")}
+# Where each stage's training loop starts and ends in the output: the first progress bar drawn after the stage began
+# (tqdm's "<name>:   0%|"; ppo.py's is named after its --output_dir), and the line it prints after its last step.
+BAR = r"\S+:\s+\d+%\|"
+LOOP_MARKS = {"sft.py": r"\[sft\] saved ", "reward_model.py": r"\[rm\] held-out pairwise accuracy",
+              "ppo.py": r"\[ppo\] ranks in sync"}
 
 
 def phases(seen, lines, metrics_rows):
     """The run's wall time cut at its stages' start and end (the process tree) and at the lines that open and close
-    each training loop (LOOP_MARKS, stamped as they came): [(phase, seconds)], in order, and the seconds of the three
-    training loops (SFT's and the RM's steps with their held-out evaluations, and ppo.py's iterations: their
+    each training loop (BAR, LOOP_MARKS, stamped as they came): [(phase, seconds)], in order, and the seconds of the
+    three training loops (SFT's and the RM's steps with their held-out evaluations, and ppo.py's iterations: their
     `time/step` summed from `metrics_rows`, evaluations and logging left out). ppo.py's loop is cut further into its
     held-out evaluations (`time/eval` summed) and the rest. ([], None) when a mark is missing."""
     span = {}
@@ -157,13 +158,15 @@ def phases(seen, lines, metrics_rows):
         if stage:
             lo, hi = span.get(stage, (facts["start"], facts["end"]))
             span[stage] = (min(lo, facts["start"]), max(hi, facts["end"]))
-    marks = {}
-    for stage, (opens, closes) in LOOP_MARKS.items():     # a bar opens a piece; a line may follow an unclosed bar
-        marks[stage, "open"] = next((t for t, line in lines if re.match(opens, line.strip())), None)
-        marks[stage, "close"] = next((t for t, line in lines if re.search(closes, line)), None)
-    if set(span) != set(STAGES) or None in marks.values():
+    if set(span) != set(STAGES):
         return [], None
-    (sft_in, sft_out), (_, rm_out), (ppo_in, ppo_out) = (span[s] for s in STAGES)
+    (sft_in, sft_out), (rm_in, rm_out), (ppo_in, ppo_out) = (span[s] for s in STAGES)
+    marks = {}
+    for stage, since in (("sft.py", sft_in), ("reward_model.py", rm_in), ("ppo.py", rm_out)):   # ppo.py's loop: after
+        marks[stage, "open"] = next((t for t, line in lines if t >= since and re.match(BAR, line.strip())), None)
+        marks[stage, "close"] = next((t for t, line in lines if re.search(LOOP_MARKS[stage], line)), None)
+    if None in marks.values():
+        return [], None
     ppo_loop = marks["ppo.py", "close"] - marks["ppo.py", "open"]
     steps = sum(r.get("time/step", 0.0) for r in metrics_rows)
     evals = sum(r.get("time/eval", 0.0) for r in metrics_rows)

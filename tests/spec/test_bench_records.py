@@ -33,7 +33,7 @@ def test_a_side_summary_is_the_median_of_the_iterations_after_the_warm_up():
 
 
 SITTINGS = ("real_ppo_full.json", "real_grpo_1.json", "real_grpo_2.json", "real_ppo_samelr_loaded.json",
-            "real_ppo_full_samelr_loaded.json")
+            "real_ppo_full_samelr_loaded.json", "real_ppo_samelr.json", "real_ppo_full_samelr.json")
 
 
 @pytest.mark.parametrize("name", ["real_ppo.json", *SITTINGS])
@@ -49,7 +49,7 @@ def test_the_committed_record_says_what_produced_it(name):
 
 def test_real_models_tables_are_printed_from_the_committed_records():
     # LoRA r=16, full fine-tuning, GRPO against TRL's GRPOTrainer at LoRA r=16 (two sittings), and both PPO sizes
-    # again with one learning rate on both sides (a loaded sitting)
+    # again with one learning rate on both sides (a loaded sitting, then a quiet one)
     for record in (RECORD, *(RECORD.with_name(n) for n in SITTINGS)):
         table = real_ppo().table(json.loads(record.read_text()))
         assert table in (ROOT / "docs" / "real_models.md").read_text()

@@ -58,8 +58,8 @@ def test_the_run_is_cut_into_phases_at_its_stages_and_at_the_lines_that_open_and
             print({close!r}, flush=True)
             time.sleep({after})
             """))
-    stage("sft.py", 0.4, "sft:   0%", 0.8, "[sft] saved runs/x", 0.2)
-    stage("reward_model.py", 0.2, "rm:   0%", 0.6, "[rm] held-out pairwise accuracy 0.800", 0.4)
+    stage("sft.py", 0.4, "sft:   0%|", 0.8, "[sft] saved runs/x", 0.2)
+    stage("reward_model.py", 0.2, "rm:   0%|", 0.6, "[rm] held-out pairwise accuracy 0.800", 0.4)
     rows = [{"step": 1, "time/step": 0.3}, {"step": 2, "time/step": 0.2, "time/eval": 0.4}]
     (tmp_path / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
     (tmp_path / "ppo.py").write_text(textwrap.dedent(f"""\
@@ -68,9 +68,9 @@ def test_the_run_is_cut_into_phases_at_its_stages_and_at_the_lines_that_open_and
         for script in ("sft.py", "reward_model.py"):
             subprocess.run([{sys.executable!r}, script], check=True)
         time.sleep(0.3)
-        sys.stderr.write("ppo:   0%|"); sys.stderr.flush()
+        sys.stderr.write("ppo_n5_fixed:   0%|"); sys.stderr.flush()     # named after its --output_dir
         time.sleep(1.0)
-        sys.stderr.write("\\rppo: 100%|"); sys.stderr.flush()
+        sys.stderr.write("\\rppo_n5_fixed: 100%|"); sys.stderr.flush()
         print("[ppo] ranks in sync: True", flush=True)       # after the bar's last update, on its line
         time.sleep(0.5)
         print("metrics: metrics.jsonl")
