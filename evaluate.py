@@ -398,19 +398,22 @@ def held_out(policy, reward_model, tokenizer, rows, sampling, seed, synced_gpus=
 
 
 @torch.no_grad()
-@torch.no_grad()
-def held_out_kl(policy, ref, batches, temperature):
+def held_out_kl(policy, ref, batches, temperature, chunk=64):
     """eval/kl: per prompt, KL(x) = sum_t log pi(y_t | x, y_<t) - log pi_sft(y_t | x, y_<t) at the sampling
     temperature (ppo.py's step 2, its `response_logprobs`), on the very replies `held_out` judged (the `batches` it
-    appended: not sampled again). One reply can give a negative KL(x); the mean estimates the KL. `ref` None (LoRA):
-    the policy with its adapters off, which is the SFT model."""
+    appended: not sampled again), `chunk` rows per forward (the same numbers as all at once; the default model's
+    forward of an evaluation's 256 rows at once ran ~1.4x slower than in slices of 64). One reply can give a negative
+    KL(x); the mean estimates the KL. `ref` None (LoRA): the policy with its adapters off, which is the SFT model."""
     from ppo import response_logprobs       # a lazy import: ppo.py imports this module
     kls = []
     for p_ids, p_mask, r_ids, r_mask in batches:
         ids, mask, width = torch.cat([p_ids, r_ids], 1), torch.cat([p_mask, r_mask], 1), p_ids.shape[1]
-        with policy.disable_adapter() if ref is None else contextlib.nullcontext():
-            ref_logp = response_logprobs(policy if ref is None else ref, ids, mask, width, temperature)[0]
-        kls.append(((response_logprobs(policy, ids, mask, width, temperature)[0] - ref_logp) * r_mask).sum(-1))
+        for rows in (slice(i, i + chunk) for i in range(0, len(ids), chunk)):     # the same slices on every rank
+            with policy.disable_adapter() if ref is None else contextlib.nullcontext():
+                ref_logp = response_logprobs(policy if ref is None else ref, ids[rows], mask[rows], width,
+                                             temperature)[0]
+            logp = response_logprobs(policy, ids[rows], mask[rows], width, temperature)[0]
+            kls.append(((logp - ref_logp) * r_mask[rows]).sum(-1))
     return torch.cat(kls)
 
 

@@ -81,3 +81,16 @@ def test_an_evaluation_samples_the_policy_once(tiny_models, parrot, monkeypatch)
     monkeypatch.setattr(data, "sample", lambda model, *a, **k: sampled.append(model) or sample(model, *a, **k))
     metrics, *_ = run_evaluation(tiny_models, policy, load(tiny_models / "sft"))
     assert sum(m is policy for m in sampled) == 1 and metrics["eval/kl"] > 1.0
+
+
+def test_eval_kl_in_slices_is_the_kl_of_all_rows_at_once(tiny_models, parrot):
+    """held_out_kl's forwards in slices of `chunk` rows (the last one short) give each reply the very KL that one
+    forward of all the rows gives."""
+    import evaluate
+    tokenizer = data.load_tokenizer(str(tiny_models / "sft"))
+    rows = data.first_row_per_prompt(data.load_task("chitchat", only=("test",))["test"])[:12]
+    batches, policy = [], load(parrot)
+    evaluate.sample_responses(policy, tokenizer, [r["prompt"] for r in rows], 7, 16, 10, 1.0, batches=batches)
+    whole = evaluate.held_out_kl(policy, load(tiny_models / "sft"), batches, 1.0, chunk=12)
+    sliced = evaluate.held_out_kl(policy, load(tiny_models / "sft"), batches, 1.0, chunk=5)
+    assert whole.shape == (12,) and whole.abs().sum() > 1.0 and torch.equal(sliced, whole)
