@@ -17,6 +17,16 @@ def pytest_configure(config):
         config.option.loadscopereorder = False
 
 
+@pytest.fixture(autouse=True)
+def collector_back():
+    """A stage run in the test's own process leaves the objects alive before its loop out of the cycle collector's
+    reach (harness.out_of_the_collectors_way: right for a process that trains once and exits); after each test the
+    collector gets them back, so that the tests' leftovers are collected as before."""
+    yield
+    import gc
+    gc.unfreeze()
+
+
 # The files that start first. `pytest -n 2 --dist loadfile` hands whole files to its two workers in collection
 # order, each worker taking the next file as it finishes one; these go first, the many short files last, so that
 # the two workers end together instead of one of them alone with a long file at the end. Most of the long files'

@@ -231,3 +231,19 @@ def test_an_accumulation_group_shorter_than_grad_accum_steps_once_on_the_mean_of
     assert torch.allclose(weights[1], w) and torch.allclose(weights[2], expected, atol=1e-6)     # one step after 3
     expected = expected - (grad(expected, xs[3]) + grad(expected, xs[4])) / 2
     assert torch.allclose(weights[3], weights[2]) and torch.allclose(weights[4], expected, atol=1e-6)   # and after 2
+
+
+def test_what_is_alive_before_a_loop_is_left_out_of_the_cycle_collectors_walks():
+    """Entering a loop's GracefulStop (harness.out_of_the_collectors_way): the objects alive before it (here a list
+    made for the test) are no longer among those the collector's generations hold, and are still alive; objects made
+    after it are."""
+    import gc
+    before = [object()]
+    try:
+        with harness.GracefulStop(harness.make_accelerator(), "test"):
+            after = [object()]
+        tracked = {id(o) for o in gc.get_objects()}
+        assert gc.get_freeze_count() > 0 and id(before) not in tracked and id(after) in tracked
+        assert isinstance(before[0], object)
+    finally:
+        gc.unfreeze()
