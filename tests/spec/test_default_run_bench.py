@@ -132,3 +132,17 @@ def test_the_docs_quote_the_records_built_models():
                    f"RM-gold agreement {rm['gold_agreement']:.3f} on {rm['gold_pairs']} pairs",
                    f"rises to {best[1]:.3f} at iteration {best[0]} and is {last[1]:.3f} at {last[0]}"):
         assert quoted in docs
+
+
+def test_the_records_phases_add_up_and_the_docs_quote_its_overhead():
+    """The committed record's phases cover its run (up to the launcher's exit), its overhead is the run less its three
+    training loops, and docs/training.md's paragraph on it quotes those figures."""
+    record = json.loads(RECORD.read_text())
+    phases = dict(record["phases"])
+    assert abs(sum(phases.values()) - record["wall_s"]) < 1.5
+    assert record["overhead_s"] == round(record["wall_s"] - record["loops_s"], 1)
+    evaluations = phases["ppo.py: held-out evaluations (time/eval summed)"]
+    docs = " ".join((ROOT / "docs" / "training.md").read_text().split())
+    assert (f"Of the record's {record['wall_s']:.0f} s, {record['loops_s']} s are the three training loops and "
+            f"{record['overhead_s']} s the rest") in docs
+    assert f"the held-out evaluations, {evaluations} s" in docs
