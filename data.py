@@ -17,11 +17,13 @@ documents when it has none). Rows of one document never appear in two splits.
 """
 import contextlib
 import functools
+import glob
 import hashlib
 import json
 import os
 import random
 import re
+import tempfile
 import warnings
 
 import torch
@@ -52,26 +54,33 @@ def cache_dir():
     return os.environ.get("MA_RLHF_CACHE") or os.path.join(os.path.dirname(os.path.abspath(__file__)), "runs", "cache")
 
 
-def cached_json(name, build, valid):
+def cached_json(name, build, valid, replaces=""):
     """`build()` kept on disk as <cache_dir()>/<name> (JSON; `name` holds a hash of everything it depends on, so the
     file cannot go stale), or read back from there when `valid(value)` accepts it. Unwritable or corrupt cache files
-    are ignored (built again); written atomically, as ranks may build it at once."""
+    are ignored (built again); written atomically, as ranks may build it at once. `replaces`: a glob of the files an
+    older build left (another hash), deleted once this one is written."""
     path = os.path.join(cache_dir(), name)
     try:
         with open(path) as f:
             value = json.load(f)
         if valid(value):
             return value
-    except (OSError, ValueError):
+    except Exception:       # unreadable, not JSON, or JSON of another shape that `valid` trips on
         pass
     value = build()
+    tmp = None
     try:
         os.makedirs(os.path.dirname(path), exist_ok=True)
-        with open(f"{path}.{os.getpid()}.tmp", "w") as f:
+        fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), suffix=".tmp")
+        with os.fdopen(fd, "w") as f:
             json.dump(value, f)
-        os.replace(f"{path}.{os.getpid()}.tmp", path)
+        os.replace(tmp, path)
+        for old in glob.glob(os.path.join(cache_dir(), replaces)) if replaces else ():
+            if old != path:
+                os.remove(old)
     except OSError:
-        pass
+        if tmp and os.path.exists(tmp):
+            os.remove(tmp)
     return value
 
 
@@ -213,19 +222,22 @@ def _chitchat_pairs(examples, split, seed):
 @functools.lru_cache(maxsize=1)
 def _chitchat_split(seed):
     """The conversations' examples split by conversation: built once (a few seconds on one core: reading the
-    package's 30 MB of JSON, cutting ~100k examples) and kept on disk under a hash of this file's text, the package's
-    version and the seed (it cannot go stale: any change here is another key), read back in a fraction of a second
-    by every later process; then shared by every stage or evaluation in the process; read-only, never handed out.
-    An unwritable or corrupt cache file is ignored (built again)."""
-    from importlib.metadata import version
-    with open(os.path.abspath(__file__), "rb") as f:
-        key = hashlib.sha256(f.read() + f"\0{version('chitchat-dataset')}\0{seed}".encode()).hexdigest()[:24]
-    return cached_json(f"chitchat-{key}.json",
+    package's 40 MB of JSON, cutting ~100k examples) and kept on disk under a hash of this file's text, the package's
+    conversations and the seed (it cannot go stale: any change to them is another key; hashing them takes ~0.06 s),
+    read back in a fraction of a second by every later process, the older build's file deleted; then shared by every
+    stage or evaluation in the process; read-only, never handed out. An unwritable or corrupt cache file is ignored
+    (built again)."""
+    import chitchat_dataset
+    key = hashlib.sha256(f"{seed}".encode())
+    for path in (os.path.abspath(__file__), chitchat_dataset._PATH):
+        with open(path, "rb") as f:
+            key.update(f.read())
+    return cached_json(f"chitchat-{key.hexdigest()[:24]}.json",
                        lambda: split_by_group(chitchat_examples(chitchat_conversations()), seed,
                                               test_fraction=TEST_FRACTION),
                        lambda split: isinstance(split, dict) and set(split) == {*SPLIT_FRACTIONS, "test"} and all(
                            isinstance(r, dict) and {"prompt", "response", "group"} <= r.keys()
-                           for rows in split.values() for r in rows))
+                           for rows in split.values() for r in rows), replaces="chitchat-*.json")
 
 
 def load_chitchat(seed=SEED, only=None):

@@ -21,6 +21,7 @@ evaluations, ppo.py's held-out evaluations and report) is the run's overhead, `o
 docs/training.md's "measured default run" is the `--show` output of bench/records/default_run.json.
 """
 import argparse
+import codecs
 import json
 import os
 import platform
@@ -73,10 +74,10 @@ def stamped_reader(stream, log, lines, t0):
     """Copy `stream` (the run's merged stdout and stderr, bytes) to the file `log`, appending (seconds since `t0`,
     text) to `lines` for each piece that ends in a newline or a carriage return (a progress bar's update), stamped
     when its first byte came (a bar is drawn, then left unfinished until its next update)."""
-    pending, since = b"", None
+    pending, since, decoder = b"", None, codecs.getincrementaldecoder("utf-8")(errors="replace")
     for chunk in iter(lambda: os.read(stream.fileno(), 65536), b""):
         now = time.time() - t0
-        log.write(chunk.decode(errors="replace"))
+        log.write(decoder.decode(chunk))        # a character cut between two reads is kept whole
         pieces = re.split(rb"[\r\n]", pending + chunk)
         stamps = [now if pending == b"" or since is None else since] + [now] * (len(pieces) - 1)
         pending, since = pieces.pop(), stamps.pop()
@@ -92,7 +93,7 @@ def run(command, cwd):
     seen, lines, t0 = {}, [], time.time()
     out = open(os.path.join(cwd, "default_run.log"), "w+")
     proc = subprocess.Popen(command, shell=True, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            start_new_session=True)
+                            start_new_session=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})   # lines on time
     reader = threading.Thread(target=stamped_reader, args=(proc.stdout, out, lines, t0), daemon=True)
     reader.start()
     try:
@@ -110,7 +111,7 @@ def run(command, cwd):
         os.killpg(proc.pid, 2)
         raise
     wall = time.time() - t0
-    reader.join()
+    reader.join(timeout=30)     # a leftover grandchild holding the pipe open does not hang the bench
     out.seek(0)
     text = out.read()
     if proc.returncode:
@@ -170,19 +171,22 @@ def phases(seen, lines, metrics_rows):
     ppo_loop = marks["ppo.py", "close"] - marks["ppo.py", "open"]
     steps = sum(r.get("time/step", 0.0) for r in metrics_rows)
     evals = sum(r.get("time/eval", 0.0) for r in metrics_rows)
+    timed = any("time/eval" in r for r in metrics_rows)    # a commit before time/eval: evaluations not told apart
     cut = [("accelerate launch, until ppo.py starts", ppo_in),
            ("ppo.py: imports, accelerator, config", sft_in - ppo_in),
            ("sft.py: imports, data, tokenizer, model", marks["sft.py", "open"] - sft_in),
-           ("sft.py: training loop (steps, held-out losses)", marks["sft.py", "close"] - marks["sft.py", "open"]),
+           ("sft.py: training loop (steps, held-out losses, the model saved)",
+            marks["sft.py", "close"] - marks["sft.py", "open"]),
            ("sft.py: samples, exit", sft_out - marks["sft.py", "close"]),
            ("reward_model.py: start, imports, labelled data, model", marks["reward_model.py", "open"] - sft_out),
-           ("reward_model.py: training loop (steps, held-out accuracy)",
+           ("reward_model.py: training loop (steps, held-out accuracy, the model saved)",
             marks["reward_model.py", "close"] - marks["reward_model.py", "open"]),
            ("reward_model.py: RM-gold agreement, exit", rm_out - marks["reward_model.py", "close"]),
            ("ppo.py: models, data, optimizers", marks["ppo.py", "open"] - rm_out),
            ("ppo.py: iterations (time/step summed)", steps),
-           ("ppo.py: held-out evaluations (time/eval summed)", evals),
-           ("ppo.py: the loop's logging and progress bar", ppo_loop - steps - evals),
+           *([("ppo.py: held-out evaluations (time/eval summed)", evals),
+              ("ppo.py: the loop's logging and progress bar", ppo_loop - steps - evals)] if timed else
+             [("ppo.py: held-out evaluations, logging, progress bar (no time/eval logged)", ppo_loop - steps)]),
            ("ppo.py: final policy, report, pictures, exit", ppo_out - marks["ppo.py", "close"])]
     loops = cut[3][1] + cut[6][1] + steps
     return [(name, round(s, 1)) for name, s in cut], round(loops, 1)

@@ -51,8 +51,10 @@ def test_a_cached_value_is_built_once_and_a_corrupt_or_foreign_file_is_built_aga
     def build():
         builds.append(1)
         return {"rows": [1, 2, 3]}
-    valid = (lambda value: isinstance(value, dict) and isinstance(value.get("rows"), list))
-    assert data.cached_json("x-1.json", build, valid) == {"rows": [1, 2, 3]} and len(builds) == 1
+    valid = (lambda value: isinstance(value["rows"], list))        # trips (TypeError) on JSON of another shape
+    (tmp_path / "x-0.json").write_text('{"rows": [0]}')             # an older build's file, another hash
+    assert data.cached_json("x-1.json", build, valid, replaces="x-*.json") == {"rows": [1, 2, 3]} and len(builds) == 1
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["x-1.json"]   # the older file gone, no temporary left
     assert data.cached_json("x-1.json", build, valid) == {"rows": [1, 2, 3]} and len(builds) == 1    # read back
     for bad in ('{"rows": [1, 2', '[1, 2, 3]'):                    # truncated; JSON of another shape
         (tmp_path / "x-1.json").write_text(bad)

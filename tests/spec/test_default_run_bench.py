@@ -44,7 +44,8 @@ def test_the_watched_tree_gives_each_stage_its_own_time_and_peak_memory(tmp_path
     assert result["wall_s"] >= sft["s"] + ppo["s"]
 
 
-def test_the_run_is_cut_into_phases_at_its_stages_and_at_the_lines_that_open_and_close_their_loops(tmp_path):
+def test_the_run_is_cut_into_phases_at_its_stages_and_at_the_lines_that_open_and_close_their_loops(tmp_path,
+                                                                                                   monkeypatch):
     """A real process tree of three stages that print their loops' marks (progress bars with carriage returns, as
     tqdm writes them) after measured sleeps; ppo.py's metrics.jsonl says how much of its loop was iterations and
     evaluations. Each phase is the time between its marks, and the phases add up to the run."""
@@ -55,10 +56,10 @@ def test_the_run_is_cut_into_phases_at_its_stages_and_at_the_lines_that_open_and
             sys.stderr.write({bar!r}); sys.stderr.flush()
             time.sleep({during})
             sys.stderr.write("\\r" + {bar!r} + " 50%\\n"); sys.stderr.flush()     # tqdm's close: a newline
-            print({close!r}, flush=True)
+            print({close!r})          # not flushed, as accelerator.print: on time only if the bench unbuffers it
             time.sleep({after})
             """))
-    stage("sft.py", 0.4, "sft:   0%|", 0.8, "[sft] saved runs/x", 0.2)
+    stage("sft.py", 0.4, "sft:   0%|", 0.8, "[sft] saved runs/x", 1.0)
     stage("reward_model.py", 0.2, "rm:   0%|", 0.6, "[rm] held-out pairwise accuracy 0.800", 0.4)
     rows = [{"step": 1, "time/step": 0.3}, {"step": 2, "time/step": 0.2, "time/eval": 0.4}]
     (tmp_path / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
@@ -76,19 +77,26 @@ def test_the_run_is_cut_into_phases_at_its_stages_and_at_the_lines_that_open_and
         print("metrics: metrics.jsonl")
         """))
     module = bench()
+    monkeypatch.delenv("PYTHONUNBUFFERED", raising=False)      # a pipe: the stages' stdout block-buffered
     wall, text, seen, lines = module.run(f"{sys.executable} ppo.py", str(tmp_path))
     assert any(line.startswith("sft:") for _, line in lines) and any("[ppo] ranks" in line for _, line in lines)
     cut, loops = module.phases(seen, lines, module.metrics_rows(str(tmp_path), text))
     cut = dict(cut)
-    assert 0.7 <= cut["sft.py: training loop (steps, held-out losses)"] < 2.0
-    assert 0.5 <= cut["reward_model.py: training loop (steps, held-out accuracy)"] < 1.8
-    assert cut["ppo.py: iterations (time/step summed)"] == 0.5 and cut["ppo.py: held-out evaluations (time/eval summed)"] == 0.4
+    sft_loop, rm_loop = (cut[f"{stage}: training loop (steps, held-out {what}, the model saved)"]
+                         for stage, what in (("sft.py", "losses"), ("reward_model.py", "accuracy")))
+    assert 0.7 <= sft_loop < 1.5 and 0.5 <= rm_loop < 1.3 and 0.9 <= cut["sft.py: samples, exit"] < 1.6
+    assert cut["ppo.py: iterations (time/step summed)"] == 0.5
+    assert cut["ppo.py: held-out evaluations (time/eval summed)"] == 0.4
     assert 0.0 <= cut["ppo.py: the loop's logging and progress bar"] < 1.0       # the loop's 1 s less 0.9
     assert 0.4 <= cut["ppo.py: final policy, report, pictures, exit"] < 1.5
-    assert loops == round(cut["sft.py: training loop (steps, held-out losses)"]
-                          + cut["reward_model.py: training loop (steps, held-out accuracy)"] + 0.5, 1)
+    assert loops == round(sft_loop + rm_loop + 0.5, 1)
     assert abs(sum(cut.values()) - wall) < 0.5         # the phases cover the run, up to the launcher's exit
     assert module.phases(seen, [line for line in lines if "ranks in sync" not in line[1]], []) == ([], None)
+    untimed = dict(module.phases(seen, lines, [{"step": 1, "time/step": 0.3}, {"step": 2, "time/step": 0.2}])[0])
+    assert "ppo.py: held-out evaluations (time/eval summed)" not in untimed     # a commit before time/eval
+    assert abs(untimed["ppo.py: held-out evaluations, logging, progress bar (no time/eval logged)"]
+               - cut["ppo.py: held-out evaluations (time/eval summed)"]
+               - cut["ppo.py: the loop's logging and progress bar"]) < 0.15        # the two rows' sum, rounded
 
 
 def test_the_committed_record_says_what_produced_it_and_the_docs_quote_its_table():

@@ -93,4 +93,5 @@ def test_eval_kl_in_slices_is_the_kl_of_all_rows_at_once(tiny_models, parrot):
     evaluate.sample_responses(policy, tokenizer, [r["prompt"] for r in rows], 7, 16, 10, 1.0, batches=batches)
     whole = evaluate.held_out_kl(policy, load(tiny_models / "sft"), batches, 1.0, chunk=12)
     sliced = evaluate.held_out_kl(policy, load(tiny_models / "sft"), batches, 1.0, chunk=5)
-    assert whole.shape == (12,) and whole.abs().sum() > 1.0 and torch.equal(sliced, whole)
+    assert whole.shape == (12,) and whole.abs().sum() > 1.0
+    torch.testing.assert_close(sliced, whole, rtol=0, atol=1e-6)      # bit for bit here; a BLAS may round apart
