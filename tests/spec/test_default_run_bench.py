@@ -151,6 +151,6 @@ def test_the_records_phases_add_up_and_the_docs_quote_its_overhead():
     assert record["overhead_s"] == round(record["wall_s"] - record["loops_s"], 1)
     evaluations = phases["ppo.py: held-out evaluations (time/eval summed)"]
     docs = " ".join((ROOT / "docs" / "training.md").read_text().split())
-    assert (f"Of the record's {record['wall_s']:.0f} s, {record['loops_s']} s are the three training loops and "
-            f"{record['overhead_s']} s the rest") in docs
+    assert (f"Of the record's {record['wall_s']:.0f} s, {record['loops_s']} s are the three training loops (SFT's "
+            f"and the RM's with their final saves) and {record['overhead_s']} s the rest") in docs
     assert f"the held-out evaluations, {evaluations} s" in docs
