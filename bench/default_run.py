@@ -140,8 +140,8 @@ def summary(wall, text, seen):
             "final_table": final}
 
 
-# Where each stage's training loop starts and ends in the output: the first progress bar drawn after the stage began
-# (tqdm's "<name>:   0%|"; ppo.py's is named after its --output_dir), and the line it prints after its last step.
+# Where each stage's training loop starts and ends in the output: the first progress bar drawn after the loop before it
+# closed (tqdm's "<name>:   0%|"; ppo.py's is named after its --output_dir), and the line it prints after its last step.
 BAR = r"\S+:\s+\d+%\|"
 LOOP_MARKS = {"sft.py": r"\[sft\] saved ", "reward_model.py": r"\[rm\] held-out pairwise accuracy",
               "ppo.py": r"\[ppo\] ranks in sync"}
@@ -161,13 +161,14 @@ def phases(seen, lines, metrics_rows):
             span[stage] = (min(lo, facts["start"]), max(hi, facts["end"]))
     if set(span) != set(STAGES):
         return [], None
-    (sft_in, sft_out), (rm_in, rm_out), (ppo_in, ppo_out) = (span[s] for s in STAGES)
-    marks = {}
-    for stage, since in (("sft.py", sft_in), ("reward_model.py", rm_in), ("ppo.py", rm_out)):   # ppo.py's loop: after
-        marks[stage, "open"] = next((t for t, line in lines if t >= since and re.match(BAR, line.strip())), None)
-        marks[stage, "close"] = next((t for t, line in lines if re.search(LOOP_MARKS[stage], line)), None)
-    if None in marks.values():
-        return [], None
+    (sft_in, sft_out), (_, rm_out), (ppo_in, ppo_out) = (span[s] for s in STAGES)
+    marks, start = {}, 0
+    for stage in ("sft.py", "reward_model.py", "ppo.py"):     # each loop's bar: the first after the loop before it
+        opened = next((i for i in range(start, len(lines)) if re.match(BAR, lines[i][1].strip())), None)
+        closed = next((i for i in range(opened or 0, len(lines)) if re.search(LOOP_MARKS[stage], lines[i][1])), None)
+        if opened is None or closed is None:
+            return [], None
+        marks[stage, "open"], marks[stage, "close"], start = lines[opened][0], lines[closed][0], closed + 1
     ppo_loop = marks["ppo.py", "close"] - marks["ppo.py", "open"]
     steps = sum(r.get("time/step", 0.0) for r in metrics_rows)
     evals = sum(r.get("time/eval", 0.0) for r in metrics_rows)
