@@ -530,12 +530,13 @@ def report_models(policy_path, sft_path, rm_path, task, bf16, eos_token_id, devi
 
 
 def final_report(policy, sft_model, reward_model, tokenizer, rows, metrics_path, sampling, *, label="", plot=True,
-                 segmenter=None):
+                 segmenter=None, run=None):
     """ppo.py's closing table: SFT vs the trained policy on the held-out prompts (mean RM score, mean
     gold score, gold win rate; for code tasks mean execution reward and pass@1 of one sample), the
     diversity of their replies (and gold_strict), in words whether the policy's are degenerate, the
-    learning curve (with `plot`), and summary.md in the run folder. `sampling`: a Sampling (the replies are
-    sampled under its seed + 1); `label`: the policy's column, e.g. 'n=5, fixed'; `segmenter`: as in `held_out`."""
+    learning curve and the macro-action picture (with `plot`), and summary.md in the run folder. `sampling`: a
+    Sampling (the replies are sampled under its seed + 1); `label`: the policy's column, e.g. 'n=5, fixed';
+    `segmenter`: as in `held_out`; `run`: as in `explain_run`."""
     sp, seed = sampling, sampling.seed + 1
     s_texts, s_score, s_second = held_out(sft_model, reward_model, tokenizer, rows, sp, seed, segmenter=segmenter)
     p_texts, p_score, p_second = held_out(policy, reward_model, tokenizer, rows, sp, seed, segmenter=segmenter)
@@ -558,7 +559,7 @@ def final_report(policy, sft_model, reward_model, tokenizer, rows, metrics_path,
     lines += ["", f"metrics: {metrics_path}"] + ([f"learning curve: {plot_run(metrics_path)}"] if plot else [])
     if plot and reward_model is not None:       # one reply's macro actions, beside the learning curve
         png = explain_run(os.path.dirname(metrics_path), policy, sft_model, reward_model, tokenizer, rows, sampling,
-                          segmenter)
+                          segmenter, run)
         lines += [f"macro actions: {png}"]
     print("\n".join(lines))
     with open(os.path.join(os.path.dirname(metrics_path), "summary.md"), "w") as f:
@@ -833,15 +834,21 @@ def explain(policy, ref, critic, reward_model, tokenizer, prompt, sampling, sett
     return png
 
 
-def explain_run(run_dir, policy, sft_model, reward_model, tokenizer, rows, sampling, segmenter=None):
+def explain_run(run_dir, policy, sft_model, reward_model, tokenizer, rows, sampling, segmenter=None, run=None):
     """ppo.py's final report: the picture of the first held-out prompt's reply (sampled under the run's seed), with
-    the run's critic and settings, into the run folder beside the learning curve."""
-    critic, critic_name = run_critic(os.path.join(run_dir, "policy"), reward_model)
+    the run's critic and settings, into the run folder beside the learning curve. `run`: (settings, critic) as the
+    run ends, its flags with the KL coefficient it reached and its final critic (None without one: the RM); without
+    it they are read from the run's last checkpoint (`ppo_settings`, `run_critic`), which a run whose last iteration
+    is no multiple of --save_every does not have."""
+    policy_path = os.path.join(run_dir, "policy")
+    settings, critic = run if run is not None else (ppo_settings(policy_path), None)
+    critic, critic_name = ((critic.eval(), "the run's critic") if critic is not None else
+                           run_critic(policy_path, reward_model) if run is None else
+                           (reward_model, "the RM (no critic trained)"))
     # a segment RM's settings, which its segmenter carries (unit, c_ent), for its segments and its e(x, y)
     segments = {k: segmenter.keywords[k] for k in ("unit", "c_ent")} if segmenter is not None else None
-    return explain(policy, sft_model, critic, reward_model, tokenizer, rows[0]["prompt"], sampling,
-                   ppo_settings(os.path.join(run_dir, "policy")), run_dir, segments,
-                   (os.path.join(run_dir, "policy"), critic_name))
+    return explain(policy, sft_model, critic, reward_model, tokenizer, rows[0]["prompt"], sampling, settings, run_dir,
+                   segments, (policy_path, critic_name))
 
 
 # ---------------------------------------------------------------- models and responses

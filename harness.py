@@ -368,17 +368,19 @@ def whole_state_dicts(models):
     return out
 
 
-def final_model(accelerator, model):
+def final_model(accelerator, model, in_place=True):
     """The trained model as a whole module to save_pretrained: on the main process (None elsewhere), a
     collective call. Sharded weights (ZeRO-3 / FSDP) are gathered into a fresh copy; LoRA adapters are
     merged into the weights (W + alpha / r * B A, peft's merge) from whole weights: a plain model whose
-    keys any from_pretrained reads."""
+    keys any from_pretrained reads. Not `in_place`: unsharded weights are left as they are, adapters and all
+    (a LoRA critic reads the frozen RM's own base weights). A critic (reward_model.Critic) gives its model."""
     weights = whole_state_dicts({"m": (accelerator, model)})["m"] if is_sharded(accelerator) else None
     unwrapped = unwrap(accelerator, model)
+    unwrapped = unwrapped if hasattr(unwrapped, "save_pretrained") else unwrapped.model     # a Critic: its model
     if not accelerator.is_main_process:
         return None
     if weights is None:
-        return merged(unwrapped)
+        return merged(unwrapped) if in_place else unwrapped
     base = unwrapped.get_base_model() if is_lora(unwrapped) else unwrapped
     with loading_whole():
         copy = type(base)(base.config).to(next(iter(weights.values())).dtype)
@@ -392,6 +394,13 @@ def final_model(accelerator, model):
     if unexpected or set(missing) - {k for k in missing if k.split("base_model.model.")[-1] in tied}:
         raise RuntimeError(f"gathered weights do not fit the model: missing {missing}, unexpected {unexpected}")
     return merged(copy)
+
+
+def final_models(trained, critic=True):
+    """ppo.py's trained models as the run ends (`final_model`, a collective call), {"policy": merged in place to
+    save; with `critic`, "critic": for the report's picture, never merged in place}: None on other processes."""
+    return {name: final_model(t.accelerator, t.model, in_place=name == "policy") for name, t in trained.items()
+            if name == "policy" or critic}
 
 
 def parameter_checksums(model):

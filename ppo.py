@@ -428,19 +428,19 @@ def finish(args, models, report, s, truncated, beta, run_log):
     """After the last iteration: warnings, the rank-sync check, the final policy, the report (`s`: the run's Setup)."""
     acc = s.trained["policy"].accelerator
     if truncated:
-        acc.print(f"[ppo] warning: {truncated} prompts (this process) were longer than {args.max_prompt_len} "
-                  f"tokens and lost their beginning")
+        acc.print(f"[ppo] warning: {truncated} prompts (this process) cut to their last {args.max_prompt_len} tokens")
     if args.kl_target:
         acc.print(f"[ppo] adaptive KL: beta {args.beta} -> {beta:.5g} (--kl_target {args.kl_target})")
     harness.print_ranks_in_sync(acc, [t.model for t in s.trained.values()], beta)
-    final_policy = harness.final_model(acc, s.trained["policy"].model)     # collective: whole weights, LoRA merged
+    end = harness.final_models(s.trained, critic=report.plot)      # whole, gathered; the critic draws the picture
     if acc.is_main_process:
         final = os.path.join(args.output_dir, "policy")
-        harness.atomic_save(final, final_policy, s.tokenizer)
+        harness.atomic_save(final, end["policy"], s.tokenizer)
         policy, sft_model, segmenter = evaluate.report_models(final, args.sft_path, args.rm_path, args.task,
                                                               models.bf16, s.tokenizer.eos_token_id, acc.device)
         evaluate.final_report(policy, sft_model, s.reward_model, s.tokenizer, s.eval_rows, run_log.path, s.sampling,
-                              label=f"n={args.n}, {args.termination}", plot=report.plot, segmenter=segmenter)
+                              label=f"n={args.n}, {args.termination}", plot=report.plot, segmenter=segmenter,
+                              run=({**s.config, "beta": beta}, end.get("critic")))
     acc.wait_for_everyone()
     run_log.close()
 

@@ -143,13 +143,14 @@ def loaded(folder, kind):
 @pytest.fixture(scope="module")
 def fsdp_launch(tiny_models, tmp_path_factory):
     """{name: (output folder, [what rank 0 printed, rank 1])}: sft.py, ppo.py and ppo.py --lora_r 4 under
-    configs/fsdp.yaml through tests/launch/fsdp_cpu.py, the command lines of the one-machine DDP launch above; and
-    ppo.py --lora_r 4 --gather_for_generation false (sharded generation)."""
+    configs/fsdp.yaml through tests/launch/fsdp_cpu.py, the command lines of the one-machine DDP launch above (the
+    LoRA run with its report's pictures); and ppo.py --lora_r 4 --gather_for_generation false (sharded generation)."""
     out = tmp_path_factory.mktemp("fsdp")
     lines = {name: argv for name, argv in command_lines(tiny_models, out, 1).items()
              if name in ("sft", "ppo", "ppo_lora")}
     lines["ppo_lora_sharded"] = [*lines["ppo_lora"][:-2], "--gather_for_generation", "false", "--output_dir",
                                  str(out / "ppo_lora_sharded")]
+    lines["ppo_lora"] = [*lines["ppo_lora"][:-2], "--plot", "true", *lines["ppo_lora"][-2:]]    # and its pictures
     launch = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", "configs/fsdp.yaml",
               "--num_processes", "2", "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port",
               str(free_port()), "tests/launch/fsdp_cpu.py"]
@@ -179,6 +180,8 @@ def test_fsdp2_on_two_cpu_processes_shards_and_trains_what_ddp_trains(fsdp_launc
             for cls, _, local, _, whole, *_ in shards:
                 assert cls.startswith("FSDP") and 0 < int(local) < int(whole), shards
         assert "[fsdp_cpu]" not in ddp[stage][1][0]
+    drawn = json.load(open(fsdp["ppo_lora"][0] / "macro_actions.json"))    # the critic gathered whole from its shards
+    assert drawn["critic"] == "the run's critic" and all(v == v for v in drawn["values"])
     losses = [float(line.split("train loss ")[1].split()[0]) for line in fsdp["sft"][1][0].splitlines()
               if "train loss " in line]
     assert losses and all(torch.isfinite(torch.tensor(losses))), fsdp["sft"][1][0][-2000:]

@@ -13,13 +13,17 @@ from stages import comparable, run_stage
 
 
 @pytest.mark.parametrize("flags", [
-    {"n": 1}, {"n": 0}, {"termination": "randomized"}, {"termination": "ppl"}, {"termination": "parsing"},
+    {"n": 1}, {"n": 0, "plot": True}, {"termination": "randomized"}, {"termination": "ppl"}, {"termination": "parsing"},
     {"termination": "entropy", "entropy_threshold": 1.0}, {"sigma": "unit"}, {"sigma": "position"},
-    {"sigma": "first"}, {"reward_agg": "mean"}, {"reward_agg": "released"}, {"ratio": "macro"}, {"critic_path": "SFT"}, {"kl_estimator": "k3"},
-    {"top_k": 5, "top_p": 0.9, "missing_eos_penalty": -1.0, "whiten_advantages": False, "ppo_epochs": 2},
+    {"sigma": "first", "plot": True}, {"reward_agg": "mean"}, {"reward_agg": "released"}, {"ratio": "macro"},
+    {"critic_path": "SFT", "plot": True}, {"kl_estimator": "k3", "plot": True},
+    {"top_k": 5, "top_p": 0.9, "missing_eos_penalty": -1.0, "whiten_advantages": False, "ppo_epochs": 2, "plot": True},
 ])
 @pytest.mark.launch
 def test_every_flag_runs_one_iteration(tiny_models, tmp_path, flags):
+    """One iteration and the final report under each flag. The pictures (`plot`) under the flags the macro-action
+    picture reads itself (n at most 1, sigma, the critic, the KL estimator, the missing-EOS penalty); the
+    terminations it draws all of, whatever the run's."""
     flags = {k: str(tiny_models / "sft") if v == "SFT" else v for k, v in flags.items()}
     args = ppo_config(sft_path=str(tiny_models / "sft"), rm_path=str(tiny_models / "rm"), output_dir=str(tmp_path),
                        steps=1, rollout_batch_size=4, mini_batch_size=2, max_prompt_len=16, max_response_len=8,
@@ -28,9 +32,29 @@ def test_every_flag_runs_one_iteration(tiny_models, tmp_path, flags):
     rows = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
     assert len(rows) == 1 and all(v == v for v in rows[0].values())           # no NaN
     assert os.path.exists(tmp_path / "policy" / "model.safetensors")
+    pictures = [(tmp_path / png).exists() for png in ("learning_curve.png", "macro_actions.png")]
+    assert pictures == [flags.get("plot", False)] * 2
+    if flags.get("plot"):       # drawn with the run's settings and its critic as it ends (no checkpoint at 1 of 40)
+        drawn = json.load(open(tmp_path / "macro_actions.json"))
+        assert not (tmp_path / "checkpoint").exists() and drawn["critic"] == "the run's critic"
+        assert (drawn["n"], drawn["sigma_kind"]) == (5 if args.n <= 1 else args.n, args.sigma)
     if flags.get("n") == 1:
         assert rows[0]["macro/mean_len"] == 1.0
         assert rows[0]["adv/l2_macro"] == pytest.approx(rows[0]["adv/l2"], rel=1e-4)
+
+
+@pytest.mark.launch
+def test_a_lora_runs_picture_draws_its_critic_and_leaves_the_reports_scores_alone(tiny_models, tmp_path):
+    """Under LoRA the critic reads the frozen RM's own base weights (harness.twin): the report's picture takes the
+    critic as the run ends without merging its adapters into them, so the table's RM scores are those of the same
+    run without pictures (a large critic step makes any merge show in them)."""
+    def table(out, plot):
+        ppo.main(*ppo_config(sft_path=str(tiny_models / "sft"), rm_path=str(tiny_models / "rm"), output_dir=str(out),
+                             steps=1, rollout_batch_size=4, mini_batch_size=2, max_prompt_len=16, max_response_len=8,
+                             n_eval_prompts=4, lora_r=4, critic_lr=0.1, warmup_steps=0, plot=plot))
+        return open(out / "summary.md").read().split("\nmetrics:")[0]
+    assert table(tmp_path / "drawn", True) == table(tmp_path / "plain", False)
+    assert json.load(open(tmp_path / "drawn" / "macro_actions.json"))["critic"] == "the run's critic"
 
 
 @pytest.mark.launch
@@ -81,13 +105,15 @@ def test_count_task_trains_on_its_gold_judge_and_generates_its_longer_default(ti
     response against its own prompt, and the task's default response length (64) when --max_response_len
     is left at 0."""
     args = ppo_config(task="count", reward="gold", sft_path=str(tiny_models / "sft"), rm_path=str(tiny_models / "rm"),
-                       output_dir=str(tmp_path), steps=1, rollout_batch_size=4, mini_batch_size=2, n_eval_prompts=4)
+                       output_dir=str(tmp_path), steps=1, rollout_batch_size=4, mini_batch_size=2, n_eval_prompts=4,
+                       plot=True)
     ppo.main(*args)
     row = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")][0]
     assert args.max_response_len == 64 and "reward/rm" not in row
     assert 0.0 <= row["reward/gold"] <= 1.0 and 0.0 <= row["eval/gold"] <= 1.0 and "eval/rm" in row
     assert row["response/len"] > 32                 # the random policy seldom says EOS: it runs past chitchat's 32
     assert "mean gold score" in open(tmp_path / "summary.md").read()
+    assert json.load(open(tmp_path / "macro_actions.json"))["score_kind"] == "gold"    # the picture's score: the judge's
 
 
 def run_ppo(tiny_models, out, *extra, here=False):

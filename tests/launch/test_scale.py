@@ -107,6 +107,9 @@ def test_ppo_policy_and_critic_engines_save_gathered_trained_weights(zero_runs, 
     loads_key_for_key(ppo / "checkpoint" / "critic", "AutoModelForSequenceClassification")
     sft = load_file(out / "sft" / "model.safetensors")
     assert not torch.equal(policy["model.embed_tokens.weight"], sft["model.embed_tokens.weight"])     # trained
+    if stage == "3":    # the report's picture, its values drawn by the critic gathered whole from its shards
+        drawn = json.load(open(ppo / "macro_actions.json"))
+        assert drawn["critic"] == "the run's critic" and all(v == v for v in drawn["values"])
 
 
 def assert_merged(final, base, adapter_dir):

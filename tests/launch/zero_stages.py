@@ -60,8 +60,10 @@ def stages(out, all_of_them=True):
         stage("sft.py", *TINY[6:], "--model", sft, "--lora_r", "4", "--max_steps", "2", "--output_dir", sft + "_lora")
     stage("reward_model.py", *TINY[6:], "--max_steps", "2", "--sft_path", sft,
           "--output_dir", rm, "--n_gold_prompts", "4")
-    if all_of_them:
-        stage("ppo.py", *PPO[2:], "--steps", "1", "--sft_path", sft, "--rm_path", rm, "--output_dir", ppo + "_full")
+    if all_of_them:     # under ZeRO-3 with its report's pictures: the critic drawn is gathered from its shards
+        pictures = ["--plot", "true"] if os.environ["ACCELERATE_DEEPSPEED_ZERO_STAGE"] == "3" else []
+        stage("ppo.py", *PPO[2:], *pictures, "--steps", "1", "--sft_path", sft, "--rm_path", rm,
+              "--output_dir", ppo + "_full")
     stage("ppo.py", *PPO, "--steps", "1", "--sft_path", sft, "--rm_path", rm, "--output_dir", ppo)
     stage("ppo.py", *PPO, "--steps", "2", "--sft_path", sft, "--rm_path", rm, "--output_dir", ppo, "--resume")
     if all_of_them:

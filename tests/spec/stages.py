@@ -55,9 +55,11 @@ class PPOConfig(tuple):
 
 
 def ppo_config(**flags):
-    """ppo.py's arguments from flags by name (ppo.config), as a PPOConfig."""
+    """ppo.py's arguments from flags by name (ppo.config), as a PPOConfig. Without its pictures unless `plot=True`
+    is asked for: the learning curve and the macro-action picture cost ~1.4 s a run (the first in a process ~4 s
+    more, matplotlib's import and fonts), and the tests that ask are those about the report and its pictures."""
     import ppo
-    return PPOConfig(ppo.harness.split_flags(ppo.ARGS, flags))
+    return PPOConfig(ppo.harness.split_flags(ppo.ARGS, {"plot": False, **flags}))
 
 
 def ppo_losses(logp, old_logp, values, old_values, advantages, returns, mask, starts, clip=0.2, value_clip=0.2,
