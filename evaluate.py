@@ -1145,6 +1145,9 @@ def cmd_explain(args, ctx):
         critic, critic_name = rm.load_reward_model(args.critic_path)[0].eval(), args.critic_path
     else:
         critic, critic_name = run_critic(policy_path, ctx.rm)
+    if not os.path.exists(checkpoint_of(policy_path, "trainer_state.pt")):
+        print(f"[evaluate] warning: no checkpoint of {policy_path}'s run: ppo.py's default settings draw it (the "
+              "run's own picture, its folder's macro_actions.png, has its settings)")
     own = sr.read_segment_settings(args.rm_path)      # a segment RM: its segments are a termination too
     sampling = Sampling(args.task, args.max_prompt_len, args.max_response_len, args.temperature, seed=args.seed)
     png = explain(ctx.model(policy_path), ctx.model("sft"), critic, ctx.rm, ctx.tokenizer, prompt, sampling,

@@ -97,7 +97,7 @@ def test_token_labels_show_spaces_newlines_split_characters_and_characters_the_f
     assert (tmp_path / "p.png").stat().st_size > 0
 
 
-def test_the_explain_command_draws_a_policys_reply_from_its_folders(tiny_models, parrot, tmp_path):
+def test_the_explain_command_draws_a_policys_reply_from_its_folders(tiny_models, parrot, tmp_path, capsys):
     """`evaluate.py explain` on saved folders: the parrot policy's reply to a held-out prompt, the KL of each
     token against the SFT model, the RM (no run checkpoint beside the policy) as the critic; the same seed draws
     the same numbers. The SFT model as the policy has a KL of exactly 0 on every token."""
@@ -109,6 +109,7 @@ def test_the_explain_command_draws_a_policys_reply_from_its_folders(tiny_models,
     assert a == json.load(open(tmp_path / "b" / "macro_actions.json"))
     assert os.path.getsize(tmp_path / "a" / "macro_actions.png") > 0
     assert a["critic"].startswith("the RM") and a["policy"] == str(parrot)
+    assert f"warning: no checkpoint of {parrot}'s run: ppo.py's default settings" in capsys.readouterr().out
     assert len(a["tokens"]) == len(a["values"]) <= 12
     assert "clever" in a["reply"] and any(r != 0 for r in a["kl_rewards"])
     evaluate.main(["explain", "--explain_policy", sft, "--output_dir", str(tmp_path / "c"), "--prompt",
