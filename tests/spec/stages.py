@@ -56,8 +56,9 @@ class PPOConfig(tuple):
 
 def ppo_config(**flags):
     """ppo.py's arguments from flags by name (ppo.config), as a PPOConfig. Without its pictures unless `plot=True`
-    is asked for: the learning curve and the macro-action picture cost ~1.4 s a run (the first in a process ~4 s
-    more, matplotlib's import and fonts), and the tests that ask are those about the report and its pictures."""
+    is asked for: on a quiet machine the learning curve and the macro-action picture add ~0.5 s to a tiny run that
+    takes ~0.3 s without them (the first in a process ~1.5 s more: matplotlib's import and fonts), and the tests
+    that ask are those about the report and its pictures."""
     import ppo
     return PPOConfig(ppo.harness.split_flags(ppo.ARGS, {"plot": False, **flags}))
 
