@@ -661,7 +661,10 @@ def explain_rollout(policy, ref, critic, reward_model, tokenizer, prompt, sampli
     else:       # the SFT entropy at temperature 1 too, from the same forward (ppo.py's step 2 under segments)
         ref_logp, sft_entropy = sr.reference_logprobs_and_entropy(ref, harness.make_accelerator(), None, ids,
                                                                   attention_mask, P, sampling.temperature)
-    values = rm.Critic(critic.to(ids.device))(ids, attention_mask, P) * mask
+    # a --bf16 LoRA critic (a bf16 base, fp32 adapters and head) computes under bf16 autocast, as it trained
+    bf16 = any(p.dtype == torch.bfloat16 for p in critic.parameters())
+    with torch.autocast(ids.device.type, torch.bfloat16, enabled=bf16):
+        values = rm.Critic(critic.to(ids.device))(ids, attention_mask, P).float() * mask
     # the score as step 2 reads it: the gold judge's for a run trained on it, else the RM's (a segment RM's is
     # e(x, y) on its own segments, which `seg_norm` does not touch)
     scorer = rm.make_scorer("gold" if settings["reward"] == "gold" else "rm", tokenizer, task=sampling.task,
@@ -1146,8 +1149,8 @@ def cmd_explain(args, ctx):
     else:
         critic, critic_name = run_critic(policy_path, ctx.rm)
     if not os.path.exists(checkpoint_of(policy_path, "trainer_state.pt")):
-        print(f"[evaluate] warning: no checkpoint of {policy_path}'s run: ppo.py's default settings draw it (the "
-              "run's own picture, its folder's macro_actions.png, has its settings)")
+        print(f"[evaluate] warning: no checkpoint of {policy_path}'s run: ppo.py's default settings draw it (a run "
+              "draws its own picture with its settings, macro_actions.png, unless --plot false)")
     own = sr.read_segment_settings(args.rm_path)      # a segment RM: its segments are a termination too
     sampling = Sampling(args.task, args.max_prompt_len, args.max_response_len, args.temperature, seed=args.seed)
     png = explain(ctx.model(policy_path), ctx.model("sft"), critic, ctx.rm, ctx.tokenizer, prompt, sampling,

@@ -432,7 +432,7 @@ def finish(args, models, report, s, truncated, beta, run_log):
     if args.kl_target:
         acc.print(f"[ppo] adaptive KL: beta {args.beta} -> {beta:.5g} (--kl_target {args.kl_target})")
     harness.print_ranks_in_sync(acc, [t.model for t in s.trained.values()], beta)
-    end = harness.final_models(s.trained, critic=report.plot)      # whole, gathered; the critic draws the picture
+    end = harness.final_models(s.trained, critic=report.plot and s.reward_model is not None)    # its picture's critic
     if acc.is_main_process:
         final = os.path.join(args.output_dir, "policy")
         harness.atomic_save(final, end["policy"], s.tokenizer)

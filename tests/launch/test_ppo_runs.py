@@ -15,20 +15,28 @@ from stages import comparable, run_stage
 @pytest.mark.parametrize("flags", [
     {"n": 1}, {"n": 0, "plot": True}, {"termination": "randomized"}, {"termination": "ppl"}, {"termination": "parsing"},
     {"termination": "entropy", "entropy_threshold": 1.0}, {"sigma": "unit"}, {"sigma": "position"},
-    {"sigma": "first", "plot": True}, {"reward_agg": "mean"}, {"reward_agg": "released"}, {"ratio": "macro"},
-    {"critic_path": "SFT", "plot": True}, {"kl_estimator": "k3", "plot": True},
+    {"sigma": "first", "n": 3, "plot": True}, {"reward_agg": "mean"}, {"reward_agg": "released"}, {"ratio": "macro"},
+    {"critic_path": "SFT", "plot": True}, {"kl_estimator": "k3", "kl_target": 1e-6, "kl_horizon": 8, "plot": True},
     {"top_k": 5, "top_p": 0.9, "missing_eos_penalty": -1.0, "whiten_advantages": False, "ppo_epochs": 2, "plot": True},
+    {"lora_r": 4, "bf16": True, "plot": True}, {"advantage": "group", "kl_penalty": "loss", "plot": True},
 ])
 @pytest.mark.launch
 def test_every_flag_runs_one_iteration(tiny_models, tmp_path, flags):
     """One iteration and the final report under each flag. The pictures (`plot`) under the flags the macro-action
-    picture reads itself (n at most 1, sigma, the critic, the KL estimator, the missing-EOS penalty); the
-    terminations it draws all of, whatever the run's."""
+    picture reads itself (n, sigma, the critic, the KL estimator and the beta the controller reached, the missing-EOS
+    penalty; a --bf16 LoRA critic; no critic); the terminations it draws all of, whatever the run's."""
     flags = {k: str(tiny_models / "sft") if v == "SFT" else v for k, v in flags.items()}
     args = ppo_config(sft_path=str(tiny_models / "sft"), rm_path=str(tiny_models / "rm"), output_dir=str(tmp_path),
                        steps=1, rollout_batch_size=4, mini_batch_size=2, max_prompt_len=16, max_response_len=8,
                        n_eval_prompts=4, **flags)
-    ppo.main(*args)
+    from accelerate.state import AcceleratorState, GradientState
+    for state in (AcceleratorState, GradientState):     # --bf16: accelerate's process-wide state afresh (and after)
+        state._reset_state()
+    try:
+        ppo.main(*args)
+    finally:
+        for state in (AcceleratorState, GradientState):
+            state._reset_state()
     rows = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
     assert len(rows) == 1 and all(v == v for v in rows[0].values())           # no NaN
     assert os.path.exists(tmp_path / "policy" / "model.safetensors")
@@ -36,8 +44,11 @@ def test_every_flag_runs_one_iteration(tiny_models, tmp_path, flags):
     assert pictures == [flags.get("plot", False)] * 2
     if flags.get("plot"):       # drawn with the run's settings and its critic as it ends (no checkpoint at 1 of 40)
         drawn = json.load(open(tmp_path / "macro_actions.json"))
-        assert not (tmp_path / "checkpoint").exists() and drawn["critic"] == "the run's critic"
+        critic = "the run's critic" if args.advantage == "gae" else "the RM (no critic trained)"
+        assert not (tmp_path / "checkpoint").exists() and drawn["critic"] == critic
         assert (drawn["n"], drawn["sigma_kind"]) == (5 if args.n <= 1 else args.n, args.sigma)
+        beta = ppo.adaptive_beta(args.beta, rows[0]["kl"], args.kl_target, 4, args.kl_horizon)    # after iteration 1
+        assert drawn["beta"] == pytest.approx(beta, rel=1e-3) and all(v == v for v in drawn["values"])
     if flags.get("n") == 1:
         assert rows[0]["macro/mean_len"] == 1.0
         assert rows[0]["adv/l2_macro"] == pytest.approx(rows[0]["adv/l2"], rel=1e-4)
