@@ -435,7 +435,7 @@ def finish(args, models, report, s, truncated, beta, run_log):
     end = harness.final_models(s.trained, critic=report.plot and s.reward_model is not None)    # its picture's critic
     if acc.is_main_process:
         final = os.path.join(args.output_dir, "policy")
-        harness.atomic_save(final, end["policy"], s.tokenizer)
+        harness.atomic_save(final, end.pop("policy"), s.tokenizer)     # a gathered copy freed once saved
         policy, sft_model, segmenter = evaluate.report_models(final, args.sft_path, args.rm_path, args.task,
                                                               models.bf16, s.tokenizer.eos_token_id, acc.device)
         evaluate.final_report(policy, sft_model, s.reward_model, s.tokenizer, s.eval_rows, run_log.path, s.sampling,
