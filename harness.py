@@ -609,11 +609,21 @@ def check_flags(*args):
 
 def start(name, args, accelerator, final="config.json", config=None):
     """Every stage's preamble: a fresh start refused over an interrupted run (it would replace that
-    run's checkpoint and metrics), the seed, CPU threads, then the resolved configuration printed once.
-    `final` is the file of the finished run's model, under --output_dir; `config`: what to print (default `args`)."""
+    run's checkpoint and metrics); over a finished run, whose model it replaces, that run's checkpoint removed (a
+    later --resume would continue it, and `evaluate.py explain` read its settings, as this run's); the seed, CPU
+    threads, then the resolved configuration printed once. `final` is the file of the finished run's model, under
+    --output_dir; `config`: what to print (default `args`)."""
     if interrupted(args.output_dir, final) and not args.resume:
         sys.exit(f"error: {args.output_dir!r} holds the checkpoint of an interrupted run. Continue it with "
                  "--resume, or start afresh in another --output_dir (or delete this one).")
+    earlier = checkpoint_dir(args.output_dir)
+    if not args.resume and os.path.isdir(earlier):
+        accelerator.wait_for_everyone()             # every process has looked before one removes it
+        if accelerator.is_local_main_process:       # each machine its own copy, if its disk is its own
+            shutil.rmtree(earlier, ignore_errors=True)
+        accelerator.print(f"[{name}] starting afresh in {args.output_dir}: the finished run's checkpoint there "
+                          "removed (its model is replaced at the end)")
+        accelerator.wait_for_everyone()
     torch.manual_seed(args.seed)
     random.seed(args.seed)
     import transformers

@@ -55,6 +55,27 @@ def test_every_flag_runs_one_iteration(tiny_models, tmp_path, flags):
 
 
 @pytest.mark.launch
+def test_a_fresh_start_over_a_finished_run_removes_its_checkpoint(tiny_models, tmp_path, capsys):
+    """A run started afresh (no --resume) in a finished run's folder replaces that run's model at its end; the
+    finished run's checkpoint goes at its start: a later --resume would otherwise continue the earlier run (its
+    weights, optimizers, generator) as this one's and splice it into this run's metrics, and `evaluate.py explain`
+    would draw this run's policy with the earlier run's settings and critic."""
+    common = dict(sft_path=str(tiny_models / "sft"), rm_path=str(tiny_models / "rm"), output_dir=str(tmp_path),
+                  rollout_batch_size=4, mini_batch_size=2, max_prompt_len=16, max_response_len=8, n_eval_prompts=4)
+    ppo.main(*ppo_config(**common, steps=2, save_every=1, n=3))
+    assert (tmp_path / "checkpoint" / "trainer_state.pt").exists() and (tmp_path / "policy").exists()
+    capsys.readouterr()
+    ppo.main(*ppo_config(**common, steps=1))                  # no checkpoint of its own: 1 is no multiple of 40
+    assert "the finished run's checkpoint there removed" in capsys.readouterr().out
+    assert not (tmp_path / "checkpoint").exists() and len(open(tmp_path / "metrics.jsonl").readlines()) == 1
+    with pytest.raises(SystemExit, match="checkpoint to resume"):
+        ppo.main(*ppo_config(**common, steps=3, resume=True))
+    capsys.readouterr()
+    ppo.main(*ppo_config(**{**common, "output_dir": str(tmp_path / "new")}, steps=1))   # nothing there: nothing said
+    assert "checkpoint there removed" not in capsys.readouterr().out
+
+
+@pytest.mark.launch
 def test_a_lora_runs_picture_draws_its_critic_and_leaves_the_reports_scores_alone(tiny_models, tmp_path):
     """Under LoRA the critic reads the frozen RM's own base weights (harness.twin): the report's picture takes the
     critic as the run ends without merging its adapters into them, so the table's RM scores are those of the same
