@@ -334,13 +334,21 @@ def score_normalizer(accelerator, rm_path, reward_model, tokenizer, segmenter, *
                      max_prompt_len, max_response_len):
     """ppo.py --rm_norm: (mean, std) of the RM's score on its calibration pairs, from score_norm.json beside it. The
     first run that asks fits it on the first 1024 pairs of the RM split (the main process, once) and writes it
-    there: reward_model.py spends nothing on a file that only this flag reads."""
+    there, with the settings the scores depend on (`fitted_with`: the task, the chat template, the prompt and response
+    limits); a run under other settings fits it again. A file that records none (written by hand) is taken as it
+    is. reward_model.py spends nothing on a file that only this flag reads."""
     path = os.path.join(rm_path, SCORE_FILE)
-    if accelerator.is_main_process and not os.path.exists(path):
+    fitted_with = {"task": task, "chat_template": chat_template, "max_prompt_len": max_prompt_len,
+                   "max_response_len": max_response_len}
+    recorded = json.load(open(path)) if accelerator.is_main_process and os.path.exists(path) else None
+    # kept as it is: a file without settings (written by hand), or not a JSON object (read_score_normalizer's error)
+    earlier = recorded.get("fitted_with", fitted_with) if isinstance(recorded, dict) else fitted_with
+    if accelerator.is_main_process and (recorded is None or earlier != fitted_with):
         rows = data.with_chat_template(data.load_task(task, only=("rm",))["rm"][:1024], tokenizer, chat_template)
-        write_json(path, fit_score_normalizer(reward_model, tokenizer, rows, max_prompt_len, max_response_len,
-                                                    segmenter))
-        accelerator.print(f"[ppo] --rm_norm: {path} missing: fitted on {len(rows)} RM-split pairs and written")
+        write_json(path, {**fit_score_normalizer(reward_model, tokenizer, rows, max_prompt_len, max_response_len,
+                                                 segmenter), "fitted_with": fitted_with})
+        accelerator.print(f"[ppo] --rm_norm: {path} {'missing' if recorded is None else f'fitted under {earlier}'}"
+                          f": fitted on {len(rows)} RM-split pairs under {fitted_with} and written")
     accelerator.wait_for_everyone()
     mean, std = read_score_normalizer(rm_path)
     accelerator.print(f"[ppo] --rm_norm: the RM's score as (r - {mean:.4g}) / {std:.4g}")

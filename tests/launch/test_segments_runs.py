@@ -99,7 +99,8 @@ def test_bandit_as_segment_reads_a_sequence_rm_at_the_ends_of_c_ent_segments(tin
 @pytest.mark.launch
 def test_rm_norm_standardizes_the_rm_score_and_keeps_eval_raw(tiny_models, tmp_path):
     """ppo.py --rm_norm: the rollouts' RM score is (r - mean) / std with the RM's score_norm.json (fitted on
-    the RM split's pairs and written beside an RM that has none); the same seed without it logs r. The
+    the RM split's pairs and written beside an RM that has none, again under other limits); the same seed without
+    it logs r. The
     held-out eval/rm stays the raw score. Off by default; refused outside --reward rm, naming the flag."""
     import shutil
     import ppo
@@ -114,6 +115,13 @@ def test_rm_norm_standardizes_the_rm_score_and_keeps_eval_raw(tiny_models, tmp_p
     assert std != 1.0 and mean != 0.0
     assert rows["norm"]["reward/rm"] == pytest.approx((rows["raw"]["reward/rm"] - mean) / std, abs=1e-4)
     assert rows["norm"]["eval/rm"] == rows["raw"]["eval/rm"]
+    # a run under other limits fits it again (the scores it standardizes are cut at those), and says so
+    from stages import ppo_config
+    ppo.main(*ppo_config(sft_path=str(tiny_models / "sft"), rm_path=str(rm_path), output_dir=str(tmp_path / "longer"),
+                         rollout_batch_size=4, mini_batch_size=2, max_prompt_len=16, max_response_len=12,
+                         n_eval_prompts=4, steps=1, rm_norm=True))
+    norm = json.load(open(rm_path / rm.SCORE_FILE))
+    assert norm["fitted_with"]["max_response_len"] == 12 and (norm["mean"], norm["std"]) != (mean, std)
     with pytest.raises(SystemExit, match="--rm_norm"):
         ppo.main(*ppo_args(tiny_models, rm_path, tmp_path / "gold", reward="gold", rm_norm=True))
     (rm_path / rm.SCORE_FILE).write_text(json.dumps({"kind": "score", "mean": 0.0, "std": 0.0}))
