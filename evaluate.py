@@ -534,7 +534,8 @@ def final_report(policy, sft_model, reward_model, tokenizer, rows, metrics_path,
     """ppo.py's closing table: SFT vs the trained policy on the held-out prompts (mean RM score, mean
     gold score, gold win rate; for code tasks mean execution reward and pass@1 of one sample), the
     diversity of their replies (and gold_strict), in words whether the policy's are degenerate, the
-    learning curve and the macro-action picture (with `plot`), and summary.md in the run folder. `sampling`: a
+    learning curve and the macro-action picture (with `plot`; an earlier run's left in the folder are removed when
+    this one draws none), and summary.md in the run folder. `sampling`: a
     Sampling (the replies are sampled under its seed + 1); `label`: the policy's column, e.g. 'n=5, fixed';
     `segmenter`: as in `held_out`; `run`: as in `explain_run`."""
     sp, seed = sampling, sampling.seed + 1
@@ -561,6 +562,10 @@ def final_report(policy, sft_model, reward_model, tokenizer, rows, metrics_path,
         png = explain_run(os.path.dirname(metrics_path), policy, sft_model, reward_model, tokenizer, rows, sampling,
                           segmenter, run)
         lines += [f"macro actions: {png}"]
+    run_dir, drawn = os.path.dirname(metrics_path), plot and reward_model is not None
+    for name, now in (("learning_curve.png", plot), ("macro_actions.png", drawn), ("macro_actions.json", drawn)):
+        if not now and os.path.exists(os.path.join(run_dir, name)):     # an earlier run's, in this folder
+            os.remove(os.path.join(run_dir, name))
     print("\n".join(lines))
     with open(os.path.join(os.path.dirname(metrics_path), "summary.md"), "w") as f:
         f.write("\n".join(lines) + "\n")

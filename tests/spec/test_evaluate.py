@@ -298,10 +298,11 @@ def test_the_final_report_says_in_words_that_a_parrots_replies_are_degenerate(mo
     assert policy_d2 < 0.5 * sft_d2 and "| mean gold_strict score" in summary
     assert "the policy's replies are degenerate" in summary and "gold scores are being gamed" in summary
     assert re.search(r"\| replies mostly one repeated word \| [\d.]+% \| (\d+\.\d)% \|", summary).group(1) != "0.0"
-    assert "learning curve: " in summary and (tmp_path / "learning_curve.png").exists()
-    (tmp_path / "learning_curve.png").unlink()
+    pictures = ("learning_curve.png", "macro_actions.png", "macro_actions.json")
+    assert "learning curve: " in summary and all((tmp_path / name).exists() for name in pictures)
     evaluate.final_report(sft_model, sft_model, reward, tokenizer, rows, str(tmp_path / "metrics.jsonl"), sampling,
                           plot=False)
     summary = open(tmp_path / "summary.md").read()
     assert "degenerate:" not in summary and "no collapse by this measure" in summary
-    assert "learning curve" not in summary and not (tmp_path / "learning_curve.png").exists()     # --plot false
+    # --plot false: no picture, and none of the report before it left in the folder to be read as this one's
+    assert "learning curve" not in summary and not any((tmp_path / name).exists() for name in pictures)
