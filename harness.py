@@ -1000,18 +1000,20 @@ def save_trained(trained, output_dir, config, tokenizer, step, **extra):
                   {name: (t.accelerator, t.model) for name, t in trained.items()}, optimizers, schedulers, **extra)
 
 
-def resume(output_dir, trained, generator, beta):
+def resume(args, trained, generator, config):
     """ppo.py --resume: the optimizers, schedules and RNG of the `trained` models back from the checkpoint in
-    `output_dir` (a fresh start where it is empty or False: (0, 0, beta)), the `generator`'s state too; returns (the
-    iteration to continue at, prompts truncated so far, the KL coefficient: the checkpoint's, else `beta`)."""
-    if not output_dir:
-        return 0, 0, beta
+    args.output_dir (a fresh start without args.resume: (0, 0, args.beta)), the `generator`'s state too; returns (the
+    iteration to continue at, prompts truncated so far, the KL coefficient: the checkpoint's, else --beta).
+    `config`: every flag of this run, compared with the checkpoint's (`load_checkpoint`)."""
+    if not args.resume:
+        return 0, 0, args.beta
     acc = trained["policy"].accelerator
     optimizers, schedulers = checkpoint_names(trained)
-    state = load_checkpoint(output_dir, optimizers, schedulers, acc.print, acc.process_index, acc.num_processes)
+    state = load_checkpoint(args.output_dir, optimizers, schedulers, acc.print, acc.process_index, acc.num_processes,
+                            config)
     generator.set_state(state["generator"])
     acc.print(f"[ppo] resumed at iteration {state['step']}")
-    return state["step"], state["truncated"], state.get("beta", beta)
+    return state["step"], state["truncated"], state.get("beta", args.beta)
 
 
 SHARDS = "optimizer_shards"
@@ -1047,14 +1049,25 @@ def _optimizer_shard(path, name, rank, world):
             for r in range(world)]
 
 
-def load_checkpoint(output_dir, optimizers=None, schedulers=None, log=print, rank=0, world=1):
+# flags a resumed run may change without a word: how long it runs, how often it saves and reports
+RESUME_MAY_CHANGE = {"steps", "max_steps", "epochs", "resume", "save_every", "eval_every", "plot", "report_to"}
+
+
+def load_checkpoint(output_dir, optimizers=None, schedulers=None, log=print, rank=0, world=1, flags=None):
     """The one checkpoint reader: restores optimizers, schedules and RNG from `<output_dir>/checkpoint`
     and returns the trainer state (its "step" is where to continue). A clear error when it is missing.
-    Process `rank` of `world` gets its own RNG state back (`rng_ranks`, saved by `rng_states`)."""
+    Process `rank` of `world` gets its own RNG state back (`rng_ranks`, saved by `rng_states`). `flags`: this
+    run's, as a dict: a warning names each that differs from the checkpoint's run (beyond RESUME_MAY_CHANGE)."""
     path = checkpoint_dir(output_dir)
     if not os.path.exists(os.path.join(path, "trainer_state.pt")):
         sys.exit(f"error: no checkpoint to resume at {path!r}. Run without --resume to start afresh.")
     state = torch.load(os.path.join(path, "trainer_state.pt"), weights_only=False)
+    saved = state.get("args", {})
+    changed = [f"--{k} {saved[k]!r} -> {v!r}" for k, v in (flags or {}).items()
+               if k in saved and k not in RESUME_MAY_CHANGE and saved[k] != v]
+    if changed:
+        log(f"warning: resuming with flags that differ from the checkpoint's run: {', '.join(changed)}; it goes on "
+            "with these (the same numbers as an uninterrupted run only with the same flags)")
     for key, obj in {**(optimizers or {}), **(schedulers or {})}.items():
         shard = None if key in state else _optimizer_shard(path, key, rank, world)
         if key in state:
@@ -1140,7 +1153,7 @@ class Trainer:
         if resume:
             self.start = load_checkpoint(args.output_dir, {"optimizer": self.optimizer},
                                          {"scheduler": self.scheduler}, accelerator.print,
-                                         accelerator.process_index, world)["step"]
+                                         accelerator.process_index, world, asdict(args))["step"]
             accelerator.print(f"[{name}] resumed at step {self.start}")
 
     def save(self, step):

@@ -338,7 +338,7 @@ def main(args, *extensions):
     policy, critic, scorer, tokenizer = s.trained["policy"], s.trained.get("critic"), s.scorer, s.tokenizer
     acc, generator = policy.accelerator, torch.Generator().manual_seed(args.seed)   # minibatches, randomized n-grams
     world, K = acc.num_processes, credit.group_size if credit.advantage == "group" else 1     # K samples a prompt
-    first_step, truncated, beta = harness.resume(args.resume and args.output_dir, s.trained, generator, args.beta)
+    first_step, truncated, beta = harness.resume(args, s.trained, generator, s.config)
     run_log = harness.RunLog(acc, args.output_dir, first_step, report.report_to, s.config)
     bar = tqdm(range(first_step, args.steps), os.path.basename(args.output_dir), disable=not acc.is_local_main_process)
     with harness.GracefulStop(acc, "ppo", "iteration", harness.checkpoint_dir(args.output_dir), first_step) as stop:

@@ -76,6 +76,22 @@ def test_a_fresh_start_over_a_finished_run_removes_its_checkpoint(tiny_models, t
 
 
 @pytest.mark.launch
+def test_a_resume_with_other_flags_names_each_one_that_changed(tiny_models, tmp_path, capsys):
+    """--resume goes on with the flags it is given; those that differ from the checkpoint's run (beyond how long it
+    runs, how often it saves and reports) are named in a warning: with them the numbers are no uninterrupted run's."""
+    common = dict(sft_path=str(tiny_models / "sft"), rm_path=str(tiny_models / "rm"), output_dir=str(tmp_path),
+                  rollout_batch_size=4, mini_batch_size=2, max_prompt_len=16, max_response_len=8, n_eval_prompts=4)
+    ppo.main(*ppo_config(**common, steps=1, save_every=1))
+    capsys.readouterr()
+    ppo.main(*ppo_config(**common, steps=2, save_every=2, resume=True, eval_every=7))     # the same run, longer
+    assert "differ from the checkpoint" not in capsys.readouterr().out
+    ppo.main(*ppo_config(**common, steps=3, resume=True, policy_lr=1e-3, sigma="unit"))
+    out = capsys.readouterr().out
+    assert "resuming with flags that differ from the checkpoint's run: --sigma 'equal' -> 'unit', --policy_lr " \
+           "0.0003 -> 0.001;" in out and "resumed at iteration 2" in out
+
+
+@pytest.mark.launch
 def test_a_lora_runs_picture_draws_its_critic_and_leaves_the_reports_scores_alone(tiny_models, tmp_path):
     """Under LoRA the critic reads the frozen RM's own base weights (harness.twin): the report's picture takes the
     critic as the run ends without merging its adapters into them, so the table's RM scores are those of the same
