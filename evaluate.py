@@ -688,9 +688,10 @@ def explain_numbers(rollout, settings, tokenizer):
     """What the picture draws, from macro_actions.py's own functions on one rollout (`explain_rollout`'s [1, R]
     tensors): every termination's starts, the sigma weights of the fixed n-grams, the per-token KL rewards and the
     score, the values, and the advantages of token-level PPO (n = 1) and of MA-PPO (fixed n-grams, n = the run's,
-    5 for a run of n = 1) from the same values and rewards (the paper's sum; before whitening over a batch)."""
+    5 for a run of n = 1, the whole reply for n = 0) from the same values and rewards (the paper's sum; before
+    whitening over a batch)."""
     s, mask = settings, rollout["mask"]
-    n = s["n"] if s["n"] > 1 else 5
+    n = s["n"] if s["n"] != 1 else 5
     kl_rewards = -s["beta"] * rollout["kl"] * mask                                       # r_t = -beta * KL_t
     starts, fell_back = {}, False
     for name in ma.TERMINATIONS:

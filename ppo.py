@@ -350,7 +350,7 @@ def main(args, *extensions):
                                          acc.process_index, world, K)
                 p_ids, p_mask, n_cut = data.encode_prompts(tokenizer, [s.rows[i]["prompt"] for i in idx],
                                                            args.max_prompt_len, acc.device)   # left-padded, [B, P]
-                P, truncated = p_ids.shape[1], truncated + n_cut
+                P, truncated = p_ids.shape[1], truncated + n_cut // K     # prompts, not their K samples
                 policy.model.eval()
                 with harness.generation_model(acc, policy.model, models.gather_for_generation) as (m, synced):
                     out = m.generate(input_ids=p_ids, attention_mask=p_mask, generation_config=s.generation,
@@ -439,8 +439,8 @@ def finish(args, models, report, s, truncated, beta, run_log):
         policy, sft_model, segmenter = evaluate.report_models(final, args.sft_path, args.rm_path, args.task,
                                                               models.bf16, s.tokenizer.eos_token_id, acc.device)
         evaluate.final_report(policy, sft_model, s.reward_model, s.tokenizer, s.eval_rows, run_log.path, s.sampling,
-                              label=f"n={args.n}, {args.termination}", plot=report.plot, segmenter=segmenter,
-                              run=({**s.config, "beta": beta}, end.get("critic")))
+                              label=f"n={args.n}, fixed" if args.termination == "fixed" else args.termination,
+                              run=(s.config | {"beta": beta}, end.get("critic")), segmenter=segmenter, plot=report.plot)
     acc.wait_for_everyone()
     run_log.close()
 

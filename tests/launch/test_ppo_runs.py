@@ -46,9 +46,13 @@ def test_every_flag_runs_one_iteration(tiny_models, tmp_path, flags):
         drawn = json.load(open(tmp_path / "macro_actions.json"))
         critic = "the run's critic" if args.advantage == "gae" else "the RM (no critic trained)"
         assert not (tmp_path / "checkpoint").exists() and drawn["critic"] == critic
-        assert (drawn["n"], drawn["sigma_kind"]) == (5 if args.n <= 1 else args.n, args.sigma)
+        assert (drawn["n"], drawn["sigma_kind"]) == (5 if args.n == 1 else args.n, args.sigma)   # n=0: the whole reply
         beta = ppo.adaptive_beta(args.beta, rows[0]["kl"], args.kl_target, 4, args.kl_horizon)    # after iteration 1
         assert drawn["beta"] == pytest.approx(beta, rel=1e-3) and all(v == v for v in drawn["values"])
+    column = f"n={args.n}, fixed" if args.termination == "fixed" else args.termination    # --n: fixed n-grams only
+    assert f"| SFT | policy ({column}) |" in open(tmp_path / "summary.md").read()
+    K = args.group_size if args.advantage == "group" else 1
+    assert rows[0]["prompts/truncated"] <= 4 // K       # prompts drawn, each counted once, not its K samples
     if flags.get("n") == 1:
         assert rows[0]["macro/mean_len"] == 1.0
         assert rows[0]["adv/l2_macro"] == pytest.approx(rows[0]["adv/l2"], rel=1e-4)
