@@ -7,8 +7,9 @@ The RM is `AutoModelForSequenceClassification(num_labels=1)` initialised from th
 its loss is -log sigmoid(r(x, y+) - r(x, y-)) (Ouyang et al. 2022, Eq. 1), its score the head's
 output at the last real token of prompt + response. Reported: held-out pairwise accuracy, and on
 tasks with a gold judge (chitchat, count) the agreement of the RM with it on pairs of SFT samples
-(the replies PPO starts from, at temperature 1; PPO samples at its --temperature, 0.8 by default). `score()` and `token_values()` are what ppo.py and evaluate.py use;
-`Scorer` is ppo.py's step 2, one call whatever the score (the RM, a gold judge, running the program, a segment RM).
+(the replies PPO starts from, at temperature 1; PPO samples at its --temperature, 0.8 by default). `score()` and
+`token_values()` are what ppo.py and evaluate.py use; `Scorer` is ppo.py's step 2, one call whatever the score (the
+RM, a gold judge, running the program, a segment RM).
 
 `--unit segment` (Yin et al. 2025) reads the same head at the last token of each segment of the
 response (segments from the SFT model's entropy; `--unit token`: one token each), scores a response
