@@ -535,9 +535,9 @@ def final_report(policy, sft_model, reward_model, tokenizer, rows, metrics_path,
     gold score, gold win rate; for code tasks mean execution reward and pass@1 of one sample), the
     diversity of their replies (and gold_strict), in words whether the policy's are degenerate, the
     learning curve and the macro-action picture (with `plot`; an earlier run's left in the folder are removed when
-    this one draws none), and summary.md in the run folder. `sampling`: a
-    Sampling (the replies are sampled under its seed + 1); `label`: the policy's column, e.g. 'n=5, fixed';
-    `segmenter`: as in `held_out`; `run`: as in `explain_run`."""
+    this one draws none), and summary.md in the run folder. `sampling`: a Sampling (the replies are sampled under
+    its seed + 1); `label`: the policy's column, e.g. 'n=5, fixed'; `segmenter`: as in `held_out`; `run`: as in
+    `explain_run`."""
     sp, seed = sampling, sampling.seed + 1
     s_texts, s_score, s_second = held_out(sft_model, reward_model, tokenizer, rows, sp, seed, segmenter=segmenter)
     p_texts, p_score, p_second = held_out(policy, reward_model, tokenizer, rows, sp, seed, segmenter=segmenter)
@@ -851,9 +851,12 @@ def explain_run(run_dir, policy, sft_model, reward_model, tokenizer, rows, sampl
     is no multiple of --save_every does not have."""
     policy_path = os.path.join(run_dir, "policy")
     settings, critic = run if run is not None else (ppo_settings(policy_path), None)
-    critic, critic_name = ((critic.eval(), "the run's critic") if critic is not None else
-                           run_critic(policy_path, reward_model) if run is None else
-                           (reward_model, "the RM (no critic trained)"))
+    if critic is not None:
+        critic, critic_name = critic.eval(), "the run's critic"
+    elif run is None:
+        critic, critic_name = run_critic(policy_path, reward_model)
+    else:           # a critic-free run (--advantage group / mc)
+        critic, critic_name = reward_model, "the RM (no critic trained)"
     # a segment RM's settings, which its segmenter carries (unit, c_ent), for its segments and its e(x, y)
     segments = {k: segmenter.keywords[k] for k in ("unit", "c_ent")} if segmenter is not None else None
     return explain(policy, sft_model, critic, reward_model, tokenizer, rows[0]["prompt"], sampling, settings, run_dir,
