@@ -1,8 +1,10 @@
 """The scale path on a CPU: every stage under DeepSpeed ZeRO-2 and ZeRO-3 with two gloo processes (one launch
 for both ZeRO stages, tests/launch/zero_stages.py): whatever is saved loads with from_pretrained, key for key, and holds
 the trained weights; --resume continues under each; LoRA's final policy is the plain merged model; ZeRO-3
-generation gathers the partitioned policy once and samples the unsharded tokens."""
+generation gathers the partitioned policy once and samples the unsharded tokens; --grad_accum makes the AdamW steps
+it means and a bf16 resume keeps the fp32 masters (test_audit5.py's runs, in the same launch)."""
 import json
+import math
 import os
 import pathlib
 import subprocess
@@ -16,6 +18,8 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent.parent
 LAUNCH = (sys.executable, "-m", "accelerate.commands.launch", "--use_deepspeed", "--zero_stage", "3",
           "--gradient_accumulation_steps", "1", "--num_processes", "2", "--num_machines", "1",
           "--mixed_precision", "no", "--dynamo_backend", "no", "tests/launch/deepspeed_cpu.py")
+ONE_MACHINE = (sys.executable, "-m", "accelerate.commands.launch", "--config_file", "configs/zero2.yaml",
+               "--num_processes", "2", "--mixed_precision", "no", "--dynamo_backend", "no")
 
 
 def free_port():
@@ -41,12 +45,13 @@ def two_machines_launch(out):
 @pytest.fixture(scope="module")
 def zero_launches(tmp_path_factory, gold_labels):
     """This file's DeepSpeed launches, all at once (each leaves the 2 cores idle at times, e.g. while rank 0
-    alone saves and reports): tests/launch/zero_stages.py on 1 machine x 2 processes, and five of its ZeRO-2 stages on
-    2 machines x 1 process. {"one": (output folder, stdout), "two": output folder of the two machines}."""
+    alone saves and reports): tests/launch/zero_stages.py on 1 machine x 2 processes (a launch of configs/zero2.yaml,
+    which leaves --grad_accum to the scripts), and five of its ZeRO-2 stages on 2 machines x 1 process.
+    {"one": (output folder, stdout), "two": output folder of the two machines}."""
     one, two = tmp_path_factory.mktemp("zero"), tmp_path_factory.mktemp("zero2_machines")
     procs = [subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-             for cmd in [[*LAUNCH[:-1], "--main_process_port", str(free_port()), LAUNCH[-1], "tests/launch/zero_stages.py",
-                          str(one)], *two_machines_launch(two)]]
+             for cmd in [[*ONE_MACHINE, "--main_process_port", str(free_port()), LAUNCH[-1],
+                          "tests/launch/zero_stages.py", str(one)], *two_machines_launch(two)]]
     printed = [proc.communicate(timeout=900) for proc in procs]
     for proc, (stdout, stderr) in zip(procs, printed):
         assert proc.returncode == 0, stdout[-3000:] + stderr[-4000:]
@@ -55,7 +60,8 @@ def zero_launches(tmp_path_factory, gold_labels):
 
 @pytest.fixture(scope="module")
 def zero_launch(zero_launches):
-    """(output folder, stdout) of tests/launch/zero_stages.py: ZeRO-2, then ZeRO-3, then ZeRO-3 generation."""
+    """(output folder, stdout) of tests/launch/zero_stages.py: ZeRO-2, then ZeRO-3, then ZeRO-3 generation, then
+    test_audit5's runs (its subfolder "audit5")."""
     return zero_launches["one"]
 
 
@@ -241,3 +247,67 @@ def test_bf16_under_zero_runs_within_tolerance_of_fp32(zero_runs, stage):
     for k in BF16_METRICS:
         assert abs(bf16[k] - fp32[k]) <= BF16_ATOL + BF16_RTOL * abs(fp32[k]), (k, bf16[k], fp32[k])
     loads_key_for_key(out / "ppo_bf16" / "policy", "AutoModelForCausalLM")
+
+
+def adam_steps(shard):
+    """The AdamW step counts held in a saved ZeRO optimizer shard (one per parameter group)."""
+    found = []
+
+    def walk(x):
+        if isinstance(x, dict):
+            for k, v in x.items():
+                if k == "step":
+                    found.append(int(v))
+                else:
+                    walk(v)
+        elif isinstance(x, (list, tuple)):
+            for v in x:
+                walk(v)
+    walk(shard)
+    return found
+
+
+@pytest.fixture(scope="module")
+def audit5_runs(zero_launch):
+    """The output folder of test_audit5.zero_main, run last in tests/launch/zero_stages.py's launch (of
+    configs/zero2.yaml): --grad_accum 3 under ZeRO-2 and ZeRO-3 (zero2/, zero3/), ppo.py --bf16 1 + 1 iterations
+    and 2 at once."""
+    return zero_launch[0] / "audit5"
+
+
+@pytest.mark.launch
+@pytest.mark.parametrize("zero", ["2", "3"])
+def test_grad_accum_3_makes_the_adamw_steps_it_means_under_zero(audit5_runs, zero):
+    """sft.py / reward_model.py: 1 step of 3 micro-steps = 1 AdamW step; ppo.py: 4 minibatches at --grad_accum 3
+    = a group of 3 and the remainder = 2 AdamW steps per model (the config's 1 used to give 3 and 4)."""
+    base = audit5_runs / f"zero{zero}"
+    expected = {("sft", "optimizer"): 1, ("rm", "optimizer"): 1, ("ppo", "policy_opt"): 2, ("ppo", "critic_opt"): 2}
+    for (run, name), steps in expected.items():
+        for rank in (0, 1):
+            shard = torch.load(base / run / "checkpoint" / "optimizer_shards" / f"{name}.rank{rank}.pt",
+                               weights_only=False)
+            counts = adam_steps(shard)
+            assert counts and set(counts) == {steps}, (run, name, rank, counts)
+
+
+@pytest.mark.launch
+@pytest.mark.parametrize("zero", ["2", "3"])
+def test_ppo_logs_each_models_gradient_norm_under_zero_as_elsewhere(audit5_runs, zero):
+    """The norm before clipping, read from the DeepSpeed engine that clipped (harness.clip_gradients), logged under
+    the names a one-process run logs (test_ppo_logs_the_gradient_norms_it_clips_with)."""
+    row = json.loads(open(audit5_runs / f"zero{zero}" / "ppo" / "metrics.jsonl").readline())
+    assert all(math.isfinite(row[k]) and row[k] > 0 for k in ("policy/grad_norm", "value/grad_norm")), row
+
+
+@pytest.mark.launch
+def test_a_zero2_bf16_resume_keeps_the_fp32_master_weights_of_an_uninterrupted_run(audit5_runs):
+    """ppo.py --bf16 at lr 1e-5, 1 + 1 iterations: the fp32 masters (and AdamW moments) of the policy and the critic
+    equal those of 2 at once; the resume loads the masters saved in the shards instead of rebuilding them from
+    the bf16 weights (which lost the updates below bf16's resolution: most of them at this lr)."""
+    for name in ("policy_opt", "critic_opt"):
+        for rank in (0, 1):
+            resumed, whole = (torch.load(audit5_runs / run / "checkpoint" / "optimizer_shards" /
+                                         f"{name}.rank{rank}.pt", weights_only=False)
+                              for run in ("bf16_resumed", "bf16_whole"))
+            masters = list(zip(resumed["single_partition_of_fp32_groups"], whole["single_partition_of_fp32_groups"]))
+            assert masters and all(torch.equal(a, b) for a, b in masters), (name, rank)

@@ -5,17 +5,22 @@ under ZeRO-2, then under ZeRO-3 (OUT_DIR/zero2, OUT_DIR/zero3):
     sft.py (2 steps, then --resume to 3) -> sft.py --lora_r 4 on that model (2 steps) -> reward_model.py
     (2 steps) -> ppo.py (1 iteration) and ppo.py --lora_r 4 (1 iteration, then --resume to 2; and 2 at once)
 
-each followed by ppo.py with --gradient_checkpointing and with --bf16 (variants()); then, last,
-tests/launch/zero3_generation.py on the ZeRO-3 SFT model (it counts the launch's all-gathers).
+each followed by ppo.py with --gradient_checkpointing and with --bf16 (variants()); then
+tests/launch/zero3_generation.py on the ZeRO-3 SFT model (it counts the launch's all-gathers); last, test_audit5.py's
+--grad_accum 3 and bf16-resume runs as configs/zero2.yaml launches them (OUT_DIR/audit5, test_audit5.zero_main).
 
     python tests/launch/zero_stages.py OUT_DIR          # all of it
     python tests/launch/zero_stages.py OUT_DIR 2        # test_scale.py's two machines: ZeRO-2, five of the stages
 
-One launch instead of fifteen (a DeepSpeed launch costs ~30 s of imports and setup on 2 cores). accelerate's
-process-wide state is reset between stages, as accelerate's own tests do, so that each stage builds its
-accelerators and DeepSpeed plugins afresh from the launch's environment; the ZeRO stage is the one variable
-of that environment a `--zero_stage` launch sets (ACCELERATE_DEEPSPEED_ZERO_STAGE), set here before each
-stage's accelerator reads it.
+The launch is one of configs/zero2.yaml (test_scale.py's; the two machines': `--zero_stage 2` on the command line).
+One launch instead of twenty-four (a DeepSpeed launch costs 5-6 s of imports and setup on a quiet 2-core machine,
+more beside a second test worker). accelerate's process-wide state is reset between stages, as accelerate's own
+tests do, so that each stage builds its accelerators and DeepSpeed plugins afresh from the launch's environment;
+the variables of that environment that differ between the parts are set here before each stage's accelerator
+reads them: the ZeRO stage (ACCELERATE_DEEPSPEED_ZERO_STAGE, as `--zero_stage` sets it) and zero.Init
+(ACCELERATE_DEEPSPEED_ZERO3_INIT: on for the ZeRO-3 stages, as a `--zero_stage 3` launch without
+`--zero3_init_flag` has it: the models load partitioned; off for the generation check and test_audit5's runs, as
+configs/zero2.yaml and zero3.yaml have it).
 """
 import os
 import sys
@@ -80,10 +85,11 @@ def variants(out, zero):
 
 
 def main(out, only=None):
-    """Every stage under ZeRO-2 and ZeRO-3 with their variants, then the generation check; `only` ("2"): the
-    two-machine launch of test_scale.py, stages(all_of_them=False) under that ZeRO stage alone."""
+    """Every stage under ZeRO-2 and ZeRO-3 with their variants, the generation check, then test_audit5's runs;
+    `only` ("2"): the two-machine launch of test_scale.py, stages(all_of_them=False) under that ZeRO stage alone."""
     for zero in [only] if only else ("2", "3"):
         os.environ["ACCELERATE_DEEPSPEED_ZERO_STAGE"] = zero
+        os.environ["ACCELERATE_DEEPSPEED_ZERO3_INIT"] = str(zero == "3").lower()
         mark(f"ZERO STAGE {zero}")
         stages(os.path.join(out, f"zero{zero}"), all_of_them=not only)
         if not only:
@@ -95,6 +101,9 @@ def main(out, only=None):
     reset()                                                     # whole, then the engine partitions it
     mark("ZERO3 GENERATION")
     zero3_generation.main(os.path.join(out, "zero3", "sft"))
+    import test_audit5
+    mark("AUDIT5")
+    test_audit5.zero_main(os.path.join(out, "audit5"))      # it resets the state before each of its stages
 
 
 if __name__ == "__main__":

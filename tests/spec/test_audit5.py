@@ -3,8 +3,9 @@ launch; a ZeRO-2 + bf16 resume keeps the fp32 master weights; every numeric flag
 start; the KL controller keeps beta positive; FSDP2 gets its launch settings back after generation; the
 library behaviour harness.py relies on beyond public APIs is pinned; bf16 policy and reference agree.
 
-The DeepSpeed and FSDP launches run this file as their script (`python tests/spec/test_audit5.py zero OUT` under
-tests/launch/deepspeed_cpu.py, `... fsdp OUT` under tests/launch/fsdp_cpu.py): one launch each, kept small."""
+The FSDP launch runs this file as its script (`python tests/spec/test_audit5.py fsdp OUT` under
+tests/launch/fsdp_cpu.py); its DeepSpeed runs (zero_main) are the last part of tests/launch/zero_stages.py's launch
+(test_scale.py), and `python tests/spec/test_audit5.py zero OUT` under tests/launch/deepspeed_cpu.py runs them alone."""
 import dataclasses
 from stages import ppo_config
 import json
@@ -247,9 +248,9 @@ PPO = ["--rollout_batch_size", "8", "--mini_batch_size", "2", "--max_prompt_len"
 
 
 def zero_main(out):
-    """Under a 2-process DeepSpeed launch of configs/zero2.yaml: --grad_accum 3 under ZeRO-2 and ZeRO-3 (sft.py and
-    reward_model.py 1 step, ppo.py 1 iteration of 4 minibatches), each with its checkpoint; then under ZeRO-2 ppo.py
-    --bf16 at lr 1e-5: 1 iteration and --resume to 2, and 2 at once."""
+    """Under a 2-process DeepSpeed launch of configs/zero2.yaml (tests/launch/zero_stages.py's): --grad_accum 3 under
+    ZeRO-2 and ZeRO-3 (sft.py and reward_model.py 1 step, ppo.py 1 iteration of 4 minibatches), each with its
+    checkpoint; then under ZeRO-2 ppo.py --bf16 at lr 1e-5: 1 iteration and --resume to 2, and 2 at once."""
     from accelerate.state import AcceleratorState, GradientState
     from stages import run_stage
 
