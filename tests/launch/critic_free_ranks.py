@@ -1,10 +1,10 @@
-"""Run by tests/spec/test_critic_free.py under one 2-process `accelerate launch` (gloo, CPU): ppo.py command lines one
-after the other, as tests/launch/launched_stages.py runs them, with two spies that call the real functions and keep what
-each rank gave them: the prompts of every rollout and evaluation (data.encode_prompts) and the scores and advantages of every call of
-macro_actions.group_advantages. Stage i of rank r writes LOG_DIR/<i>.<r>.pt ({"prompts": [...], "groups":
-[(scores, advantages), ...]}) and what it printed to LOG_DIR/<i>.<r>.txt. Then, given IN_CHUNKS_DIR, the same
-launch runs tests/launch/in_chunks_ranks.py's check into it (one launch instead of two: a launch costs ~6 s of imports
-and setup on 2 cores).
+"""Run by tests/launch/test_two_processes.py under one 2-process `accelerate launch` (gloo, CPU): stage command lines
+one after the other, as tests/launch/launched_stages.py runs them, with two spies that call the real functions and keep
+what each rank gave them: the prompts of every rollout and evaluation (data.encode_prompts) and the scores and
+advantages of every call of macro_actions.group_advantages. Stage i of rank r writes LOG_DIR/<i>.<r>.pt ({"prompts":
+[...], "groups": [(scores, advantages), ...]}) and what it printed to LOG_DIR/<i>.<r>.txt. Then, given IN_CHUNKS_DIR,
+the same launch runs tests/launch/in_chunks_ranks.py's check into it (one launch for all of them: a launch costs
+5-6 s of imports and setup on a quiet 2-core machine).
 
     python tests/launch/critic_free_ranks.py LOG_DIR '[["ppo.py", "--advantage", "group", ...], ...]' [IN_CHUNKS_DIR]
 """

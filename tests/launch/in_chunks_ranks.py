@@ -1,4 +1,4 @@
-"""Run by tests/launch/critic_free_ranks.py after its stages, in test_critic_free_runs.py's 2-process `accelerate
+"""Run by tests/launch/critic_free_ranks.py after its stages, in test_two_processes.py's 2-process `accelerate
 launch` (gloo, CPU), or alone under such a launch: harness.in_chunks with a different number of rows on each rank (5 on
 rank 0, 2 on rank 1, slices of 2), whose forward is a collective (an all-gather, as a sharded model's forward is): with
 a different number of forwards per rank the launch would hang. Rank r writes OUT/<r>.json: its forwards, and whether

@@ -1,10 +1,7 @@
 """The launch tests of test_critic_free.py: ppo.py and sandbox.py run in processes of their own."""
-import os
-
 import pytest
 import torch
 
-import macro_actions as ma
 from test_critic_free import ppo_args
 
 
@@ -93,51 +90,6 @@ def test_the_code_task_runs_its_programs_for_every_sample_and_continuation(tiny_
                       mc_points=2))
     [row] = metrics_of(tmp_path)
     assert "reward/exec" in row and "reward/pass_rate" in row and "loss/value" not in row
-
-
-@pytest.fixture(scope="module")
-def ranks_launch(tiny_models, tmp_path_factory):
-    """One 2-process `accelerate launch` of tests/launch/critic_free_ranks.py: ppo.py --advantage group and mc (stages 0
-    and 1 in the folder returned), then tests/launch/in_chunks_ranks.py's check (its "in_chunks" subfolder)."""
-    import json
-    import subprocess
-    from stages import launch
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    out = tmp_path_factory.mktemp("ranks")
-    flags = ["--sft_path", str(tiny_models / "sft"), "--rm_path", str(tiny_models / "rm"), "--mini_batch_size", "2",
-             "--max_prompt_len", "16", "--max_response_len", "8", "--n_eval_prompts", "4", "--eval_every", "1000",
-             "--plot", "false", "--steps", "2", "--group_size", "2", "--mc_rollouts", "2", "--mc_points", "2"]
-    lines = [["ppo.py", *flags, "--advantage", kind, "--rollout_batch_size", "4", "--output_dir", str(out / kind)]
-             for kind in ("group", "mc")]
-    (out / "in_chunks").mkdir()
-    proc = subprocess.run(launch("tests/launch/critic_free_ranks.py", out, json.dumps(lines), out / "in_chunks"),
-                          cwd=root, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return out
-
-
-@pytest.mark.launch
-def test_two_processes_hold_one_processs_groups_whole_and_stay_in_sync(tiny_models, tmp_path, monkeypatch,
-                                                                       ranks_launch):
-    """Under `accelerate launch` with 2 processes of 4 samples, group: each iteration's groups are those of one
-    process with 8 samples, every group whole on one rank (the ranks' prompts together are the one process's, in
-    order), and the advantages each rank computes on its own rows are those of all the rows at once. The sampled
-    responses differ (each process draws its own random numbers, as under gae); mc runs too. Both end in sync."""
-    import data
-    import ppo
-    ranks = [torch.load(ranks_launch / f"0.{r}.pt", weights_only=False) for r in (0, 1)]
-    asked, encode = [], data.encode_prompts   # one process, 8 samples: the same seed, the same prompt order
-    monkeypatch.setattr(data, "encode_prompts", lambda tokenizer, prompts, *a, **k: asked.append(list(prompts)) or
-                        encode(tokenizer, prompts, *a, **k))
-    ppo.main(*ppo_args(tiny_models, tmp_path / "one", steps=2, advantage="group", group_size=2, rollout_batch_size=8,
-                      eval_every=1000))
-    for step in range(2):
-        assert ranks[0]["prompts"][step] + ranks[1]["prompts"][step] == asked[step]
-        (s0, a0), (s1, a1) = ranks[0]["groups"][step], ranks[1]["groups"][step]
-        assert torch.equal(ma.group_advantages(torch.cat([s0, s1]), 2), torch.cat([a0, a1]))
-    for i in (0, 1):
-        assert "2 process(es)" in (ranks_launch / f"{i}.0.txt").read_text()
-        assert "ranks in sync: True" in (ranks_launch / f"{i}.0.txt").read_text()
 
 
 @pytest.mark.launch
@@ -259,14 +211,3 @@ def test_a_groups_rewards_are_score_minus_beta_times_the_summed_kl_under_every_r
     for agg in ("mean", "released"):
         for a, b in zip(got["sum"], got[agg]):
             assert torch.equal(a["raw"], b["raw"]), agg
-
-
-@pytest.mark.launch
-def test_a_chunked_forward_runs_as_many_times_on_every_rank(ranks_launch):
-    """harness.in_chunks under 2 processes, 5 rows on one and 2 on the other, slices of 2: both run 3 forwards (the one
-    with fewer rows repeats its last slice), so a collective forward never waits for a rank that stopped; each gets
-    its own rows' result whole (tests/launch/in_chunks_ranks.py, in the launch of ranks_launch)."""
-    import json
-    ranks = [json.loads((ranks_launch / "in_chunks" / f"{r}.json").read_text()) for r in (0, 1)]
-    assert ranks[0] == {"calls": [[0, 2], [2, 4], [4, 5]], "equal": True}
-    assert ranks[1] == {"calls": [[0, 2], [0, 2], [0, 2]], "equal": True}

@@ -3,10 +3,12 @@ main process alone prints; a signal stops every rank at the same step with one c
 continues with the numbers of an uninterrupted 2-process run: SIGINT to one rank alone (sft.py), and SIGTERM
 to the launcher, which passes it on to its workers, as SLURM / Kubernetes do before preempting (ppo.py).
 
-A launch costs ~15 s of imports and setup on 2 cores: the two interrupted runs are launches of their own (a
-signal ends the process); the rest is one launch of tests/launch/launched_stages.py: the two resumed runs first,
-then the uninterrupted runs they are compared with, a PPO run with LoRA, and the runs that check each rank's
-own random numbers across a resume."""
+A launch costs 5-6 s of imports and setup on a quiet 2-core machine (more beside a second test worker): the two
+interrupted runs are launches of their own (a signal ends the process); the rest is one launch of
+tests/launch/critic_free_ranks.py (launched_stages.py's runs, with spies that keep each rank's prompts and group
+advantages): the two resumed runs first, then the uninterrupted runs they are compared with, a PPO run with
+LoRA, the runs that check each rank's own random numbers across a resume, the two critic-free runs
+(--advantage group and mc), then harness.in_chunks across ranks (tests/launch/in_chunks_ranks.py)."""
 import json
 import os
 import pathlib
@@ -18,7 +20,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+import macro_actions as ma
 from stages import comparable, launch
+from test_critic_free import ppo_args
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent.parent
 SFT = ["--hidden_size", "32", "--num_layers", "1", "--vocab_size", "300", "--batch_size", "4", "--max_prompt_len",
@@ -116,10 +120,12 @@ def eos_prone(tiny_models, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def launched(tiny_models, tmp_path_factory, sft_interrupted, ppo_interrupted, eos_prone):
-    """One 2-process launch of tests/launch/launched_stages.py: {name: (output_dir, [what rank 0 printed, rank 1])}
+    """One 2-process launch of tests/launch/critic_free_ranks.py: {name: (output_dir, [what rank 0 printed, rank 1])}
     for the resumed runs (where the interrupted ones left a checkpoint), an uninterrupted SFT run of 60 steps
-    (held-out loss at 30 and 60), an uninterrupted PPO run of 6 iterations, a PPO run with --lora_r 4, and the
-    per-rank RNG runs on the eos_prone task: 4 iterations at once, and 2 then --resume to 4."""
+    (held-out loss at 30 and 60), an uninterrupted PPO run of 6 iterations, a PPO run with --lora_r 4, the
+    per-rank RNG runs on the eos_prone task: 4 iterations at once, and 2 then --resume to 4, and the critic-free runs
+    ("group", "mc": 2 iterations of 2 prompts x 2 samples a rank); and "spied": the launch's folder, where stage i of
+    rank r left <i>.<r>.pt (its prompts and group advantages), and in_chunks/ (in_chunks_ranks.py's check)."""
     tmp = tmp_path_factory.mktemp("launched")
     runs = {}
     if sft_interrupted[-1] is not None:
@@ -138,12 +144,19 @@ def launched(tiny_models, tmp_path_factory, sft_interrupted, ppo_interrupted, eo
     runs["rng_whole"] = (tmp / "rng_whole", ["ppo.py", *rng, "--steps", "4"])
     runs["rng_split"] = (tmp / "rng_split", ["ppo.py", *rng, "--steps", "2", "--save_every", "2"])
     runs["rng_resumed"] = (tmp / "rng_split", ["ppo.py", *rng, "--steps", "4", "--resume"])
+    critic_free = ["--sft_path", str(tiny_models / "sft"), "--rm_path", str(tiny_models / "rm"), "--mini_batch_size",
+                   "2", "--max_prompt_len", "16", "--max_response_len", "8", "--n_eval_prompts", "4", "--eval_every",
+                   "1000", "--plot", "false", "--steps", "2", "--group_size", "2", "--mc_rollouts", "2", "--mc_points",
+                   "2", "--rollout_batch_size", "4"]
+    for kind in ("group", "mc"):
+        runs[kind] = (tmp / kind, ["ppo.py", *critic_free, "--advantage", kind])
     lines = [[*argv, "--output_dir", str(out)] for out, argv in runs.values()]
-    proc = subprocess.run(launch("tests/launch/launched_stages.py", tmp, json.dumps(lines)), cwd=ROOT,
-                          capture_output=True, text=True, timeout=600)
+    (tmp / "in_chunks").mkdir()
+    proc = subprocess.run(launch("tests/launch/critic_free_ranks.py", tmp, json.dumps(lines), tmp / "in_chunks"),
+                          cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return {name: (out, [(tmp / f"{i}.{rank}.txt").read_text() for rank in (0, 1)])
-            for i, (name, (out, _)) in enumerate(runs.items())}
+    return {"spied": tmp, **{name: (out, [(tmp / f"{i}.{rank}.txt").read_text() for rank in (0, 1)])
+                             for i, (name, (out, _)) in enumerate(runs.items())}}
 
 
 def metrics(output_dir):
@@ -220,3 +233,36 @@ def test_a_resumed_two_process_run_draws_each_ranks_own_random_numbers(launched)
     assert "resumed at iteration 2" in launched["rng_resumed"][1][0]
     assert any(0 < r["response/eos_rate"] < 1 for r in whole)                   # lengths differ within a batch
     assert [comparable(r) for r in split] == [comparable(r) for r in whole]
+
+
+@pytest.mark.launch
+def test_two_processes_hold_one_processs_groups_whole_and_stay_in_sync(tiny_models, tmp_path, monkeypatch, launched):
+    """Under `accelerate launch` with 2 processes of 4 samples, group: each iteration's groups are those of one
+    process with 8 samples, every group whole on one rank (the ranks' prompts together are the one process's, in
+    order), and the advantages each rank computes on its own rows are those of all the rows at once. The sampled
+    responses differ (each process draws its own random numbers, as under gae); mc runs too. Both end in sync."""
+    import data
+    import ppo
+    stage = list(launched).index("group") - 1           # its place among the launch's stages ("spied" first)
+    ranks = [torch.load(launched["spied"] / f"{stage}.{r}.pt", weights_only=False) for r in (0, 1)]
+    asked, encode = [], data.encode_prompts   # one process, 8 samples: the same seed, the same prompt order
+    monkeypatch.setattr(data, "encode_prompts", lambda tokenizer, prompts, *a, **k: asked.append(list(prompts)) or
+                        encode(tokenizer, prompts, *a, **k))
+    ppo.main(*ppo_args(tiny_models, tmp_path / "one", steps=2, advantage="group", group_size=2, rollout_batch_size=8,
+                      eval_every=1000))
+    for step in range(2):
+        assert ranks[0]["prompts"][step] + ranks[1]["prompts"][step] == asked[step]
+        (s0, a0), (s1, a1) = ranks[0]["groups"][step], ranks[1]["groups"][step]
+        assert torch.equal(ma.group_advantages(torch.cat([s0, s1]), 2), torch.cat([a0, a1]))
+    for kind in ("group", "mc"):
+        assert "2 process(es)" in launched[kind][1][0] and "ranks in sync: True" in launched[kind][1][0]
+
+
+@pytest.mark.launch
+def test_a_chunked_forward_runs_as_many_times_on_every_rank(launched):
+    """harness.in_chunks under 2 processes, 5 rows on one and 2 on the other, slices of 2: both run 3 forwards (the one
+    with fewer rows repeats its last slice), so a collective forward never waits for a rank that stopped; each gets
+    its own rows' result whole (tests/launch/in_chunks_ranks.py, at the end of the launch of `launched`)."""
+    ranks = [json.loads((launched["spied"] / "in_chunks" / f"{r}.json").read_text()) for r in (0, 1)]
+    assert ranks[0] == {"calls": [[0, 2], [2, 4], [4, 5]], "equal": True}
+    assert ranks[1] == {"calls": [[0, 2], [0, 2], [0, 2]], "equal": True}
