@@ -6,6 +6,10 @@ What stage i printed on rank r goes to LOG_DIR/<i>.<r>.txt.
     python tests/launch/launched_stages.py LOG_DIR '[["sft.py", "--max_steps", "60", ...], ["ppo.py", ...], ...]'
     python tests/launch/launched_stages.py --keep_going LOG_DIR '[...]'
 
+An entry may instead be {"call": "module.function", "args": [...], "env": {...}}: the function of a module on the tests'
+path called with those arguments (what it prints goes to LOG_DIR/<i>.<r>.txt too), the environment variables set
+for the call as a launch would set them (e.g. test_audit5.fsdp_main under FSDP_RESHARD_AFTER_FORWARD=false).
+
 One launch instead of one per command line (a launch costs ~15 s of imports and setup on 2 cores). The first
 stage that fails ends the launch; with --keep_going each stage's outcome is written to LOG_DIR/<i>.<r>.json
 ({"rc": its exit status, 1 for an exception, "seconds": its wall time}; the traceback at the end of its .txt) and
@@ -13,6 +17,7 @@ the next stage runs. A stage that fails on one rank only may leave the other wai
 runs the launch bounds it in time (bench/gpu_check.sh does) and counts a stage with no .json as failed.
 """
 import contextlib
+import importlib
 import json
 import os
 import sys
@@ -31,6 +36,9 @@ def main(log_dir, command_lines, keep_going=False):
     for i, argv in enumerate(command_lines):
         AcceleratorState._reset_state()
         GradientState._reset_state()
+        if isinstance(argv, dict):
+            call(log_dir, f"{i}.{rank}.txt", **argv)
+            continue
         if not keep_going:
             out = run_stage(*argv)
             with open(os.path.join(log_dir, f"{i}.{rank}.txt"), "w") as f:
@@ -49,6 +57,22 @@ def main(log_dir, command_lines, keep_going=False):
                 f.write("\n" + traceback.format_exc())
         with open(os.path.join(log_dir, f"{i}.{rank}.json"), "w") as f:
             json.dump({"rc": rc, "seconds": round(time.time() - start, 2)}, f)
+
+
+def call(log_dir, name, call, args=(), env=None):
+    """module.function(*args) with `env` set for the call, what it printed kept in LOG_DIR/<name>."""
+    module, function = call.rsplit(".", 1)
+    before = {k: os.environ.get(k) for k in env or {}}
+    os.environ.update(env or {})
+    try:
+        with open(os.path.join(log_dir, name), "w") as f, contextlib.redirect_stdout(f), contextlib.redirect_stderr(f):
+            getattr(importlib.import_module(module), function)(*args)
+    finally:
+        for k, v in before.items():
+            if v is None:
+                del os.environ[k]
+            else:
+                os.environ[k] = v
 
 
 if __name__ == "__main__":

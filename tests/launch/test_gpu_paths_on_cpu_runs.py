@@ -144,7 +144,9 @@ def loaded(folder, kind):
 def fsdp_launch(tiny_models, tmp_path_factory):
     """{name: (output folder, [what rank 0 printed, rank 1])}: sft.py, ppo.py and ppo.py --lora_r 4 under
     configs/fsdp.yaml through tests/launch/fsdp_cpu.py, the command lines of the one-machine DDP launch above (the
-    LoRA run with its report's pictures); and ppo.py --lora_r 4 --gather_for_generation false (sharded generation)."""
+    LoRA run with its report's pictures); and ppo.py --lora_r 4 --gather_for_generation false (sharded generation);
+    then "reshard": the folder of test_audit5.fsdp_main's fsdp.json, run last as a launch with
+    --fsdp_reshard_after_forward false runs it."""
     out = tmp_path_factory.mktemp("fsdp")
     lines = {name: argv for name, argv in command_lines(tiny_models, out, 1).items()
              if name in ("sft", "ppo", "ppo_lora")}
@@ -154,11 +156,16 @@ def fsdp_launch(tiny_models, tmp_path_factory):
     launch = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", "configs/fsdp.yaml",
               "--num_processes", "2", "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port",
               str(free_port()), "tests/launch/fsdp_cpu.py"]
-    proc = subprocess.run([*launch, "tests/launch/launched_stages.py", str(out), json.dumps(list(lines.values()))], cwd=ROOT,
-                          capture_output=True, text=True, timeout=600)
+    (out / "reshard").mkdir()
+    reshard = {"call": "test_audit5.fsdp_main", "args": [str(out / "reshard")],
+               "env": {"FSDP_RESHARD_AFTER_FORWARD": "false"}}
+    stages = json.dumps([*lines.values(), reshard])
+    proc = subprocess.run([*launch, "tests/launch/launched_stages.py", str(out), stages], cwd=ROOT, capture_output=True,
+                          text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-4000:]
-    return {name: (pathlib.Path(argv[-1]), [(out / f"{i}.{rank}.txt").read_text() for rank in (0, 1)])
-            for i, (name, argv) in enumerate(lines.items())}
+    return {"reshard": out / "reshard", **{name: (pathlib.Path(argv[-1]), [(out / f"{i}.{rank}.txt").read_text()
+                                                                         for rank in (0, 1)])
+                                         for i, (name, argv) in enumerate(lines.items())}}
 
 
 @pytest.mark.launch
@@ -209,3 +216,16 @@ def test_fsdp2_on_two_cpu_processes_shards_and_trains_what_ddp_trains(fsdp_launc
         assert a.keys() == b.keys() and a, part
         for k in a:
             torch.testing.assert_close(a[k], b[k], rtol=FSDP_RTOL, atol=FSDP_ATOL, msg=f"{stage}/{part}: {k}")
+
+
+@pytest.mark.launch
+def test_fsdp2_gets_the_launchs_reshard_setting_back_after_generation_and_clips_the_whole_gradient(fsdp_launch):
+    """test_audit5.fsdp_main, last in the FSDP2 launch, as a launch with --fsdp_reshard_after_forward false runs it."""
+    result = json.load(open(fsdp_launch["reshard"] / "fsdp.json"))
+    assert result["launch"] is False and result["before"] and not any(result["before"])
+    assert result["after"] == result["before"]
+    # --max_grad_norm under FSDP2: the norm of the whole gradient (every rank's shards), clipped to the bound
+    reported, whole = result["norm"]
+    assert reported == pytest.approx(whole, rel=1e-5) and whole > 0
+    reported, after, bound = result["clipped"]
+    assert reported == pytest.approx(whole, rel=1e-5) and after == pytest.approx(bound, rel=1e-4)

@@ -3,9 +3,9 @@ launch; a ZeRO-2 + bf16 resume keeps the fp32 master weights; every numeric flag
 start; the KL controller keeps beta positive; FSDP2 gets its launch settings back after generation; the
 library behaviour harness.py relies on beyond public APIs is pinned; bf16 policy and reference agree.
 
-The FSDP launch runs this file as its script (`python tests/spec/test_audit5.py fsdp OUT` under
-tests/launch/fsdp_cpu.py); its DeepSpeed runs (zero_main) are the last part of tests/launch/zero_stages.py's launch
-(test_scale.py), and `python tests/spec/test_audit5.py zero OUT` under tests/launch/deepspeed_cpu.py runs them alone."""
+Its launches are parts of others: zero_main runs last in tests/launch/zero_stages.py's DeepSpeed launch (test_scale.py),
+fsdp_main last in test_gpu_paths_on_cpu_runs.py's FSDP2 launch; alone, `python tests/spec/test_audit5.py zero OUT`
+under tests/launch/deepspeed_cpu.py, `... fsdp OUT` under tests/launch/fsdp_cpu.py."""
 import dataclasses
 from stages import ppo_config
 import json
@@ -278,9 +278,10 @@ def zero_main(out):
 
 
 def fsdp_main(out):
-    """Under a 2-process FSDP2 launch (tests/launch/fsdp_cpu.py, --fsdp_reshard_after_forward false): whether each FSDP
-    module reshards after forward, before and after a generation inside harness.generation_model; then the
-    gradient norm harness.clip_gradients reports and clips to, against the whole gradient's."""
+    """Under a 2-process FSDP2 launch (tests/launch/fsdp_cpu.py, --fsdp_reshard_after_forward false, or its variable
+    set by tests/launch/launched_stages.py): whether each FSDP module reshards after forward, before and after a
+    generation inside harness.generation_model; then the gradient norm harness.clip_gradients reports and clips to,
+    against the whole gradient's."""
     import sft
     acc = harness.make_accelerator()
     tokenizer = sft.train_tokenizer(["the quick brown fox jumps over the lazy dog"] * 20, vocab_size=300)
