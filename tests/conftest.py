@@ -30,12 +30,12 @@ def collector_back():
 # The files that start first. `pytest -n 2 --dist loadfile` hands whole files to its two workers in collection
 # order, each worker taking the next file as it finishes one; these go first, the many short files last, so that
 # the two workers end together instead of one of them alone with a long file at the end. Most of the long files'
-# time is multi-process launches, which keep both cores busy (CPU seconds on 2 cores, in FIRST's order: about 70,
-# 60, 70, 45, 35; test_sandbox.py 25, in sandboxed programs); test_sandbox_hostile.py starts beside the first: most
-# of its ~40 s waits on sandboxed programs that sleep or hold threads, which at the end of the run left a core idle
-# (the launches' processes take that core now). Without -n the order changes nothing but the order.
+# time is multi-process launches, which keep both cores busy (seconds in a suite run, in FIRST's order: about 36,
+# 42, 79, 55, 32, 22, 20; test_sandbox.py 26, in sandboxed programs); test_sandbox_hostile.py starts beside the
+# first: most of its ~40 s waits on sandboxed programs that sleep or hold threads, which at the end of the run left
+# a core idle (the launches' processes take that core now). Without -n the order changes nothing but the order.
 FIRST = ("test_gpu_paths_on_cpu_runs.py", "test_sandbox_hostile.py", "test_ppo_runs.py", "test_scale.py",
-         "test_two_processes.py", "test_audit5_runs.py", "test_sandbox.py")
+         "test_two_processes.py", "test_bench_runs.py", "test_critic_free_runs.py", "test_sandbox.py")
 
 
 def pytest_collection_modifyitems(config, items):
