@@ -3,7 +3,8 @@ forwards) and step 6 (the update) spend their seconds, model by model, before an
 
     python bench/scoring_forwards.py --sft_path runs/smollm2/sft --rm_path runs/smollm2/rm [--lora_r 16]
         [--repeats 3] [--record bench/records/scoring_forwards_r16.json]
-    python bench/scoring_forwards.py --show bench/records/scoring_forwards_r16.json
+    python bench/scoring_forwards.py --show \\
+        bench/records/scoring_forwards_r16.json,bench/records/scoring_forwards_r0.json     # a column each
 
 The run is built as ppo.py builds it (ppo.resolve, ppo.setup) at bench/real_ppo.py's sizes: 16 prompts of at most
 48 tokens with the chat template, at most 64 new tokens at temperature 0.8, LoRA r=16 on every linear layer of the
@@ -121,16 +122,31 @@ def measure(cli):
             "policy_ops": [[e.key, round(e.self_cpu_time_total / 1e6, 3), e.count] for e in ops]}
 
 
-def table(result):
-    z = result["sizes"]
-    lines = [f"{z['prompts']} rows of {z['tokens'][1]} tokens ({z['response_tokens']} response tokens), LoRA r="
-             f"{z['lora_r']}, {z['threads']} threads; median of {z['repeats']}", "",
-             "| forward / backward | s |", "|---|---|"]
-    lines += [f"| {name} | {s:.3f} |" for name, s in result["seconds"].items()]
-    lines += ["", "the policy's forward and backward, by operator (self CPU s, calls):", "",
-              "| operator | s | calls |", "|---|---|---|"]
-    lines += [f"| `{name}` | {s:.3f} | {calls} |" for name, s, calls in result["policy_ops"]]
+def setting(result):
+    return f"LoRA r={result['sizes']['lora_r']}" if result["sizes"]["lora_r"] else "full fine-tuning"
+
+
+def table(results):
+    """The seconds of each forward and backward, a column per result (record)."""
+    lines = ["| forward / backward | " + " | ".join(setting(r) for r in results) + " |",
+             "|---|" + "---|" * len(results)]
+    lines += [f"| {name} | " + " | ".join(f"{r['seconds'].get(name, float('nan')):.2f}" for r in results) + " |"
+              for name in dict.fromkeys(n for r in results for n in r["seconds"])]
     return "\n".join(lines)
+
+
+def ops_table(result):
+    """The policy's costliest operators over one forward and backward: self CPU seconds and calls."""
+    z = result["sizes"]
+    return "\n".join([f"| operator ({setting(result)}: the policy's forward and backward, {z['prompts']} x "
+                      f"{z['tokens'][1]} tokens) | self CPU s | calls |", "|---|---|---|",
+                      *(f"| `{name}` | {s:.2f} | {calls} |" for name, s, calls in result["policy_ops"])])
+
+
+def show(results):
+    z = results[0]["sizes"]
+    return "\n\n".join([f"{z['prompts']} rows of {z['tokens'][1]} tokens, {z['threads']} threads; seconds, the median "
+                        f"of {z['repeats']} after a warm-up", table(results), *map(ops_table, results)])
 
 
 def main(argv=None):
@@ -147,10 +163,11 @@ def main(argv=None):
     parser.add_argument("--chat_template", type=lambda v: v.lower() == "true", default=True,
                         help="render the prompts with the tokenizer's chat template (true: SmolLM2's recipe)")
     parser.add_argument("--record", default="", help="also write the figures (JSON) here, with the sitting")
-    parser.add_argument("--show", default="", help="print the table of a record written by --record, and exit")
+    parser.add_argument("--show", default="", help="print the tables of records written by --record (comma-separated:"
+                                                   " a column each), and exit")
     cli = parser.parse_args(argv)
     if cli.show:
-        print(table(json.load(open(cli.show))))
+        print(show([json.load(open(path)) for path in cli.show.split(",")]))
         return
     if not (cli.sft_path and cli.rm_path):
         parser.error("--sft_path and --rm_path are needed (or --show RECORD)")
@@ -159,7 +176,7 @@ def main(argv=None):
     record = {**sitting(cli), "command": " ".join(["python", os.path.relpath(__file__, ROOT), *sys.argv[1:]]),
               "weights_sha256": {"sft": weights_hash(cli.sft_path), "rm": weights_hash(cli.rm_path)}}
     result = measure(cli)
-    print(table(result))
+    print(show([result]))
     if cli.record:
         with open(cli.record, "w") as f:
             json.dump({**record, **result}, f, indent=1)

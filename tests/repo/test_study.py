@@ -790,6 +790,16 @@ UNRECORDED = {
     "real_ppo_full.json (their tables tested): their ratios, forwards and response lengths",
     ("docs/real_models.md", "**The same two, on a quiet machine**"): "bench/records/real_ppo_samelr.json and "
     "real_ppo_full_samelr.json: their load averages at the start",
+    ("docs/real_models.md", "**Each forward apart**"): "bench/records/scoring_forwards_r16.json and "
+    "scoring_forwards_r0.json: their sizes (rows, tokens, repeats)",
+    ("docs/real_models.md", "| forward / backward | LoRA r=16"): "bench/records/scoring_forwards_r16.json and "
+    "scoring_forwards_r0.json (bench/scoring_forwards.py --show, tested)",
+    ("docs/real_models.md", "| operator (LoRA r=16"): "bench/records/scoring_forwards_r16.json "
+    "(bench/scoring_forwards.py --show, tested)",
+    ("docs/real_models.md", "Step 2's four forwards as ours runs them"): "bench/records/scoring_forwards_r16.json and "
+    "scoring_forwards_r0.json (their tables tested): sums and differences of their medians, the operators' seconds "
+    "and calls, SmolLM2's 30 layers x 7 adapted linear layers; real_ppo_samelr.json's and real_ppo_full_samelr.json's "
+    "iterations and generation, and their sums with those; 0.75x is the issue's aim",
     ("docs/real_models.md", "Quiet, ours takes 0.85x"): "bench/records/real_ppo_samelr.json and "
     "real_ppo_full_samelr.json (their tables tested): their ratios, medians, sums of medians and response lengths; "
     "0.75x and TRL's time are the issue's aims, not measurements",

@@ -184,3 +184,22 @@ def test_the_grpo_records_set_ours_group_arm_against_trls_grpotrainer_at_the_sam
         assert record["sizes"]["arm"] == "group" and record["sizes"]["lora_r"] == 16 and "--arms group" in record["command"]
         assert all(i["longest"] == record["sizes"]["max_new_tokens"] for side in record["sides"].values()
                    for i in side["iterations"])
+
+
+FORWARDS = ("scoring_forwards_r16.json", "scoring_forwards_r0.json")
+
+
+def test_the_scoring_forwards_records_say_what_produced_them_and_docs_print_their_tables():
+    """bench/scoring_forwards.py's two sittings (LoRA r=16, full fine-tuning): commit, command, the models measured
+    (the quiet PPO sitting's: docs/real_models.md compares the two), and docs/real_models.md's tables printed from
+    them (--show), never re-typed."""
+    bench = bench_module("scoring_forwards")
+    records = [json.loads(RECORD.with_name(name).read_text()) for name in FORWARDS]
+    for record, rank in zip(records, (16, 0)):
+        assert re.fullmatch(r"[0-9a-f]{40}", record["commit"]) and not record["dirty"]
+        assert record["command"].startswith("python bench/scoring_forwards.py") and record["sizes"]["lora_r"] == rank
+        assert record["weights_sha256"] == json.loads(RECORD.with_name("real_ppo_samelr.json").read_text())[
+            "weights_sha256"]
+        assert len(record["seconds"]) == 7 and all(s > 0 for s in record["seconds"].values())
+    docs = (ROOT / "docs" / "real_models.md").read_text()
+    assert bench.table(records) in docs and bench.ops_table(records[0]) in docs
