@@ -75,7 +75,8 @@ def median_s(fn, repeats):
 
 def measure(cli):
     """{"sizes": ..., "seconds": {what: median s}, "policy_ops": [[operator, self CPU s, calls], ...]}."""
-    s, ids, mask, P, rows = build(cli, tempfile.mkdtemp(prefix="scoring_forwards_"))
+    with tempfile.TemporaryDirectory(prefix="scoring_forwards_") as out_dir:     # the run's folder: nothing kept
+        s, ids, mask, P, rows = build(cli, out_dir)
     policy, critic = s.trained["policy"].model, s.trained.get("critic")
     acc, T = s.trained["policy"].accelerator, TEMPERATURE
 

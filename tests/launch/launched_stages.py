@@ -7,10 +7,11 @@ What stage i printed on rank r goes to LOG_DIR/<i>.<r>.txt.
     python tests/launch/launched_stages.py --keep_going LOG_DIR '[...]'
 
 An entry may instead be {"call": "module.function", "args": [...], "env": {...}}: the function of a module on the tests'
-path called with those arguments (what it prints goes to LOG_DIR/<i>.<r>.txt too), the environment variables set
-for the call as a launch would set them (e.g. test_audit5.fsdp_main under FSDP_RESHARD_AFTER_FORWARD=false).
+path called with those arguments (what it prints goes to LOG_DIR/<i>.<r>.txt too, its outcome as a stage's under
+--keep_going), the environment variables set for the call as a launch would set them (e.g. test_audit5.fsdp_main
+under FSDP_RESHARD_AFTER_FORWARD=false).
 
-One launch instead of one per command line (a launch costs ~15 s of imports and setup on 2 cores). The first
+One launch instead of one per command line (a launch costs 5-6 s of imports and setup on a quiet 2-core machine). The first
 stage that fails ends the launch; with --keep_going each stage's outcome is written to LOG_DIR/<i>.<r>.json
 ({"rc": its exit status, 1 for an exception, "seconds": its wall time}; the traceback at the end of its .txt) and
 the next stage runs. A stage that fails on one rank only may leave the other waiting in a collective: whoever
@@ -36,19 +37,15 @@ def main(log_dir, command_lines, keep_going=False):
     for i, argv in enumerate(command_lines):
         AcceleratorState._reset_state()
         GradientState._reset_state()
-        if isinstance(argv, dict):
-            call(log_dir, f"{i}.{rank}.txt", **argv)
-            continue
         if not keep_going:
-            out = run_stage(*argv)
             with open(os.path.join(log_dir, f"{i}.{rank}.txt"), "w") as f:
-                f.write(out)
+                run(argv, f)
             continue
         start, rc = time.time(), 0
         with open(os.path.join(log_dir, f"{i}.{rank}.txt"), "w") as f, \
                 contextlib.redirect_stdout(f), contextlib.redirect_stderr(f):     # argparse's errors too
             try:
-                run_stage(*argv, printed=f)
+                run(argv, f)
             except SystemExit as stop:          # a stage's own refusal: sys.exit(message or code)
                 rc = stop.code if isinstance(stop.code, int) else 1
                 f.write(f"\nSystemExit: {stop.code}\n")
@@ -59,21 +56,25 @@ def main(log_dir, command_lines, keep_going=False):
             json.dump({"rc": rc, "seconds": round(time.time() - start, 2)}, f)
 
 
-def call(log_dir, name, call, args=(), env=None):
-    """module.function(*args) with `env` set for the call, what it printed kept in LOG_DIR/<name>."""
-    module, function = call.rsplit(".", 1)
-    before = {k: os.environ.get(k) for k in env or {}}
-    os.environ.update(env or {})
+def run(entry, printed):
+    """One entry, what it prints written to the stream `printed`: a stage's command line (stages.run_stage), or
+    {"call": "module.function", "args": [...], "env": {...}}: the function called with `env` set for the call."""
+    if not isinstance(entry, dict):
+        run_stage(*entry, printed=printed)
+        return
+    module, function = entry["call"].rsplit(".", 1)
+    env = entry.get("env", {})
+    before = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
     try:
-        with open(os.path.join(log_dir, name), "w") as f, contextlib.redirect_stdout(f), contextlib.redirect_stderr(f):
-            getattr(importlib.import_module(module), function)(*args)
+        with contextlib.redirect_stdout(printed), contextlib.redirect_stderr(printed):
+            getattr(importlib.import_module(module), function)(*entry.get("args", ()))
     finally:
         for k, v in before.items():
             if v is None:
                 del os.environ[k]
             else:
                 os.environ[k] = v
-
 
 if __name__ == "__main__":
     keep_going = sys.argv[1] == "--keep_going"

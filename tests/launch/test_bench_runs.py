@@ -62,7 +62,7 @@ def test_scoring_forwards_bench_times_each_model_apart_and_records_what_it_ran(t
     assert list(saved["seconds"]) == [
         "reference logprobs (no graph)", "score: the RM's forward (no graph)", "policy logprobs and entropy (no graph)",
         "policy forward with its graph", "policy backward", "critic forward with its graph", "critic backward"]
-    assert all(s > 0 for s in saved["seconds"].values())
+    assert all(s >= 0 for s in saved["seconds"].values())        # rounded to ms: the tiny model's can read 0
     assert saved["sizes"]["lora_r"] == lora_r and saved["sizes"]["tokens"][0] == 4
     assert 0 < saved["sizes"]["response_tokens"] <= 4 * 6
     assert "aten::mm" in [name for name, _, _ in saved["policy_ops"]]

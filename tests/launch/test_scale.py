@@ -60,8 +60,8 @@ def zero_launches(tmp_path_factory, gold_labels):
 
 @pytest.fixture(scope="module")
 def zero_launch(zero_launches):
-    """(output folder, stdout) of tests/launch/zero_stages.py: ZeRO-2, then ZeRO-3, then ZeRO-3 generation, then
-    test_audit5's runs (its subfolder "audit5")."""
+    """(output folder, stdout) of tests/launch/zero_stages.py: ZeRO-2, then ZeRO-3, then test_audit5's runs (its
+    subfolder "audit5"), then ZeRO-3 generation."""
     return zero_launches["one"]
 
 
@@ -70,7 +70,7 @@ def zero_runs(zero_launch):
     """{ZeRO stage: (its output folder, what its stages printed)}."""
     out, stdout = zero_launch
     two, three = stdout.split("ZERO STAGE 2", 1)[1].split("ZERO STAGE 3", 1)
-    return {"2": (out / "zero2", two), "3": (out / "zero3", three.split("ZERO3 GENERATION", 1)[0])}
+    return {"2": (out / "zero2", two), "3": (out / "zero3", three.split("AUDIT5", 1)[0])}
 
 
 def loads_key_for_key(path, auto_class):

@@ -5,9 +5,9 @@ under ZeRO-2, then under ZeRO-3 (OUT_DIR/zero2, OUT_DIR/zero3):
     sft.py (2 steps, then --resume to 3) -> sft.py --lora_r 4 on that model (2 steps) -> reward_model.py
     (2 steps) -> ppo.py (1 iteration) and ppo.py --lora_r 4 (1 iteration, then --resume to 2; and 2 at once)
 
-each followed by ppo.py with --gradient_checkpointing and with --bf16 (variants()); then
-tests/launch/zero3_generation.py on the ZeRO-3 SFT model (it counts the launch's all-gathers); last, test_audit5.py's
---grad_accum 3 and bf16-resume runs as configs/zero2.yaml launches them (OUT_DIR/audit5, test_audit5.zero_main).
+each followed by ppo.py with --gradient_checkpointing and with --bf16 (variants()); then test_audit5.py's
+--grad_accum 3 and bf16-resume runs as configs/zero2.yaml launches them (OUT_DIR/audit5, test_audit5.zero_main);
+last, tests/launch/zero3_generation.py on the ZeRO-3 SFT model (it counts the launch's all-gathers).
 
     python tests/launch/zero_stages.py OUT_DIR          # all of it
     python tests/launch/zero_stages.py OUT_DIR 2        # test_scale.py's two machines: ZeRO-2, five of the stages
@@ -85,7 +85,7 @@ def variants(out, zero):
 
 
 def main(out, only=None):
-    """Every stage under ZeRO-2 and ZeRO-3 with their variants, the generation check, then test_audit5's runs;
+    """Every stage under ZeRO-2 and ZeRO-3 with their variants, test_audit5's runs, then the generation check;
     `only` ("2"): the two-machine launch of test_scale.py, stages(all_of_them=False) under that ZeRO stage alone."""
     for zero in [only] if only else ("2", "3"):
         os.environ["ACCELERATE_DEEPSPEED_ZERO_STAGE"] = zero
@@ -96,14 +96,15 @@ def main(out, only=None):
             variants(os.path.join(out, f"zero{zero}"), zero)
     if only:
         return
-    import zero3_generation
-    os.environ["ACCELERATE_DEEPSPEED_ZERO3_INIT"] = "false"     # as `--zero3_init_flag false`: the policy loads
-    reset()                                                     # whole, then the engine partitions it
-    mark("ZERO3 GENERATION")
-    zero3_generation.main(os.path.join(out, "zero3", "sft"))
+    os.environ["ACCELERATE_DEEPSPEED_ZERO3_INIT"] = "false"     # as configs/zero2.yaml and zero3.yaml have it
     import test_audit5
     mark("AUDIT5")
     test_audit5.zero_main(os.path.join(out, "audit5"))      # it resets the state before each of its stages
+    import zero3_generation     # last: it wraps the process's all-gathers with a counter
+    os.environ["ACCELERATE_DEEPSPEED_ZERO_STAGE"] = "3"     # test_audit5's runs end under ZeRO-2
+    reset()                     # without zero.Init (as `--zero3_init_flag false`): the policy loads whole, then the
+    mark("ZERO3 GENERATION")    # engine partitions it
+    zero3_generation.main(os.path.join(out, "zero3", "sft"))
 
 
 if __name__ == "__main__":
