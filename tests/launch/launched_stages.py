@@ -11,8 +11,8 @@ path called with those arguments (what it prints goes to LOG_DIR/<i>.<r>.txt too
 --keep_going), the environment variables set for the call as a launch would set them (e.g. test_audit5.fsdp_main
 under FSDP_RESHARD_AFTER_FORWARD=false).
 
-One launch instead of one per command line (a launch costs 5-6 s of imports and setup on a quiet 2-core machine). The first
-stage that fails ends the launch; with --keep_going each stage's outcome is written to LOG_DIR/<i>.<r>.json
+One launch instead of one per command line (a launch costs 5-6 s of imports and setup on a quiet 2-core machine).
+The first stage that fails ends the launch; with --keep_going each stage's outcome is written to LOG_DIR/<i>.<r>.json
 ({"rc": its exit status, 1 for an exception, "seconds": its wall time}; the traceback at the end of its .txt) and
 the next stage runs. A stage that fails on one rank only may leave the other waiting in a collective: whoever
 runs the launch bounds it in time (bench/gpu_check.sh does) and counts a stage with no .json as failed.
