@@ -73,6 +73,23 @@ def median_s(fn, repeats):
     return round(statistics.median(laps), 3)
 
 
+def forward_backward(forward):
+    """(seconds of `forward()`, which returns tensors with their graph, seconds of the backward of their sum)."""
+    start = time.perf_counter()
+    outputs = forward()
+    middle = time.perf_counter()
+    sum(o.sum() for o in outputs).backward()
+    return middle - start, time.perf_counter() - middle
+
+
+def graph_medians(forward, repeats):
+    """The median seconds of the forward and of the backward (forward_backward) over `repeats` calls after one
+    warm-up call."""
+    forward_backward(forward)
+    laps = [forward_backward(forward) for _ in range(repeats)]
+    return tuple(round(statistics.median(lap), 3) for lap in zip(*laps))
+
+
 def measure(cli):
     """{"sizes": ..., "seconds": {what: median s}, "policy_ops": [[operator, self CPU s, calls], ...]}."""
     with tempfile.TemporaryDirectory(prefix="scoring_forwards_") as out_dir:     # the run's folder: nothing kept
@@ -83,37 +100,22 @@ def measure(cli):
     def no_grad(fn):
         return lambda: torch.no_grad()(fn)()
 
-    def with_backward(forward):     # the forward with its graph, then the backward of its outputs' sum
-        def run():
-            start = time.perf_counter()
-            outputs = forward()
-            seconds["_forward"].append(time.perf_counter() - start)
-            start = time.perf_counter()
-            sum(o.sum() for o in outputs).backward()
-            seconds["_backward"].append(time.perf_counter() - start)
-        return run
-
     def policy_graph():
         return ppo.scoring_forwards(policy, None, ids, mask, P, T, True)[:1]
-    seconds = {"_forward": [], "_backward": []}
     timed = {"reference logprobs (no graph)": median_s(no_grad(
                  lambda: ppo.reference_logprobs(s.ref, acc, policy, ids, mask, P, T)), cli.repeats),
              "score: the RM's forward (no graph)": median_s(no_grad(
                  lambda: s.scorer(ids, mask, P, rows, None)), cli.repeats),
              "policy logprobs and entropy (no graph)": median_s(no_grad(
                  lambda: ppo.response_logprobs(policy, ids, mask, P, T, True)), cli.repeats)}
-    for name, forward in (("policy", policy_graph), ("critic", critic and (lambda: [critic.model(ids, mask, P)]))):
-        if forward is None:
-            continue
-        seconds = {"_forward": [], "_backward": []}
-        median_s(with_backward(forward), cli.repeats)
-        timed[f"{name} forward with its graph"] = round(statistics.median(seconds["_forward"][1:]), 3)
-        timed[f"{name} backward"] = round(statistics.median(seconds["_backward"][1:]), 3)
+    graphs = [("policy", policy_graph)] + ([("critic", lambda: [critic.model(ids, mask, P)])] if critic else [])
+    for name, forward in graphs:
+        timed[f"{name} forward with its graph"], timed[f"{name} backward"] = graph_medians(forward, cli.repeats)
         for trained in s.trained.values():
             trained.model.zero_grad(set_to_none=True)
     from torch.profiler import ProfilerActivity, profile
     with profile(activities=[ProfilerActivity.CPU]) as prof:
-        with_backward(policy_graph)()
+        forward_backward(policy_graph)
     ops = sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)[:TOP_OPS]
     return {"sizes": {"prompts": cli.prompts, "prompt_len": cli.prompt_len, "new_tokens": cli.new_tokens,
                       "lora_r": cli.lora_r, "chat_template": cli.chat_template, "temperature": T,
